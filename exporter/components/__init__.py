@@ -1,0 +1,1 @@
+"""Graph components that know nothing about any one architecture."""

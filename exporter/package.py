@@ -1,0 +1,118 @@
+"""Stage 4: write model.onnx + model.onnx.data (streamed) and the manifest that vouches for them."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import hashlib
+import json
+import uuid
+from pathlib import Path
+
+import onnx_ir as ir
+
+from exporter.checkpoint import CheckpointTensor
+from exporter.request import ExportRequest, Variant, cache_key
+from exporter.resolve import ResolvedSource
+from exporter.versions import runtime_versions
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_SCHEMA = 1
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+def write_model(model: ir.Model, out_dir: Path, on_bytes=None) -> None:
+    """Save with all weights in one external file, each tensor streamed by its own ``tofile``."""
+
+    def progress(tensor: ir.TensorProtocol, _info) -> None:
+        if on_bytes:
+            on_bytes(tensor.nbytes)
+
+    ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE, callback=progress)
+
+
+def _value_io(value: ir.Value) -> dict:
+    dims = [d if isinstance(d, int) else str(d) for d in value.shape] if value.shape is not None else None
+    return {"name": value.name, "dtype": value.dtype.name if value.dtype else None, "shape": dims}
+
+
+def op_census(model: ir.Model) -> dict[str, int]:
+    census = collections.Counter(
+        f"{node.domain}::{node.op_type}" if node.domain else node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
+    )
+    return dict(sorted(census.items()))
+
+
+def initializer_sources(model: ir.Model) -> dict[str, dict]:
+    """Where each weight came from: checkpoint tensors, row ranges, transposition (for validation)."""
+    sources = {}
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        entry = {"dtype": tensor.dtype.name, "shape": list(tensor.shape.numpy())}
+        if isinstance(tensor, CheckpointTensor):
+            entry.update(tensor.source_summary())
+        else:
+            entry["computed"] = True
+        sources[name] = entry
+    return sources
+
+
+@dataclasses.dataclass
+class Manifest:
+    data: dict
+
+    def write(self, out_dir: Path) -> Path:
+        path = out_dir / MANIFEST_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        tmp.replace(path)  # a manifest is either whole or absent
+        return path
+
+
+def build_manifest(
+    model: ir.Model,
+    out_dir: Path,
+    request: ExportRequest,
+    variant: Variant,
+    source: ResolvedSource,
+    timings: dict[str, float],
+    extra_files: list[str] = (),
+) -> Manifest:
+    versions = runtime_versions()
+    files = {name: file_entry(out_dir / name) for name in (MODEL_FILE, DATA_FILE, *extra_files)}
+    data = {
+        "schema": MANIFEST_SCHEMA,
+        "export_id": uuid.uuid4().hex,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "request": request.to_dict(),
+        "variant": variant.value,
+        "source": source.to_dict(),
+        "cache_key": cache_key(request, source.revision, versions["exporter"], versions["onnxruntime"]),
+        "versions": versions,
+        "opset_imports": dict(model.opset_imports),
+        "op_census": op_census(model),
+        "node_count": sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph)),
+        "graph": {
+            "inputs": [_value_io(v) for v in model.graph.inputs],
+            "outputs": [_value_io(v) for v in model.graph.outputs],
+        },
+        "initializers": initializer_sources(model),
+        "weight_bytes": sum(v.const_value.nbytes for v in model.graph.initializers.values()),
+        "files": files,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    return Manifest(data)

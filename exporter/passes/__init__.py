@@ -1,0 +1,1 @@
+"""Graph passes in onnx-ir's style: one class per idea, ``call(model)`` -> ``PassResult``."""

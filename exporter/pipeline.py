@@ -1,0 +1,111 @@
+"""The export pipeline: resolve -> build -> fold -> package, into a directory that appears whole.
+
+Everything is written into a hidden sibling directory first and renamed into place at the end, so a
+failed export leaves no DIR that looks complete (no manifest.json), whatever stage failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from exporter.build import build_model
+from exporter.errors import ExportError
+from exporter.fold import fold_model
+from exporter.package import MANIFEST_FILE, Manifest, build_manifest, write_model
+from exporter.request import ExportRequest
+from exporter.resolve import ResolvedSource, resolve_source
+
+
+class Progress:
+    """Callbacks for long work; the CLI draws bars, a worker writes stage + percent to the catalog."""
+
+    def stage(self, name: str) -> None: ...
+
+    def layer(self, index: int, total: int) -> None: ...
+
+    def bytes_written(self, count: int, total: int) -> None: ...
+
+
+@dataclasses.dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: Manifest
+    source: ResolvedSource
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} is a file: choose a directory path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out_dir} exists and is not empty: pass --overwrite or choose another directory")
+
+
+def _publish_dir(staging: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        trash = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        out_dir.rename(trash)
+        staging.rename(out_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        staging.rename(out_dir)
+
+
+def export_model(
+    request: ExportRequest, out_dir: Path, progress: Progress | None = None, overwrite: bool = False
+) -> ExportResult:
+    progress = progress or Progress()
+    request.resolved_variant()  # refuse impossible requests before touching anything
+    out_dir = Path(out_dir).absolute()
+    _check_out_dir(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    timings: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        progress.stage("resolve")
+        source = resolve_source(request.model)
+        timings["resolve"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        progress.stage("build")
+        built = build_model(request, source, on_layer=progress.layer)
+        timings["build"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        progress.stage("fold")
+        fold_model(built.model)
+        timings["fold"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        progress.stage("package")
+        total = sum(v.const_value.nbytes for v in built.model.graph.initializers.values())
+        written = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal written
+            written += n
+            progress.bytes_written(written, total)
+
+        write_model(built.model, staging, on_bytes)
+        timings["write"] = time.perf_counter() - t0
+        manifest = build_manifest(built.model, staging, request, built.variant, source, timings)
+        manifest.write(staging)
+        _publish_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(out_dir, manifest, source)
+
+
+def load_manifest(out_dir: Path) -> dict:
+    import json
+
+    path = Path(out_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ExportError(f"{out_dir} has no {MANIFEST_FILE}: it is not a finished export")
+    return json.loads(path.read_text())

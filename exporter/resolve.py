@@ -1,0 +1,101 @@
+"""Stage 1: turn a request's ``model`` (local directory or hub id[@revision]) into local files."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from exporter.errors import ExportError
+
+# Files an export needs from a hub repository (weights, config, tokenizer, generation defaults).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSource:
+    """Where a checkpoint's files are, and what exact version they are."""
+
+    path: Path
+    kind: str  # "local" | "hub"
+    repo_id: str | None
+    revision: str  # hub commit sha, or "local-<fingerprint>" for a directory
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "path": str(self.path), "repo_id": self.repo_id, "revision": self.revision}
+
+
+def local_fingerprint(directory: Path) -> str:
+    """A content fingerprint of a local checkpoint without reading gigabytes of weights.
+
+    config.json in full plus each safetensors file's header (names, dtypes, shapes, offsets), size
+    and modification time: editing any of them changes the revision, and so the cache key.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.suffix not in (".json", ".safetensors") or not path.is_file():
+            continue
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        if path.suffix == ".json":
+            digest.update(path.read_bytes())
+        else:
+            with path.open("rb") as f:
+                head = f.read(8)
+                digest.update(head)
+                if len(head) == 8:
+                    digest.update(f.read(min(int.from_bytes(head, "little"), 100 << 20)))
+    return digest.hexdigest()[:16]
+
+
+def resolve_source(model: str) -> ResolvedSource:
+    """Local directories are used in place; hub ids are downloaded (or found in the HF cache)."""
+    candidate = Path(model).expanduser()
+    if candidate.exists():
+        if not candidate.is_dir():
+            raise ExportError(f"{model} is a file: pass the checkpoint directory that holds config.json")
+        directory = candidate.resolve()
+        return ResolvedSource(directory, "local", None, f"local-{local_fingerprint(directory)}")
+    repo_id, _, revision = model.partition("@")
+    if model.startswith((".", "/", "~")) or not _HUB_ID.match(repo_id) or ".." in repo_id:
+        raise ExportError(
+            f"{model!r} is neither an existing directory nor a hub id like 'org/name[@revision]'"
+        )
+    return _download(repo_id, revision or None)
+
+
+def _download(repo_id: str, revision: str | None) -> ResolvedSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    try:
+        path = Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline)
+        )
+    except RevisionNotFoundError:
+        raise ExportError(f"revision {revision!r} does not exist in {repo_id}: check the @revision") from None
+    except GatedRepoError:
+        raise ExportError(f"{repo_id} is gated: accept its license on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ExportError(f"hub repository {repo_id} not found (or private without HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        raise ExportError(
+            f"cannot download {repo_id}: the Hugging Face hub is unreachable and the model is not in the local "
+            "cache; pass a local checkpoint directory, or run where the hub is reachable"
+        ) from None
+    except Exception as err:  # network stacks raise many types; a user needs one actionable line
+        raise ExportError(
+            f"cannot download {repo_id} from the Hugging Face hub ({type(err).__name__}): "
+            "check the network or pass a local checkpoint directory"
+        ) from None
+    # The snapshot folder is named after the resolved commit sha.
+    return ResolvedSource(path, "hub", repo_id, path.name)

@@ -1,0 +1,121 @@
+"""Drive an exported model through its variant's own cache contract in ONNX Runtime.
+
+One ``OnnxCausalLM.forward`` call is one step (a prompt, a prompt chunk, or one decode token);
+the cache state lives between calls exactly as a serving runtime keeps it. Used by the tests,
+validation and the benchmark, so all three exercise the contract of docs/graph-contracts.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from exporter.build import META_PREFIX
+from exporter.package import MODEL_FILE
+from exporter.request import Variant
+from exporter.task import cache_io_names
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]}
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def read_metadata(model_path: Path) -> dict:
+    proto = onnx.load(str(model_path), load_external_data=False)
+    meta = {p.key[len(META_PREFIX):]: p.value for p in proto.metadata_props if p.key.startswith(META_PREFIX)}
+    meta["config"] = json.loads(meta["config"])
+    return meta
+
+
+@dataclasses.dataclass
+class CacheState:
+    """What a runtime carries between steps: caches and how many tokens they hold (per batch row)."""
+
+    keys: list
+    values: list
+    length: int
+
+
+class OnnxCausalLM:
+    def __init__(self, export_dir: Path, ep: str = "cpu", session_options=None, io_binding: bool = False):
+        import onnxruntime as ort
+
+        model_path = Path(export_dir) / MODEL_FILE
+        meta = read_metadata(model_path)
+        self.variant = Variant(meta["variant"])
+        self.dtype = meta["dtype"]
+        self.config = meta["config"]
+        if self.dtype not in _NP_DTYPES:
+            import ml_dtypes
+
+            self.np_dtype = ml_dtypes.bfloat16
+        else:
+            self.np_dtype = _NP_DTYPES[self.dtype]
+        self.session = ort.InferenceSession(str(model_path), session_options, providers=PROVIDERS[ep])
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.io_binding = io_binding
+        if io_binding and self.variant is not Variant.ATTN_STATIC:
+            raise ValueError("in-place IO binding is the attn_static contract")
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_layers"]
+
+    def new_state(self, batch: int = 1) -> CacheState:
+        cfg = self.config
+        length = cfg["max_seq_len"] if self.variant is Variant.ATTN_STATIC else 0
+        shape = (batch, cfg["num_kv_heads"], length, cfg["head_dim"])
+        keys = [np.zeros(shape, self.np_dtype) for _ in range(self.num_layers)]
+        values = [np.zeros(shape, self.np_dtype) for _ in range(self.num_layers)]
+        if self.io_binding:
+            import onnxruntime as ort
+
+            keys = [ort.OrtValue.ortvalue_from_numpy(k) for k in keys]
+            values = [ort.OrtValue.ortvalue_from_numpy(v) for v in values]
+        return CacheState(keys, values, 0)
+
+    def forward(self, input_ids: np.ndarray, state: CacheState) -> np.ndarray:
+        """Run ``input_ids`` [batch, seq] after ``state``'s tokens; returns logits, updates state."""
+        batch, seq = input_ids.shape
+        past = state.length
+        feeds = {"input_ids": input_ids.astype(np.int64)}
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = np.tile(np.arange(past, past + seq, dtype=np.int64), (batch, 1))
+        if "attention_mask" in self.input_names:
+            feeds["attention_mask"] = np.ones((batch, past + seq), dtype=np.int64)
+        if self.variant is Variant.ATTN_STATIC:
+            if past + seq > self.config["max_seq_len"]:
+                raise ValueError(f"{past + seq} tokens do not fit a {self.config['max_seq_len']}-token static cache")
+            feeds["write_indices"] = np.full((batch,), past, dtype=np.int64)
+            # The count *after* this step's scatter: counting before it silently shifts causality.
+            feeds["nonpad_kv_seqlen"] = np.full((batch,), past + seq, dtype=np.int64)
+        if self.io_binding:
+            logits = self._run_bound(feeds, state)
+        else:
+            for i in range(self.num_layers):
+                k_in, v_in, _, _ = cache_io_names(self.variant, i)
+                feeds[k_in], feeds[v_in] = state.keys[i], state.values[i]
+            outputs = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
+            logits = outputs["logits"]
+            for i in range(self.num_layers):
+                _, _, k_out, v_out = cache_io_names(self.variant, i)
+                state.keys[i], state.values[i] = outputs[k_out], outputs[v_out]
+        state.length = past + seq
+        return logits
+
+    def _run_bound(self, feeds: dict, state: CacheState) -> np.ndarray:
+        """Bind each cache input and its updated output to the same buffer: the update is in place."""
+        binding = self.session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        for i in range(self.num_layers):
+            k_in, v_in, k_out, v_out = cache_io_names(self.variant, i)
+            for name_in, name_out, buf in ((k_in, k_out, state.keys[i]), (v_in, v_out, state.values[i])):
+                binding.bind_ortvalue_input(name_in, buf)
+                binding.bind_ortvalue_output(name_out, buf)
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]

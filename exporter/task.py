@@ -1,0 +1,142 @@
+"""The causal-LM task: graph inputs and outputs per variant, and the model around the layers.
+
+Input/output names and shapes here are the contract of docs/graph-contracts.md; tests and the
+runtime drivers in exporter/runtime.py follow them.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from exporter.architectures.base import Architecture
+from exporter.components.attention import StepInputs
+from exporter.components.decoder import decoder_layer
+from exporter.components.graph import GraphBuilder, linear
+from exporter.components.norm import rms_norm
+from exporter.components.rotary import Rotary, longrope_row_offset, rope_constants
+from exporter.config import ModelConfig
+from exporter.request import Variant
+from exporter.rope import RopeTables
+
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+I64 = ir.DataType.INT64
+
+
+def _input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+
+def _name_output(value: ir.Value, name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    """Name a graph output and stamp its type and shape (never trust op shape inference here)."""
+    value.name = name
+    value.type = ir.TensorType(dtype)
+    value.shape = ir.Shape(dims)
+    return value
+
+
+def _dim_scalar(b: GraphBuilder, x: ir.Value, axis: int) -> ir.Value:
+    return b.op("Squeeze", [b.op("Shape", [x], {"start": axis, "end": axis + 1}), b.ints(0)])
+
+
+def cache_io_names(variant: Variant, i: int) -> tuple[str, str, str, str]:
+    """(key in, value in, key out, value out) names of layer ``i``'s cache."""
+    if variant is Variant.ATTN_STATIC:
+        return f"key_cache.{i}", f"value_cache.{i}", f"updated_key_cache.{i}", f"updated_value_cache.{i}"
+    return (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+
+
+def _causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value) -> ir.Value:
+    """bool [batch, 1, seq, total]: key j visible to query i iff j <= its position and not padding.
+
+    The diagonal stays visible even for padding queries so no softmax row is empty (no NaN).
+    """
+    seq, total = _dim_scalar(b, input_ids, 1), _dim_scalar(b, attention_mask, 1)
+    one = b.scalar_i64(1)
+    q_pos = b.op("Range", [b.op("Sub", [total, seq]), total, one])
+    k_pos = b.op("Range", [b.scalar_i64(0), total, one])
+    q_col, k_row = b.op("Unsqueeze", [q_pos, b.ints(1)]), b.op("Unsqueeze", [k_pos, b.ints(0)])
+    causal = b.op("LessOrEqual", [k_row, q_col])
+    diagonal = b.op("Equal", [k_row, q_col])
+    keys = b.op("Unsqueeze", [b.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), b.ints(1, 2)])
+    return b.op("Or", [b.op("And", [causal, keys]), diagonal])
+
+
+def build_graph(
+    b: GraphBuilder,
+    arch: Architecture,
+    cfg: ModelConfig,
+    variant: Variant,
+    tables: RopeTables,
+    max_seq_len: int | None,
+    on_layer=None,
+) -> ir.Graph:
+    dtype = b.dtype
+    input_ids = _input("input_ids", I64, [BATCH, SEQ])
+    inputs = [input_ids]
+    cos, sin = rope_constants(b, tables)
+    rotary = Rotary(cos, sin, cfg.rope.rotary_dim, cfg.head_dim)
+    step = StepInputs(rotary=rotary)
+
+    if variant is Variant.GQA:
+        attention_mask = _input("attention_mask", I64, [BATCH, TOTAL])
+        inputs.append(attention_mask)
+        lengths = b.op("ReduceSum", [attention_mask, b.ints(1)], {"keepdims": 0})
+        step.seqlens_k = b.op("Cast", [b.op("Sub", [lengths, b.scalar_i64(1)])], {"to": ir.DataType.INT32})
+        total = _dim_scalar(b, attention_mask, 1)
+        step.total_seq_len = b.op("Cast", [total], {"to": ir.DataType.INT32})
+        if tables.switch_at is not None:
+            start = b.op("Unsqueeze", [longrope_row_offset(b, total, tables), b.ints(0)])
+            end = b.op("Add", [start, b.ints(tables.table_len)])
+            rotary.cos = b.op("Slice", [cos, start, end, b.ints(0)])
+            rotary.sin = b.op("Slice", [sin, start, end, b.ints(0)])
+    else:
+        position_ids = _input("position_ids", I64, [BATCH, SEQ])
+        if variant is Variant.ATTN_DYNAMIC:
+            attention_mask = _input("attention_mask", I64, [BATCH, TOTAL])
+            inputs += [attention_mask, position_ids]
+            step.attn_mask = _causal_padding_mask(b, input_ids, attention_mask)
+        else:
+            inputs.append(position_ids)
+        rotary.position_ids = position_ids
+        if tables.switch_at is not None:
+            longest = b.op("Add", [b.op("ReduceMax", [position_ids], {"keepdims": 0}), b.scalar_i64(1)])
+            rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
+
+    if variant is Variant.ATTN_STATIC:
+        cache_dims = [BATCH, cfg.num_kv_heads, max_seq_len, cfg.head_dim]
+        out_cache_dims = cache_dims
+    else:
+        cache_dims = [BATCH, cfg.num_kv_heads, PAST, cfg.head_dim]
+        out_cache_dims = [BATCH, cfg.num_kv_heads, TOTAL, cfg.head_dim]
+    caches_in = []
+    for i in range(cfg.num_layers):
+        names = cache_io_names(variant, i)
+        caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
+        inputs += caches_in[-1]
+    if variant is Variant.ATTN_STATIC:
+        step.write_indices = _input("write_indices", I64, [BATCH])
+        step.nonpad_kv_seqlen = _input("nonpad_kv_seqlen", I64, [BATCH])
+        inputs += [step.write_indices, step.nonpad_kv_seqlen]
+
+    x = b.op("Gather", [b.weight(arch.embed_tokens), input_ids], {"axis": 0})
+    outputs = []
+    for i in range(cfg.num_layers):
+        x, (key_out, value_out) = decoder_layer(b, x, arch, cfg, i, variant, step, caches_in[i])
+        names = cache_io_names(variant, i)
+        outputs += [
+            _name_output(key_out, names[2], dtype, out_cache_dims),
+            _name_output(value_out, names[3], dtype, out_cache_dims),
+        ]
+        if on_layer:
+            on_layer(i + 1, cfg.num_layers)
+    x = rms_norm(b, x, b.weight(arch.final_norm), cfg.rms_norm_eps)
+    head = arch.embed_tokens if cfg.tie_word_embeddings else arch.lm_head
+    logits = _name_output(linear(b, x, b.weight(head)), "logits", dtype, [BATCH, SEQ, cfg.vocab_size])
+    return ir.Graph(
+        inputs,
+        [logits, *outputs],
+        nodes=b.tape.nodes,
+        initializers=b.tape.initializers,
+        opset_imports={"": 24, "com.microsoft": 1} if variant is Variant.GQA else {"": 24},
+        name=f"{cfg.architecture}_{variant.value}",
+    )

@@ -1,0 +1,79 @@
+"""Small random-weight checkpoints of real architectures, built offline with transformers.
+
+Tests, ``make run`` and the benchmarks use them: the hub is not reachable everywhere, and a
+few-MB checkpoint of the real model class is what the exporter must be right about.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# Small but real shapes: GQA (kv heads < heads), head_dim 16 (GroupQueryAttention's rotary needs %16).
+BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "phi3": (
+        "Phi3Config",
+        {
+            # Phi-3.5-mini's longrope, scaled down: the long factors apply past 64 positions.
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                "long_factor": [1.5 + 0.25 * i for i in range(8)],
+                "original_max_position_embeddings": 64,
+            },
+            "pad_token_id": 0,
+        },
+    ),
+}
+
+
+def make_tiny_checkpoint(
+    arch: str, out_dir: Path, *, dtype: str = "float32", tie_word_embeddings: bool = False,
+    max_shard_size: str | None = None, seed: int = 0, init_std: float = 0.2, **overrides,
+) -> Path:
+    """Write config.json + safetensors of a random ``arch`` model to ``out_dir``; returns it."""
+    import torch
+    import transformers
+
+    class_name, extra = ARCH_CONFIGS[arch]
+    kwargs = {**BASE, **extra, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std, **overrides}
+    if arch == "phi3":
+        kwargs.pop("head_dim", None)  # phi3 derives head_dim from hidden / heads
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        # Larger-than-default weights give decisive logits, so greedy parity is a real test.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size) if max_shard_size else model.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCH_CONFIGS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    args = parser.parse_args()
+    make_tiny_checkpoint(args.arch, args.out_dir, dtype=args.dtype)
+    print(f"wrote a random-weight {args.arch} checkpoint to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
