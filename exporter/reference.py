@@ -33,12 +33,16 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
 
 def reference_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:
     """Greedy decode with the model's own KV cache; logits kept in fp32 for comparison."""
+    import inspect
+
     import torch
 
+    # transformers renamed past_key_values to cache (5.2x); pass whichever this version takes.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         ids = torch.tensor([prompt], dtype=torch.long)
         out = model(input_ids=ids, use_cache=True)
-        past = out.past_key_values
+        past = getattr(out, cache_arg, None) or out.past_key_values
         logits = out.logits[0, -1].float().numpy()
         prefill = logits.copy()
         tokens, step_logits, gaps = [], [], []
@@ -47,7 +51,7 @@ def reference_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:
             tokens.append(token)
             step_logits.append(logits)
             gaps.append(top2_gap(logits))
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{cache_arg: past})
+            past = getattr(out, cache_arg, None) or out.past_key_values
             logits = out.logits[0, -1].float().numpy()
     return ReferenceRun(list(prompt), prefill, tokens, step_logits, gaps)

@@ -44,6 +44,10 @@ class OnnxCausalLM:
         import onnxruntime as ort
 
         model_path = Path(export_dir) / MODEL_FILE
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            # TensorScatter warns on every copy when caches are not bound in place; keep errors only.
+            session_options.log_severity_level = 3
         meta = read_metadata(model_path)
         self.variant = Variant(meta["variant"])
         self.dtype = meta["dtype"]
@@ -109,6 +113,7 @@ class OnnxCausalLM:
     def _run_bound(self, feeds: dict, state: CacheState) -> np.ndarray:
         """Bind each cache input and its updated output to the same buffer: the update is in place."""
         binding = self.session.io_binding()
+        binding.bind_output("logits")  # first, so it is output 0
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for i in range(self.num_layers):
@@ -116,6 +121,5 @@ class OnnxCausalLM:
             for name_in, name_out, buf in ((k_in, k_out, state.keys[i]), (v_in, v_out, state.values[i])):
                 binding.bind_ortvalue_input(name_in, buf)
                 binding.bind_ortvalue_output(name_out, buf)
-        binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0]

@@ -1,0 +1,1 @@
+"""The farm service: API, catalog, object storage, scheduler."""

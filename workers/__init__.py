@@ -1,0 +1,1 @@
+"""Celery workers that run the export pipeline (the farm)."""

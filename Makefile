@@ -1,0 +1,28 @@
+# A new user's two commands: `make run` (a real export, end to end) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+WORK ?= .work
+
+.PHONY: install run test clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned: pip then takes the local CPU build and never pulls a multi-GB CUDA one.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: install
+	$(BIN)/python -m exporter.tiny_checkpoint $(WORK)/demo-checkpoint --arch qwen2
+	$(BIN)/exportfarm export --model $(WORK)/demo-checkpoint --out $(WORK)/demo-export --overwrite
+	@echo "files:" && ls -l $(WORK)/demo-export
+
+test: install
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(WORK) $(VENV)

@@ -1,0 +1,310 @@
+"""Export cost of a Qwen2.5-0.5B-sized checkpoint: wall time and peak anonymous memory, per variant.
+
+What is measured
+----------------
+* A random-weight bf16 checkpoint with the Qwen2.5-0.5B config is built offline (no download) and
+  reused across runs.
+* Each variant (attn_dynamic, gqa, attn_static at --max-seq-len 4096) is exported to fp16 by the
+  ``exportfarm export`` CLI in a fresh subprocess, so every export pays its own imports and its peak
+  memory is its own. While it runs, ``/proc/<pid>/status`` is sampled every ~20 ms for ``RssAnon``
+  and ``VmRSS``; the peaks and the wall time (spawn to exit) are recorded.
+* Import baseline: a subprocess that only imports what an export imports and then sleeps 1 s,
+  sampled the same way. Its peak RssAnon is what any export pays before touching a weight.
+* Floor: a subprocess that reads every checkpoint tensor whole with ``safetensors.safe_open``,
+  casts it to fp16 and appends its bytes to one file (no fsync, as the exporter does not fsync).
+  That is the least work an fp16 export can do, measured on the same machine in the same run.
+
+Why RssAnon and not RSS
+-----------------------
+The exporter (and the floor) read the safetensors through mmap. Those file-backed pages count in
+VmRSS, but they are clean page cache: the kernel drops them under pressure and re-reads them on
+demand, so they do not decide whether an export fits in a machine. Anonymous pages (heap, numpy
+and torch buffers) cannot be dropped without swap; RssAnon is the memory an export really needs.
+VmRSS is recorded as well, for reference.
+
+Targets
+-------
+* memory: peak RssAnon <= baseline RssAnon + 0.25 * output weight bytes (model.onnx.data size);
+* time: export wall time <= 1.5 * floor wall time.
+
+The checkpoint is read once before any measurement so that every run sees a warm page cache.
+
+Usage::
+
+    python benchmarks/export_cost.py [--work-dir DIR] [--out benchmarks/results/export_cost.json]
+                                     [--variants attn_dynamic,gqa,attn_static]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SAMPLE_INTERVAL_S = 0.02
+ANON_TARGET_FRACTION = 0.25
+TIME_TARGET_RATIO = 1.5
+STATIC_MAX_SEQ_LEN = 4096
+ALL_VARIANTS = ("attn_dynamic", "gqa", "attn_static")
+PACKAGES = ("torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "safetensors")
+
+QWEN2_5_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
+
+# The import baseline: everything an export imports, then idle long enough to be sampled.
+BASELINE_CODE = """
+import time
+import exporter.pipeline, exporter.cli, torch, transformers, onnx_ir, onnxruntime, safetensors
+time.sleep(1)
+"""
+
+# The floor: every tensor read whole, cast to fp16, appended to one file. argv: checkpoint dir, out file.
+FLOOR_CODE = """
+import sys
+from pathlib import Path
+import torch
+from safetensors import safe_open
+
+checkpoint, out_path = Path(sys.argv[1]), sys.argv[2]
+with open(out_path, "wb") as out:
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name).to(torch.float16).contiguous()
+                out.write(tensor.numpy().data)
+                del tensor
+"""
+
+
+@dataclasses.dataclass
+class Sample:
+    """What one sampled subprocess cost: wall time (spawn to exit) and its memory peaks."""
+
+    wall_s: float
+    peak_rss_anon_bytes: int
+    peak_rss_bytes: int
+    samples: int
+
+    def to_dict(self) -> dict:
+        return {
+            "wall_s": round(self.wall_s, 3),
+            "peak_rss_anon_bytes": self.peak_rss_anon_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "samples": self.samples,
+        }
+
+
+def read_memory(pid: int) -> tuple[int, int] | None:
+    """(RssAnon, VmRSS) in bytes from /proc/<pid>/status, or None once the process is gone."""
+    values = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "VmRSS"):
+                    values[key] = int(rest.split()[0]) * 1024  # reported in kB
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if len(values) < 2:  # a zombie has no memory lines
+        return None
+    return values["RssAnon"], values["VmRSS"]
+
+
+def run_sampled(cmd: list[str], log_path: Path) -> Sample:
+    """Run ``cmd``, sampling its memory every SAMPLE_INTERVAL_S; raise if it fails."""
+    peak_anon = peak_rss = samples = 0
+    with open(log_path, "wb") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            memory = read_memory(proc.pid)
+            if memory is not None:
+                peak_anon, peak_rss = max(peak_anon, memory[0]), max(peak_rss, memory[1])
+                samples += 1
+            time.sleep(SAMPLE_INTERVAL_S)
+        wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; see {log_path}")
+    return Sample(wall, peak_anon, peak_rss, samples)
+
+
+def build_checkpoint(directory: Path) -> None:
+    """Save a random-weight bf16 Qwen2.5-0.5B checkpoint to ``directory`` unless one is there."""
+    if (directory / "config.json").is_file():
+        print(f"reusing checkpoint {directory}", flush=True)
+        return
+    import torch
+    import transformers
+
+    print(f"building random bf16 Qwen2.5-0.5B checkpoint in {directory}", flush=True)
+    config = transformers.Qwen2Config(**QWEN2_5_0_5B)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    gc.collect()
+
+
+def warm_page_cache(directory: Path) -> None:
+    """Read the safetensors once so every measured run starts from the same warm page cache."""
+    for path in directory.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def exportfarm_command() -> str:
+    """The ``exportfarm`` entry point of this interpreter (not a pyenv shim that forks first)."""
+    local = Path(sys.executable).parent / "exportfarm"
+    return str(local) if local.is_file() else shutil.which("exportfarm") or "exportfarm"
+
+
+def export_command(checkpoint: Path, variant: str, out_dir: Path) -> list[str]:
+    cmd = [exportfarm_command(), "export", "--model", str(checkpoint), "--dtype", "fp16", "--variant", variant]
+    if variant == "attn_static":
+        cmd += ["--max-seq-len", str(STATIC_MAX_SEQ_LEN)]
+    return cmd + ["--out", str(out_dir), "--overwrite"]
+
+
+def measure_export(checkpoint: Path, variant: str, work_dir: Path, baseline: Sample, floor: Sample) -> dict:
+    """Export one variant in a fresh process and score it against the targets."""
+    out_dir = work_dir / "exports" / variant
+    cmd = export_command(checkpoint, variant, out_dir)
+    print(f"export {variant} ...", flush=True)
+    sample = run_sampled(cmd, work_dir / f"export_{variant}.log")
+    weight_bytes = (out_dir / "model.onnx.data").stat().st_size
+    over_baseline = sample.peak_rss_anon_bytes - baseline.peak_rss_anon_bytes
+    anon_target = int(ANON_TARGET_FRACTION * weight_bytes)
+    time_ratio = sample.wall_s / floor.wall_s
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    return {
+        "command": cmd,
+        **sample.to_dict(),
+        "output_weight_bytes": weight_bytes,
+        "anon_over_baseline_bytes": over_baseline,
+        "anon_target_bytes": anon_target,
+        "anon_target_met": over_baseline <= anon_target,
+        "time_ratio_vs_floor": round(time_ratio, 3),
+        "time_target_met": time_ratio <= TIME_TARGET_RATIO,
+        "stage_timings_s": manifest.get("timings_s", {}),
+    }
+
+
+def measure_floor(checkpoint: Path, work_dir: Path) -> tuple[Sample, int]:
+    """The read-cast-write floor; returns its sample and the bytes it wrote."""
+    out_path = work_dir / "floor" / "weights.fp16.bin"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    print("floor ...", flush=True)
+    sample = run_sampled([sys.executable, "-c", FLOOR_CODE, str(checkpoint), str(out_path)], work_dir / "floor.log")
+    return sample, out_path.stat().st_size
+
+
+def machine_info() -> dict:
+    with open("/proc/meminfo") as f:
+        mem_total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return {"nproc": os.cpu_count(), "mem_total_bytes": mem_total_kb * 1024, "python": sys.version.split()[0]}
+
+
+def package_versions() -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def print_table(result: dict) -> None:
+    mib = 1 << 20
+    baseline, floor = result["baseline"], result["floor"]
+    print()
+    print(f"baseline (imports): peak RssAnon {baseline['peak_rss_anon_bytes'] / mib:8.1f} MiB, "
+          f"wall {baseline['wall_s']:.2f} s")
+    print(f"floor (read+cast+write): wall {floor['wall_s']:.2f} s, peak RssAnon "
+          f"{floor['peak_rss_anon_bytes'] / mib:.1f} MiB, wrote {floor['output_bytes'] / mib:.1f} MiB")
+    header = (f"{'variant':<13}{'wall s':>8}{'x floor':>9}{'time ok':>9}{'RssAnon MiB':>13}{'over base':>11}"
+              f"{'target':>9}{'mem ok':>8}{'VmRSS MiB':>11}{'data MiB':>10}")
+    print(header)
+    print("-" * len(header))
+    for variant, r in result["variants"].items():
+        print(f"{variant:<13}{r['wall_s']:>8.2f}{r['time_ratio_vs_floor']:>9.2f}{str(r['time_target_met']):>9}"
+              f"{r['peak_rss_anon_bytes'] / mib:>13.1f}{r['anon_over_baseline_bytes'] / mib:>11.1f}"
+              f"{r['anon_target_bytes'] / mib:>9.1f}{str(r['anon_target_met']):>8}"
+              f"{r['peak_rss_bytes'] / mib:>11.1f}{r['output_weight_bytes'] / mib:>10.1f}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "exportfarm_export_cost",
+                        help="checkpoint, exports and logs (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/export_cost.json"),
+                        help="JSON result file (default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
+                        help="comma-separated variants to export (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(ALL_VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: use {', '.join(ALL_VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work_dir = args.work_dir.absolute()
+    checkpoint = work_dir / "qwen2.5-0.5b-random-bf16"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    build_checkpoint(checkpoint)
+    warm_page_cache(checkpoint)
+
+    print("import baseline ...", flush=True)
+    baseline = run_sampled([sys.executable, "-c", BASELINE_CODE], work_dir / "baseline.log")
+    floor, floor_bytes = measure_floor(checkpoint, work_dir)
+    variants = {v: measure_export(checkpoint, v, work_dir, baseline, floor) for v in args.variants}
+
+    result = {
+        "benchmark": "export_cost",
+        "command": [Path(sys.executable).name, *sys.argv],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "versions": package_versions(),
+        "checkpoint": {"path": str(checkpoint), "config": QWEN2_5_0_5B, "dtype": "bf16",
+                       "bytes": sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))},
+        "export_dtype": "fp16",
+        "sample_interval_s": SAMPLE_INTERVAL_S,
+        "targets": {"anon": f"peak RssAnon <= baseline RssAnon + {ANON_TARGET_FRACTION} * output weight bytes",
+                    "time": f"wall <= {TIME_TARGET_RATIO} * floor wall"},
+        "baseline": baseline.to_dict(),
+        "floor": {**floor.to_dict(), "output_bytes": floor_bytes},
+        "variants": variants,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Checkpoint shapes a user brings: sharded, bf16, tied embeddings; and bad input, refused clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from exporter.package import sha256_file
+from exporter.parity import run_parity
+from exporter.runtime import OnnxCausalLM
+
+
+def test_sharded_checkpoint_exports_the_same_bytes(checkpoint, exported):
+    sharded = checkpoint("llama", max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    whole = exported("llama", "gqa")
+    split = exported("llama", "gqa", "fp32", (("max_shard_size", "100KB"),))
+    assert sha256_file(split / "model.onnx.data") == sha256_file(whole / "model.onnx.data")
+
+
+def test_sharded_checkpoint_without_index_file(checkpoint, workdir):
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    src = workdir / "sharded-no-index"
+    shutil.copytree(checkpoint("llama", max_shard_size="100KB"), src)
+    (src / "model.safetensors.index.json").unlink()
+    out = export_model(ExportRequest(model=str(src), variant="attn_dynamic"), workdir / "no-index-out").out_dir
+    assert (out / "manifest.json").is_file()
+
+
+def test_bf16_checkpoint_exported_to_fp16(exported, reference):
+    kw = (("dtype", "bfloat16"),)
+    ref = reference("qwen2", ckpt_kwargs=kw)
+    for variant in ("attn_dynamic", "gqa", "attn_static"):
+        result = run_parity(OnnxCausalLM(exported("qwen2", variant, "fp16", kw)), ref, near_tie_margin=0.1)
+        assert result.mismatches == [], variant
+        assert result.prefill_max_abs_error <= 5e-2 * result.logit_range, variant
+
+
+def test_tied_embeddings(checkpoint, exported, reference):
+    kw = (("tie_word_embeddings", True),)
+    assert "lm_head.weight" not in _tensor_names(checkpoint("llama", tie_word_embeddings=True))
+    ref = reference("llama", ckpt_kwargs=kw)
+    for variant in ("attn_dynamic", "gqa", "attn_static"):
+        result = run_parity(OnnxCausalLM(exported("llama", variant, "fp32", kw)), ref, near_tie_margin=0.0)
+        assert result.prefill_max_abs_error <= 1e-4 and result.tokens == ref.tokens, variant
+
+
+def _tensor_names(directory):
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def _cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "export", *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def _assert_refused(proc, out_dir, *expected_words):
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("exportfarm: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == errors[0]
+    for word in expected_words:
+        assert word in errors[0], errors[0]
+    # Nothing that looks like a finished export is left behind.
+    assert not (out_dir / "manifest.json").exists()
+    assert not [p for p in out_dir.parent.iterdir() if ".partial-" in p.name]
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    return tmp_path / "out"
+
+
+def test_unknown_architecture(checkpoint, tmp_path, out_dir):
+    src = tmp_path / "gpt2ish"
+    shutil.copytree(checkpoint("llama"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "gpt2", "llama, mistral, phi3, qwen2, qwen3")
+
+
+def test_missing_config(checkpoint, tmp_path, out_dir):
+    src = tmp_path / "noconfig"
+    shutil.copytree(checkpoint("llama"), src)
+    (src / "config.json").unlink()
+    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "config.json")
+
+
+def test_truncated_safetensors(checkpoint, tmp_path, out_dir):
+    src = tmp_path / "truncated"
+    shutil.copytree(checkpoint("llama"), src)
+    weights = src / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "model.safetensors", "re-download")
+
+
+def test_static_cache_without_max_seq_len(checkpoint, out_dir):
+    proc = _cli("--model", str(checkpoint("llama")), "--static-cache", "--out", str(out_dir))
+    _assert_refused(proc, out_dir, "--max-seq-len")
+
+
+def test_max_seq_len_above_positions(checkpoint, out_dir):
+    proc = _cli("--model", str(checkpoint("llama")), "--static-cache", "--max-seq-len", "100000", "--out", str(out_dir))
+    _assert_refused(proc, out_dir, "max_position_embeddings", "256")
+
+
+def test_gqa_bf16_on_cpu(checkpoint, out_dir):
+    proc = _cli("--model", str(checkpoint("llama")), "--variant", "gqa", "--dtype", "bf16", "--out", str(out_dir))
+    _assert_refused(proc, out_dir, "bf16", "cpu")
+
+
+def test_unknown_dtype(checkpoint, out_dir):
+    _assert_refused(_cli("--model", str(checkpoint("llama")), "--dtype", "fp8", "--out", str(out_dir)), out_dir, "fp8")
+
+
+def test_hub_id_offline_fails_with_a_message(out_dir):
+    proc = _cli("--model", "someorg/some-model@main", "--out", str(out_dir))
+    _assert_refused(proc, out_dir, "someorg/some-model", "local checkpoint directory")
+
+
+def test_existing_export_is_not_overwritten_silently(checkpoint, exported, out_dir):
+    shutil.copytree(exported("llama", "attn_dynamic"), out_dir)
+    before = (out_dir / "manifest.json").read_text()
+    proc = _cli("--model", str(checkpoint("llama")), "--out", str(out_dir))
+    assert proc.returncode != 0 and "--overwrite" in proc.stderr
+    assert (out_dir / "manifest.json").read_text() == before
