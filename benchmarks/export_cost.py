@@ -1,4 +1,4 @@
-"""Export cost of a Qwen2.5-0.5B-sized checkpoint: wall time and peak anonymous memory, per variant.
+"""Export and validation cost of a Qwen2.5-0.5B-sized checkpoint: wall time and peak memory, per variant.
 
 What is measured
 ----------------
@@ -14,6 +14,9 @@ What is measured
   casts it to fp16 and appends its bytes to one file (no fsync, as the exporter does not fsync).
   That is the least work an fp16 export can do, measured on the same machine in the same run.
 
+* Validation: ``exportfarm validate OUT --ep cpu`` on each export, in a fresh process, sampled the
+  same way; its per-gate timings come from the parity report. It should cost less than the export.
+
 Why RssAnon and not RSS
 -----------------------
 The exporter (and the floor) read the safetensors through mmap. Those file-backed pages count in
@@ -27,7 +30,8 @@ Targets
 * memory: peak RssAnon <= baseline RssAnon + 0.25 * output weight bytes (model.onnx.data size);
 * time: export wall time <= 1.5 * floor wall time.
 
-The checkpoint is read once before any measurement so that every run sees a warm page cache.
+The checkpoint is read once before any measurement so that every run sees a warm page cache; before
+each run, earlier outputs are deleted and dirty pages are synced, so runs start from the same state.
 
 Usage::
 
@@ -131,8 +135,13 @@ def read_memory(pid: int) -> tuple[int, int] | None:
     return values["RssAnon"], values["VmRSS"]
 
 
-def run_sampled(cmd: list[str], log_path: Path) -> Sample:
-    """Run ``cmd``, sampling its memory every SAMPLE_INTERVAL_S; raise if it fails."""
+def run_sampled(cmd: list[str], log_path: Path, check: bool = True) -> Sample:
+    """Run ``cmd``, sampling its memory every SAMPLE_INTERVAL_S; raise if it fails.
+
+    Dirty pages left by the previous run are flushed first (unmeasured), so one run's background
+    writeback does not slow the next one down.
+    """
+    os.sync()
     peak_anon = peak_rss = samples = 0
     with open(log_path, "wb") as log:
         start = time.perf_counter()
@@ -144,7 +153,7 @@ def run_sampled(cmd: list[str], log_path: Path) -> Sample:
                 samples += 1
             time.sleep(SAMPLE_INTERVAL_S)
         wall = time.perf_counter() - start
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; see {log_path}")
     return Sample(wall, peak_anon, peak_rss, samples)
 
@@ -183,12 +192,31 @@ def export_command(checkpoint: Path, variant: str, out_dir: Path) -> list[str]:
     cmd = [exportfarm_command(), "export", "--model", str(checkpoint), "--dtype", "fp16", "--variant", variant]
     if variant == "attn_static":
         cmd += ["--max-seq-len", str(STATIC_MAX_SEQ_LEN)]
-    return cmd + ["--out", str(out_dir), "--overwrite"]
+    # Validation is measured on its own (measure_validate), so the export figure is the export alone.
+    return cmd + ["--out", str(out_dir), "--overwrite", "--no-validate"]
+
+
+def measure_validate(variant: str, work_dir: Path, export_wall_s: float) -> dict:
+    """Validate an export in a fresh process: every gate, on the CPU EP, against transformers."""
+    out_dir = work_dir / "exports" / variant
+    cmd = [exportfarm_command(), "validate", str(out_dir), "--ep", "cpu"]
+    print(f"validate {variant} ...", flush=True)
+    sample = run_sampled(cmd, work_dir / f"validate_{variant}.log", check=False)
+    report = json.loads((out_dir / "parity_report.json").read_text())
+    return {
+        "command": cmd,
+        **sample.to_dict(),
+        "status": report["status"],
+        "failed_gates": report["failed_gates"],
+        "stage_timings_s": report["timings_s"],
+        "time_ratio_vs_export": round(sample.wall_s / export_wall_s, 3),
+    }
 
 
 def measure_export(checkpoint: Path, variant: str, work_dir: Path, baseline: Sample, floor: Sample) -> dict:
     """Export one variant in a fresh process and score it against the targets."""
     out_dir = work_dir / "exports" / variant
+    shutil.rmtree(out_dir, ignore_errors=True)  # deleting an old export is not export cost
     cmd = export_command(checkpoint, variant, out_dir)
     print(f"export {variant} ...", flush=True)
     sample = run_sampled(cmd, work_dir / f"export_{variant}.log")
@@ -214,6 +242,7 @@ def measure_floor(checkpoint: Path, work_dir: Path) -> tuple[Sample, int]:
     """The read-cast-write floor; returns its sample and the bytes it wrote."""
     out_path = work_dir / "floor" / "weights.fp16.bin"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.unlink(missing_ok=True)
     print("floor ...", flush=True)
     sample = run_sampled([sys.executable, "-c", FLOOR_CODE, str(checkpoint), str(out_path)], work_dir / "floor.log")
     return sample, out_path.stat().st_size
@@ -252,6 +281,12 @@ def print_table(result: dict) -> None:
               f"{r['peak_rss_anon_bytes'] / mib:>13.1f}{r['anon_over_baseline_bytes'] / mib:>11.1f}"
               f"{r['anon_target_bytes'] / mib:>9.1f}{str(r['anon_target_met']):>8}"
               f"{r['peak_rss_bytes'] / mib:>11.1f}{r['output_weight_bytes'] / mib:>10.1f}")
+    print()
+    print(f"{'validate':<13}{'wall s':>8}{'x export':>10}{'RssAnon MiB':>13}{'VmRSS MiB':>11}  status, stages (s)")
+    for variant, r in result["validation"].items():
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in r["stage_timings_s"].items())
+        print(f"{variant:<13}{r['wall_s']:>8.2f}{r['time_ratio_vs_export']:>10.2f}"
+              f"{r['peak_rss_anon_bytes'] / mib:>13.1f}{r['peak_rss_bytes'] / mib:>11.1f}  {r['status']}, {stages}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -282,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = run_sampled([sys.executable, "-c", BASELINE_CODE], work_dir / "baseline.log")
     floor, floor_bytes = measure_floor(checkpoint, work_dir)
     variants = {v: measure_export(checkpoint, v, work_dir, baseline, floor) for v in args.variants}
+    validation = {v: measure_validate(v, work_dir, variants[v]["wall_s"]) for v in args.variants}
 
     result = {
         "benchmark": "export_cost",
@@ -298,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": baseline.to_dict(),
         "floor": {**floor.to_dict(), "output_bytes": floor_bytes},
         "variants": variants,
+        "validation": validation,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporter.errors import ExportError
+from exporter.errors import ExportError, ValidationFailed
 from exporter.pipeline import Progress
 
 
@@ -49,7 +49,42 @@ def add_export_parser(sub) -> None:
     p.add_argument("--variant", default=None, help="attn_static | gqa | attn_dynamic (default: chosen from the request)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")
+    p.add_argument("--no-validate", action="store_true", help="skip the validation gates (status: unvalidated)")
+    p.add_argument("--validate-ep", default=None, help="cpu | cuda: where to validate (default: --ep)")
     p.set_defaults(func=_cmd_export)
+
+
+def add_validate_parser(sub) -> None:
+    p = sub.add_parser("validate", help="run the validation gates on an export directory")
+    p.add_argument("dir", type=Path, help="export directory (model.onnx, model.onnx.data, manifest.json)")
+    p.add_argument("--reference", default=None, help="checkpoint to compare with (default: the one it was built from)")
+    p.add_argument("--ep", default=None, help="cpu | cuda (default: the export's target)")
+    p.add_argument("--peer", type=Path, default=None, help="another export of the same checkpoint to compare with")
+    p.add_argument("--steps", type=int, default=24, help="greedy decode steps (default 24)")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _print_report(report) -> None:
+    for g in report.gates:
+        mark = "ok  " if g.passed else "FAIL"
+        print(f"  [{mark}] {g.gate:<9} {g.check}: {g.measured}" + (f"  -- {g.message}" if not g.passed and g.message else ""))
+
+
+def _cmd_validate(args) -> int:
+    from exporter.errors import ExportError
+    from exporter.validate import validate_export
+
+    if args.ep not in (None, "cpu", "cuda"):
+        raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
+    if args.steps < 1:
+        raise ExportError("--steps must be at least 1")
+    report = validate_export(args.dir, args.reference, args.ep, args.peer, steps=args.steps)
+    paths = report.write()
+    _print_report(report)
+    print(f"report: {paths[0]} and {paths[1].name}")
+    if not report.passed:
+        raise ExportError(f"validation {report.summary()}")
+    return 0
 
 
 def _cmd_export(args) -> int:
@@ -64,15 +99,27 @@ def _cmd_export(args) -> int:
         max_seq_len=args.max_seq_len,
         variant=args.variant,
     )
+    if args.validate_ep not in (None, "cpu", "cuda"):
+        raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
     progress = TerminalProgress()
     try:
-        result = export_model(request, args.out, progress, overwrite=args.overwrite)
+        result = export_model(
+            request, args.out, progress, overwrite=args.overwrite,
+            validate=not args.no_validate, validate_ep=args.validate_ep,
+        )
+    except ValidationFailed as failed:
+        progress.close()
+        _print_report(failed.report)
+        raise
     finally:
         progress.close()
     manifest = result.manifest.data
     print(f"exported {manifest['variant']} ({manifest['request']['dtype']}, {manifest['request']['ep']}) to {result.out_dir}")
     for name, entry in manifest["files"].items():
         print(f"  {name:<18} {entry['size']:>14,d} bytes  sha256 {entry['sha256'][:16]}")
+    if result.report is not None:
+        _print_report(result.report)
+    print(f"  status: {manifest['status']}")
     print(f"  {'manifest.json':<18} ops: {sum(manifest['op_census'].values())} nodes, "
           f"{len(manifest['initializers'])} initializers, opsets {manifest['opset_imports']}")
     return 0
@@ -82,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exportfarm", description="ONNX export farm for Hugging Face LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     add_export_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 

@@ -13,11 +13,12 @@ import uuid
 from pathlib import Path
 
 from exporter.build import build_model
-from exporter.errors import ExportError
+from exporter.errors import ExportError, ValidationFailed
 from exporter.fold import fold_model
 from exporter.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
 from exporter.resolve import ResolvedSource, resolve_source
+from exporter.validate import REPORT_JSON, validate_export
 
 
 class Progress:
@@ -29,12 +30,15 @@ class Progress:
 
     def bytes_written(self, count: int, total: int) -> None: ...
 
+    def validated(self, report) -> None: ...
+
 
 @dataclasses.dataclass
 class ExportResult:
     out_dir: Path
     manifest: Manifest
     source: ResolvedSource
+    report: object | None = None  # ValidationReport when validation ran
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -55,8 +59,19 @@ def _publish_dir(staging: Path, out_dir: Path) -> None:
 
 
 def export_model(
-    request: ExportRequest, out_dir: Path, progress: Progress | None = None, overwrite: bool = False
+    request: ExportRequest,
+    out_dir: Path,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    validate_ep: str | None = None,
+    reference: str | None = None,
 ) -> ExportResult:
+    """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
+
+    A failed gate still publishes the directory (report included) with manifest status
+    "quarantined", then raises ``ValidationFailed``.
+    """
     progress = progress or Progress()
     request.resolved_variant()  # refuse impossible requests before touching anything
     out_dir = Path(out_dir).absolute()
@@ -92,14 +107,36 @@ def export_model(
             progress.bytes_written(written, total)
 
         write_model(built.model, staging, on_bytes)
+        progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
         timings["write"] = time.perf_counter() - t0
+        # The validator reads what the manifest says each initializer was made from.
         manifest = build_manifest(built.model, staging, request, built.variant, source, timings)
+        report = None
+        if validate:
+            t0 = time.perf_counter()
+            progress.stage("validate")
+            manifest.write(staging)
+            report = validate_export(staging, reference or str(source.path), validate_ep or request.ep.value)
+            extra = [p.name for p in report.write(staging)]
+            timings["validate"] = time.perf_counter() - t0
+            manifest = build_manifest(built.model, staging, request, built.variant, source, timings, extra)
+            manifest.data["validation"] = {
+                "status": "passed" if report.passed else "failed",
+                "failed_gates": sorted({g.gate for g in report.failed}),
+                "summary": report.summary(),
+                "report": REPORT_JSON,
+            }
+            progress.validated(report)
+        manifest.data["status"] = "quarantined" if report is not None and not report.passed else (
+            "ready" if report is not None else "unvalidated")
         manifest.write(staging)
         _publish_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ExportResult(out_dir, manifest, source)
+    if report is not None and not report.passed:
+        raise ValidationFailed(f"validation {report.summary()}; report in {out_dir / REPORT_JSON}", report, out_dir)
+    return ExportResult(out_dir, manifest, source, report)
 
 
 def load_manifest(out_dir: Path) -> dict:

@@ -26,7 +26,15 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
+    from exporter.errors import ExportError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as err:
+        raise ExportError(
+            f"transformers cannot load the reference checkpoint {checkpoint} ({str(err).splitlines()[0][:200]}): "
+            "pass --reference with a loadable checkpoint, or --no-validate"
+        ) from None
     model.eval()
     return model
 

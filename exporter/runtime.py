@@ -93,9 +93,7 @@ class OnnxCausalLM:
         if self.variant is Variant.ATTN_STATIC:
             if past + seq > self.config["max_seq_len"]:
                 raise ValueError(f"{past + seq} tokens do not fit a {self.config['max_seq_len']}-token static cache")
-            feeds["write_indices"] = np.full((batch,), past, dtype=np.int64)
-            # The count *after* this step's scatter: counting before it silently shifts causality.
-            feeds["nonpad_kv_seqlen"] = np.full((batch,), past + seq, dtype=np.int64)
+            feeds.update(self.static_cache_counts(batch, past, seq))
         if self.io_binding:
             logits = self._run_bound(feeds, state)
         else:
@@ -109,6 +107,16 @@ class OnnxCausalLM:
                 state.keys[i], state.values[i] = outputs[k_out], outputs[v_out]
         state.length = past + seq
         return logits
+
+    def static_cache_counts(self, batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
+        """write_indices = tokens already cached; nonpad_kv_seqlen = the count *after* this scatter.
+
+        Counting before the scatter is the classic bug: the logits come out silently wrong.
+        """
+        return {
+            "write_indices": np.full((batch,), past, dtype=np.int64),
+            "nonpad_kv_seqlen": np.full((batch,), past + seq, dtype=np.int64),
+        }
 
     def _run_bound(self, feeds: dict, state: CacheState) -> np.ndarray:
         """Bind each cache input and its updated output to the same buffer: the update is in place."""

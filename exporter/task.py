@@ -118,7 +118,14 @@ def build_graph(
         step.nonpad_kv_seqlen = _input("nonpad_kv_seqlen", I64, [BATCH])
         inputs += [step.write_indices, step.nonpad_kv_seqlen]
 
-    x = b.op("Gather", [b.weight(arch.embed_tokens), input_ids], {"axis": 0})
+    embed = b.weight(arch.embed_tokens)
+    if cfg.tie_word_embeddings:
+        # One [hidden, vocab] copy serves both ends: the LM head's MatMul reads it as is and the
+        # embedding gathers its columns, instead of storing the table twice (file and device memory).
+        embed_t = b.op("Transpose", [embed], {"perm": [1, 0]})
+        x = b.op("Transpose", [b.op("Gather", [embed_t, input_ids], {"axis": 1})], {"perm": [1, 2, 0]})
+    else:
+        x = b.op("Gather", [embed, input_ids], {"axis": 0})
     outputs = []
     for i in range(cfg.num_layers):
         x, (key_out, value_out) = decoder_layer(b, x, arch, cfg, i, variant, step, caches_in[i])
@@ -130,8 +137,11 @@ def build_graph(
         if on_layer:
             on_layer(i + 1, cfg.num_layers)
     x = rms_norm(b, x, b.weight(arch.final_norm), cfg.rms_norm_eps)
-    head = arch.embed_tokens if cfg.tie_word_embeddings else arch.lm_head
-    logits = _name_output(linear(b, x, b.weight(head)), "logits", dtype, [BATCH, SEQ, cfg.vocab_size])
+    if cfg.tie_word_embeddings:
+        head = b.op("MatMul", [x, embed_t])
+    else:
+        head = linear(b, x, b.weight(arch.lm_head))
+    logits = _name_output(head, "logits", dtype, [BATCH, SEQ, cfg.vocab_size])
     return ir.Graph(
         inputs,
         [logits, *outputs],

@@ -30,7 +30,6 @@ ARCH_CONFIGS = {
                 "rope_type": "longrope", "rope_theta": 10000.0,
                 "short_factor": [1.0 + 0.05 * i for i in range(8)],
                 "long_factor": [1.5 + 0.25 * i for i in range(8)],
-                "original_max_position_embeddings": 64,
             },
             "pad_token_id": 0,
         },

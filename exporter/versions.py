@@ -18,7 +18,7 @@ def package_version(name: str) -> str | None:
 
 
 def ort_version() -> str:
-    """The ONNX Runtime that will run (and so validates) the export."""
+    """The ONNX Runtime that will run (and so validates) the export: the one that imports."""
     import onnxruntime
 
     return onnxruntime.__version__

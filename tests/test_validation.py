@@ -1,0 +1,260 @@
+"""Validation gates: good exports pass every gate; each kind of broken export is caught by its gate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from exporter.gates import runtime_probe
+from exporter.gates.runtime_probe import ProbeOutcome, classify_probe_output, probe_static_cache
+from exporter.runtime import OnnxCausalLM
+from exporter.validate import REPORT_JSON, REPORT_MD, validate_export
+from tests.conftest import ARCHITECTURES, VARIANTS
+
+
+def _failed(report, gate):
+    return [g for g in report.gates if g.gate == gate and not g.passed]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_good_exports_pass_every_gate(arch, variant, exported):
+    report = validate_export(exported(arch, variant))
+    assert report.passed, report.summary()
+    assert {g.gate for g in report.gates} == {"structure", "weights", "runtime", "parity"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_good_fp16_exports_pass_every_gate(variant, exported):
+    report = validate_export(exported("qwen3", variant, "fp16"))
+    assert report.passed, report.summary()
+
+
+def test_report_files_hold_every_figure(exported, tmp_path):
+    export_dir = shutil.copytree(exported("llama", "attn_static"), tmp_path / "e")
+    report = validate_export(export_dir)
+    report.write()
+    data = json.loads((export_dir / REPORT_JSON).read_text())
+    assert data["status"] == "passed" and data["failed_gates"] == []
+    checks = {g["check"]: g for g in data["gates"]}
+    prefill = checks["prefill logits max abs error vs transformers"]
+    assert 0 <= prefill["measured"] <= prefill["threshold"]
+    assert data["parity"]["steps"] >= 24 and isinstance(data["parity"]["near_ties"], list)
+    worst = next(g for g in data["gates"] if g["gate"] == "weights")["details"]["worst"]
+    assert len(worst) == 10 and {"correlation", "rel_l2", "max_abs", "source"} <= set(worst[0])
+    assert data["gates"][0]["measured"] == "ok"
+    markdown = (export_dir / REPORT_MD).read_text()
+    assert markdown.startswith("# Validation: PASSED")
+    table = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    # header + one row per check, then the weight table's header + 10 rows
+    assert len(table) == 1 + len(data["gates"]) + 1 + 10
+    assert f"{prefill['measured']:.4g}" in markdown
+
+
+# --- broken exports -------------------------------------------------------------------------------
+
+
+def _copy(src, dst):
+    return shutil.copytree(src, dst)
+
+
+def _external(export_dir, name):
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    init = next(i for i in model.graph.initializer if i.name == name)
+    info = {e.key: e.value for e in init.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    return int(info["offset"]), tuple(init.dims), np.dtype(dtype)
+
+
+def _data_view(export_dir, name):
+    offset, shape, dtype = _external(export_dir, name)
+    return np.memmap(export_dir / "model.onnx.data", dtype=dtype, mode="r+", offset=offset, shape=shape)
+
+
+def test_zeroed_packed_qkv_slice_is_caught_by_weights_gate(exported, tmp_path):
+    export_dir = _copy(exported("llama", "gqa"), tmp_path / "zeroed")
+    packed = _data_view(export_dir, "model.layers.0.self_attn.q_k_v_proj.weight.T")
+    packed[:, 64:96] = 0  # the K slice (q: 4 heads x 16, k: 2 heads x 16)
+    packed.flush()
+    report = validate_export(export_dir)
+    failed = _failed(report, "weights")
+    assert failed and "model.layers.0.self_attn.q_k_v_proj.weight.T[:, 64:96]" in failed[0].message
+    assert "k_proj.weight" in failed[0].message
+    # Counts and dtypes are unchanged: the structure gate has nothing to say.
+    assert not _failed(report, "structure")
+
+
+def test_fp32_initializer_in_fp16_build_is_caught_by_structure_gate(exported, tmp_path):
+    src = exported("qwen2", "attn_dynamic", "fp16")
+    model = onnx.load(str(src / "model.onnx"))
+    for init in model.graph.initializer:
+        if init.name == "model.norm.weight":
+            init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init).astype(np.float32), init.name))
+    export_dir = tmp_path / "fp32init"
+    export_dir.mkdir()
+    onnx.save(model, str(export_dir / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["initializers"]["model.norm.weight"]["dtype"] = "FLOAT"
+    (export_dir / "manifest.json").write_text(json.dumps(manifest))
+    report = validate_export(export_dir)
+    failed = _failed(report, "structure")
+    assert any("model.norm.weight" in g.message and "float32" in g.check for g in failed)
+    assert not report.passed
+
+
+def test_wrong_present_head_dim_is_caught_by_structure_gate(exported, tmp_path):
+    export_dir = _copy(exported("llama", "gqa"), tmp_path / "headdim")
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    out = next(o for o in model.graph.output if o.name == "present.1.key")
+    out.type.tensor_type.shape.dim[3].dim_value = 8  # the GQA shape-inference bug: wrong head_dim
+    onnx.save(model, str(export_dir / "model.onnx"))
+    report = validate_export(export_dir)
+    failed = _failed(report, "structure")
+    assert failed and "present.1.key" in failed[0].message
+
+
+def test_if_node_around_attention_is_caught_by_structure_gate(exported, tmp_path):
+    export_dir = _copy(exported("llama", "attn_static"), tmp_path / "ifnode")
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    graph = model.graph
+    index, attention = next((i, n) for i, n in enumerate(graph.node) if n.op_type == "Attention")
+    branch_out = onnx.helper.make_tensor_value_info(attention.output[0], onnx.TensorProto.FLOAT, None)
+
+    def branch(name):
+        inner = onnx.helper.make_node("Attention", attention.input, [attention.output[0]], attribute=None, name=name)
+        inner.attribute.extend(attention.attribute)
+        return onnx.helper.make_graph([inner], name, [], [branch_out])
+
+    cond = onnx.helper.make_tensor("phase_is_decode", onnx.TensorProto.BOOL, [], [True])
+    graph.initializer.append(cond)
+    wrapped = onnx.helper.make_node(
+        "If", ["phase_is_decode"], [attention.output[0]], name="phase_split_layer0",
+        then_branch=branch("decode_attention"), else_branch=branch("prefill_attention"),
+    )
+    graph.node.remove(attention)
+    graph.node.insert(index, wrapped)
+    onnx.save(model, str(export_dir / "model.onnx"))
+    report = validate_export(export_dir)
+    failed = _failed(report, "structure")
+    assert any("phase_split_layer0 (If)" in g.message for g in failed)
+    # The model still computes the right numbers: only the structure gate can see the problem.
+    assert not _failed(report, "parity")
+
+
+class NonpadBeforeScatter(OnnxCausalLM):
+    """A runtime that feeds nonpad_kv_seqlen = tokens cached *before* this step's scatter."""
+
+    def static_cache_counts(self, batch, past, seq):
+        counts = super().static_cache_counts(batch, past, seq)
+        counts["nonpad_kv_seqlen"] = counts["write_indices"].copy()
+        return counts
+
+
+def test_nonpad_counted_before_scatter_is_caught_by_parity_gate(exported):
+    report = validate_export(exported("llama", "attn_static"), lm_factory=lambda d, ep: NonpadBeforeScatter(d, ep=ep))
+    assert _failed(report, "parity"), report.summary()
+    assert not _failed(report, "structure") and not _failed(report, "weights")
+
+
+def test_swapped_mlp_weights_are_caught_by_weights_gate(exported, tmp_path):
+    export_dir = _copy(exported("qwen2", "attn_dynamic"), tmp_path / "swapped")
+    a = _data_view(export_dir, "model.layers.0.mlp.down_proj.weight.T")
+    b = _data_view(export_dir, "model.layers.1.mlp.down_proj.weight.T")
+    a_copy = np.array(a)
+    a[:] = b
+    b[:] = a_copy
+    a.flush()
+    b.flush()
+    report = validate_export(export_dir)
+    message = _failed(report, "weights")[0].message
+    assert "model.layers.0.mlp.down_proj.weight.T" in message and "model.layers.1.mlp.down_proj.weight.T" in message
+    assert _failed(report, "parity")
+
+
+def test_peer_gate_compares_variants(exported, checkpoint):
+    ok = validate_export(exported("phi3", "attn_static"), peer=exported("phi3", "attn_dynamic"))
+    assert ok.passed
+    other = validate_export(exported("phi3", "attn_static"), peer=exported("llama", "attn_dynamic"))
+    assert [g.check for g in other.failed] == ["attn_static vs attn_dynamic of the same checkpoint"]
+
+
+# --- runtime probe --------------------------------------------------------------------------------
+
+
+def test_probe_supports_cpu():
+    assert probe_static_cache("cpu", "fp32")[0] is ProbeOutcome.SUPPORTED
+    assert probe_static_cache("cpu", "fp16")[0] is ProbeOutcome.SUPPORTED
+
+
+def test_probe_reports_missing_cuda_ep():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA; the missing-EP path cannot be shown here")
+    outcome, message = probe_static_cache("cuda", "fp16")
+    assert outcome is ProbeOutcome.MISSING and "CUDAExecutionProvider" in message
+
+
+def test_probe_catches_a_wrong_count(monkeypatch):
+    """Real ORT fed the count before the scatter computes 2.0 (mean of slots 0, 1): wrong-result."""
+    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
+    outcome, message = probe_static_cache("cpu", "fp32")
+    assert outcome is ProbeOutcome.WRONG_RESULT and "2" in message
+
+
+def test_probe_names_top_left_alignment():
+    outcome, message = classify_probe_output(np.full((1, 2, 1, 8), 1.0, np.float32))
+    assert outcome is ProbeOutcome.WRONG_RESULT and "top-left" in message
+
+
+def test_attn_static_fails_validation_when_probe_fails(exported, monkeypatch):
+    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
+    report = validate_export(exported("llama", "attn_static"))
+    assert [g.gate for g in report.failed] == ["runtime"]
+    # For other variants the probe is reported but does not gate.
+    assert validate_export(exported("llama", "attn_dynamic")).passed
+
+
+# --- validation as a pipeline stage ---------------------------------------------------------------
+
+
+def test_export_validates_by_default_and_records_it(checkpoint, tmp_path):
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    result = export_model(ExportRequest(model=str(checkpoint("qwen3")), dtype="fp16"), tmp_path / "out")
+    manifest = result.manifest.data
+    assert manifest["status"] == "ready" and manifest["validation"]["status"] == "passed"
+    for name in (REPORT_JSON, REPORT_MD):
+        assert manifest["files"][name]["size"] == (tmp_path / "out" / name).stat().st_size
+
+
+def test_failed_gate_publishes_quarantined_and_exits_non_zero(checkpoint, tmp_path, monkeypatch, capsys):
+    from exporter.cli import main
+
+    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
+    out = tmp_path / "q"
+    code = main(["export", "--model", str(checkpoint("llama")), "--static-cache", "--max-seq-len", "64", "--out", str(out)])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "exportfarm: error: validation failed: runtime" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "quarantined" and manifest["validation"]["failed_gates"] == ["runtime"]
+    assert json.loads((out / REPORT_JSON).read_text())["status"] == "failed"
+
+
+def test_validate_cli_names_the_failed_gate(exported, tmp_path, capsys):
+    from exporter.cli import main
+
+    export_dir = _copy(exported("llama", "gqa"), tmp_path / "cli")
+    packed = _data_view(export_dir, "model.layers.1.self_attn.q_k_v_proj.weight.T")
+    packed[:, :64] = 0
+    packed.flush()
+    assert main(["validate", str(export_dir)]) != 0
+    captured = capsys.readouterr()
+    assert "[FAIL] weights" in captured.out and "validation failed: weights" in captured.err
+    assert (export_dir / REPORT_MD).read_text().startswith("# Validation: FAILED")
