@@ -38,13 +38,13 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
     if request.max_seq_len is not None and request.max_seq_len > cfg.max_position_embeddings:
         raise ExportError(
             f"max_seq_len {request.max_seq_len} is above the model's max_position_embeddings "
-            f"{cfg.max_position_embeddings}: use --max-seq-len {cfg.max_position_embeddings} or less"
+            f"{cfg.max_position_embeddings}: use max_seq_len {cfg.max_position_embeddings} or less"
         )
     context = request.max_seq_len or cfg.max_position_embeddings
     if cfg.sliding_window and context > cfg.sliding_window:
         raise ExportError(
             f"this model attends within a sliding window of {cfg.sliding_window} tokens, which the exporter does not "
-            f"build: use --max-seq-len {cfg.sliding_window} or less"
+            f"build: use max_seq_len {cfg.sliding_window} or less"
         )
     if variant is Variant.GQA and cfg.head_dim % 16:
         raise ExportError(

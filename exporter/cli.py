@@ -134,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse and dispatch; user errors become one line on stderr and exit status 2."""
     args = parser.parse_args(argv)
     try:
         return args.func(args)

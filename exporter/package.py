@@ -91,12 +91,13 @@ def build_manifest(
     source: ResolvedSource,
     timings: dict[str, float],
     extra_files: list[str] = (),
+    export_id: str | None = None,
 ) -> Manifest:
     versions = runtime_versions()
     files = {name: file_entry(out_dir / name) for name in (MODEL_FILE, DATA_FILE, *extra_files)}
     data = {
         "schema": MANIFEST_SCHEMA,
-        "export_id": uuid.uuid4().hex,
+        "export_id": export_id or uuid.uuid4().hex,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "request": request.to_dict(),
         "variant": variant.value,
@@ -116,3 +117,15 @@ def build_manifest(
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
     return Manifest(data)
+
+
+def add_files_to_manifest(out_dir: Path, names: list[str], extra: dict | None = None) -> Manifest:
+    """Record files written after packaging (benchmark, ...) in the manifest, rewriting it whole."""
+    path = out_dir / MANIFEST_FILE
+    data = json.loads(path.read_text())
+    for name in names:
+        data["files"][name] = file_entry(out_dir / name)
+    data.update(extra or {})
+    manifest = Manifest(data)
+    manifest.write(out_dir)
+    return manifest

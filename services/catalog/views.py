@@ -1,0 +1,28 @@
+"""Catalog views: per model, the latest ready export of each variant with its key figures."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from services.catalog.models import Export, ExportStatus
+
+
+def _summary(export: Export) -> dict:
+    return {
+        "id": export.id, "variant": export.variant, "dtype": export.dtype, "ep": export.ep,
+        "max_seq_len": export.max_seq_len, "revision": export.revision, "ort_version": export.ort_version,
+        "finished_at": export.finished_at, "storage_prefix": export.storage_prefix, "figures": export.figures or {},
+    }
+
+
+def latest_ready(session: Session, model: str | None = None) -> dict[str, dict[str, dict]]:
+    """{model: {"<variant>-<dtype>-<ep>[-ms<n>]": summary of its newest ready export}}."""
+    query = select(Export).where(Export.status == ExportStatus.READY)
+    if model is not None:
+        query = query.where(Export.model == model)
+    views: dict[str, dict[str, dict]] = {}
+    for export in session.scalars(query.order_by(Export.finished_at.asc())):
+        slot = f"{export.variant}-{export.dtype}-{export.ep}" + (f"-ms{export.max_seq_len}" if export.max_seq_len else "")
+        views.setdefault(export.model, {})[slot] = _summary(export)  # later rows replace older ones
+    return views

@@ -1,0 +1,161 @@
+"""Stage 6: publish an export directory to object storage, data first and manifest.json last.
+
+A prefix without manifest.json is not an export (DESIGN.md, Publishing): every file the manifest
+lists is uploaded and verified (size and sha256 as the store reports them) before the manifest
+is written, so a reader that finds a manifest can trust every object it names. A failed publish
+leaves only objects without a manifest, which the next attempt reuses where they already match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import re
+from pathlib import Path
+
+from exporter.errors import ExportError
+from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE
+from exporter.pipeline import load_manifest
+from services.storage import ArtifactStore, ObjectInfo, StorageError, check_key
+
+STATUSES = ("ready", "quarantined", "unvalidated")
+# The weights first (by far the biggest, the most likely to be interrupted), then the graph.
+UPLOAD_FIRST = (DATA_FILE, MODEL_FILE)
+_UNSAFE_SEGMENT_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishResult:
+    """Where an export was published, the manifest as published, and what this call uploaded."""
+
+    prefix: str
+    manifest: dict
+    uploaded: list[str]
+    skipped: list[str]  # already at the prefix with the right size and sha256
+    already_published: bool = False
+
+
+def _key_segment(value: object, field: str) -> str:
+    """One safe key segment from a manifest value: S3-friendly characters, no '.' or '..'."""
+    segment = _UNSAFE_SEGMENT_CHARS.sub("-", str(value))
+    segment = re.sub(r"\.{2,}", ".", segment).strip(".-")
+    if not segment:
+        raise StorageError(f"manifest {field} {value!r} cannot be part of an object key")
+    return segment
+
+
+def _model_segments(manifest: dict) -> list[str]:
+    """'org/name' for a hub model (its '@revision' is a key level of its own), the directory name
+    for a local checkpoint. Every part is sanitized, and a '..' part is refused, not resolved."""
+    source = manifest.get("source", {})
+    if source.get("kind") == "local":
+        return [_key_segment(Path(source["path"]).name, "source path")]
+    repo_id = source.get("repo_id") or manifest["request"]["model"].partition("@")[0]
+    parts = repo_id.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise StorageError(f"manifest model {repo_id!r} is not a hub id like 'org/name'")
+    return [_key_segment(part, "model") for part in parts]
+
+
+def export_prefix(manifest: dict) -> str:
+    """The object key prefix of an export, per DESIGN.md:
+    ``<model>/<revision>/<variant>-<dtype>-<ep>[-ms<max_seq_len>]/ort-<version>/<export id>/``.
+
+    Built only from what the manifest records, so the same export always lands in the same place
+    and an ORT upgrade or a new revision never overwrites an older export.
+    """
+    request = manifest["request"]
+    build = f"{manifest['variant']}-{request['dtype']}-{request['ep']}"
+    if request.get("max_seq_len") is not None:
+        build += f"-ms{request['max_seq_len']}"
+    segments = [
+        *_model_segments(manifest),
+        _key_segment(manifest["source"]["revision"], "revision"),
+        _key_segment(build, "variant"),
+        _key_segment(f"ort-{manifest['versions']['onnxruntime']}", "onnxruntime version"),
+        _key_segment(manifest["export_id"], "export_id"),
+    ]
+    return check_key("/".join(segments) + "/", prefix=True)
+
+
+def read_published_manifest(store: ArtifactStore, prefix: str) -> dict | None:
+    """The manifest published at ``prefix``, or None: without one, the prefix holds no export."""
+    data = store.get_bytes(_directory(prefix) + MANIFEST_FILE)
+    return json.loads(data) if data is not None else None
+
+
+def _directory(prefix: str) -> str:
+    prefix = prefix if prefix.endswith("/") else prefix + "/"
+    return check_key(prefix, prefix=True)
+
+
+def _upload_order(files: dict[str, dict]) -> list[str]:
+    """Data file, graph, then the rest by name; manifest.json is never in it (it goes last)."""
+    rest = sorted(name for name in files if name not in (*UPLOAD_FIRST, MANIFEST_FILE))
+    return [name for name in UPLOAD_FIRST if name in files] + rest
+
+
+def _matches(info: ObjectInfo | None, entry: dict) -> bool:
+    return info is not None and info.size == entry["size"] and info.sha256 == entry["sha256"]
+
+
+def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, entry: dict) -> bool:
+    """Upload one file unless an identical object is there; verify it. True if it was uploaded."""
+    if _matches(store.head(key), entry):
+        return False
+    path = export_dir / name
+    if not path.is_file():
+        raise ExportError(f"{export_dir} has no {name}, which its manifest lists: export it again")
+    store.put_file(key, path, entry["sha256"])
+    info = store.head(key)
+    if not _matches(info, entry):
+        found = f"size {info.size}, sha256 {info.sha256}" if info else "no object"
+        raise StorageError(
+            f"{key} does not match the manifest after upload (expected size {entry['size']}, "
+            f"sha256 {entry['sha256']}; the store has {found}): not publishing the manifest"
+        )
+    return True
+
+
+def publish_export(store: ArtifactStore, export_dir: Path, prefix: str, status: str) -> PublishResult:
+    """Publish the export in ``export_dir`` under ``prefix`` with ``status`` (e.g. "ready").
+
+    Uploads every file in the manifest's "files" map (model.onnx.data, model.onnx, then the rest),
+    verifies each against its manifest entry, and only then writes manifest.json with "status" and
+    a "published" block. Idempotent: if this export's manifest is already at the prefix it is
+    returned untouched, and objects that already match are not uploaded again. A different export
+    at the same prefix is refused.
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    prefix = _directory(prefix)
+    existing = read_published_manifest(store, prefix)
+    if existing is not None:
+        if existing.get("export_id") != manifest["export_id"]:
+            raise StorageError(
+                f"{prefix} already holds export {existing.get('export_id')}, not {manifest['export_id']}: "
+                "publish each export under its own prefix (export_prefix)"
+            )
+        return PublishResult(prefix, existing, uploaded=[], skipped=[], already_published=True)
+
+    uploaded, skipped = [], []
+    files = manifest["files"]
+    for name in _upload_order(files):
+        if _publish_file(store, export_dir, check_key(prefix + name), name, files[name]):
+            uploaded.append(name)
+        else:
+            skipped.append(name)
+
+    published = {
+        **manifest,
+        "status": status,
+        "published": {
+            "prefix": prefix,
+            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        },
+    }
+    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(published, indent=2) + "\n").encode(), "application/json")
+    return PublishResult(prefix, published, uploaded, skipped)

@@ -1,0 +1,484 @@
+"""Object storage and publishing, against a real SeaweedFS S3 server and the local directory store.
+
+Every store test runs on both implementations: they must behave the same, because which one a
+deployment uses is only a setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from s3_server import SeaweedS3, free_ports
+
+from exporter.errors import ExportError
+from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE, file_entry
+from services.publish import export_prefix, publish_export, read_published_manifest
+from services.storage import LocalStore, S3Store, StorageError, verify_local_signature
+
+BUCKET = "exportfarm-test"
+PART = 5 << 20  # the smallest multipart part S3 allows: files above it really go up in parts
+SECRET = "local-signing-secret"
+BASE_URL = "http://farm.test"
+
+
+@pytest.fixture(scope="module")
+def seaweed():
+    with SeaweedS3() as server:
+        yield server
+
+
+def s3_store(server: SeaweedS3, bucket: str = BUCKET, secret_key: str | None = None, **kwargs) -> S3Store:
+    """An S3Store on the test server that gives up quickly unless a test asks for patience."""
+    options = {"attempts": 2, "backoff_s": 0.05, "client_attempts": 1,
+               "multipart_threshold_bytes": PART, "multipart_chunk_bytes": PART} | kwargs
+    return S3Store(server.endpoint_url, bucket, server.access_key, secret_key or server.secret_key, **options)
+
+
+@pytest.fixture(scope="module")
+def bucket(seaweed) -> str:
+    s3_store(seaweed).ensure_bucket()
+    return BUCKET
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, tmp_path):
+    """Each implementation in turn; the S3 one only starts SeaweedFS when a test needs it."""
+    if request.param == "local":
+        local = LocalStore(tmp_path / "store", BASE_URL, SECRET)
+        local.ensure_bucket()
+        return local
+    request.getfixturevalue("bucket")
+    return s3_store(request.getfixturevalue("seaweed"))
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A fresh key prefix, so tests sharing the bucket never see each other's objects."""
+    return f"test-{uuid.uuid4().hex[:12]}/"
+
+
+class RecordingStore:
+    """Passes every call to ``store``; records the key of each completed put, in order, and runs
+    ``after_put(key)`` after it (a test uses that to take S3 down in the middle of a publish)."""
+
+    def __init__(self, store, after_put=None):
+        self.store = store
+        self.puts: list[str] = []
+        self.after_put = after_put or (lambda key: None)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def put_file(self, key, path, sha256):
+        info = self.store.put_file(key, path, sha256)
+        self.puts.append(key)
+        self.after_put(key)
+        return info
+
+    def put_bytes(self, key, data, content_type="application/octet-stream"):
+        info = self.store.put_bytes(key, data, content_type)
+        self.puts.append(key)
+        self.after_put(key)
+        return info
+
+
+def make_export(directory: Path, data_bytes: int = 256 << 10) -> Path:
+    """A small export directory as exporter.pipeline writes it: files plus a manifest vouching for them."""
+    directory.mkdir(parents=True)
+    (directory / DATA_FILE).write_bytes(os.urandom(data_bytes))
+    (directory / MODEL_FILE).write_bytes(b"onnx graph " + os.urandom(64))
+    (directory / "parity_report.json").write_text('{"passed": true}\n')
+    (directory / "parity_report.md").write_text("# parity\nall gates passed\n")
+    names = [DATA_FILE, MODEL_FILE, "parity_report.json", "parity_report.md"]
+    manifest = {
+        "schema": 1,
+        "export_id": uuid.uuid4().hex,
+        "request": {"model": "org/tiny-llama@main", "dtype": "fp16", "ep": "cuda", "static_cache": True,
+                    "max_seq_len": 128, "variant": None},
+        "variant": "attn_static",
+        "source": {"kind": "hub", "path": "/cache/snapshots/0123abcd", "repo_id": "org/tiny-llama",
+                   "revision": "0123abcd"},
+        "versions": {"onnxruntime": "1.32.0"},
+        "files": {name: file_entry(directory / name) for name in names},
+        "status": "ready",
+    }
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    return directory
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- the store interface, on both implementations ----------------------------------------------
+
+
+def test_round_trip(store, prefix):
+    info = store.put_bytes(prefix + "a/one.json", b'{"x": 1}', "application/json")
+    store.put_bytes(prefix + "a/two.bin", b"\x00" * 10)
+    store.put_bytes(prefix + "b/three.bin", b"3")
+
+    assert info.size == 8 and info.sha256 == sha256(b'{"x": 1}')
+    assert store.get_bytes(prefix + "a/one.json") == b'{"x": 1}'
+    assert store.head(prefix + "a/two.bin").size == 10
+    assert store.head(prefix + "a/two.bin").sha256 == sha256(b"\x00" * 10)
+    assert store.head(prefix + "a/missing") is None
+    assert store.get_bytes(prefix + "a/missing") is None
+    assert store.list_keys(prefix + "a/") == [prefix + "a/one.json", prefix + "a/two.bin"]
+
+    assert store.delete_prefix(prefix + "a/") == 2
+    assert store.list_keys(prefix) == [prefix + "b/three.bin"]
+
+
+def test_put_file_records_its_sha256(store, prefix, tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(3 * PART // 2))
+
+    store.put_file(prefix + "weights.bin", path, sha256(path.read_bytes()))
+
+    assert store.head(prefix + "weights.bin").sha256 == sha256(path.read_bytes())
+    assert store.get_bytes(prefix + "weights.bin") == path.read_bytes()
+
+
+def test_put_file_refuses_a_file_that_does_not_hash_to_its_sha256(store, prefix, tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"changed after the manifest was written")
+
+    with pytest.raises(StorageError, match="refusing"):
+        store.put_file(prefix + "weights.bin", path, sha256(b"what the manifest says"))
+    assert store.head(prefix + "weights.bin") is None
+
+
+@pytest.mark.parametrize("key", ["../escape", "/absolute", "a/../../b", "a//b", "a\\b"])
+def test_unsafe_keys_are_refused(store, key):
+    with pytest.raises(StorageError, match="unsafe object key"):
+        store.put_bytes(key, b"x")
+
+
+def test_delete_prefix_only_takes_whole_directories(store, prefix):
+    store.put_bytes(prefix + "ab", b"x")
+    with pytest.raises(StorageError, match="ending in '/'"):
+        store.delete_prefix(prefix + "a")
+    with pytest.raises(StorageError):
+        store.delete_prefix("")
+    assert store.list_keys(prefix) == [prefix + "ab"]
+
+
+# --- S3 specifics --------------------------------------------------------------------------------
+
+
+def test_s3_multipart_upload_keeps_the_sha256(seaweed, bucket, prefix, tmp_path):
+    path = tmp_path / DATA_FILE
+    path.write_bytes(os.urandom(2 * PART + 12345))
+    store = s3_store(seaweed)
+
+    store.put_file(prefix + DATA_FILE, path, sha256(path.read_bytes()))
+
+    # A multipart object's ETag ends in "-<parts>"; with ChecksumAlgorithm=SHA256 SeaweedFS keeps a
+    # composite SHA256 of the three parts, which is why the file's own sha256 travels as metadata.
+    raw = seaweed.client().head_object(Bucket=bucket, Key=prefix + DATA_FILE, ChecksumMode="ENABLED")
+    assert raw["ETag"].strip('"').endswith("-3")
+    assert raw["ChecksumSHA256"].endswith("-3")
+    assert store.head(prefix + DATA_FILE).sha256 == sha256(path.read_bytes())
+    assert sha256(store.get_bytes(prefix + DATA_FILE)) == sha256(path.read_bytes())
+
+
+def test_s3_wrong_secret_key_is_refused_clearly(seaweed, bucket, prefix, tmp_path):
+    store = s3_store(seaweed, secret_key="not-the-secret")
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+
+    refused = f"{re.escape(seaweed.endpoint_url)} refused the credentials for bucket '{BUCKET}'"
+    with pytest.raises(StorageError, match=refused):
+        store.check()
+    with pytest.raises(StorageError, match="check the access key and secret key"):
+        store.put_file(prefix + "f", path, sha256(b"x"))
+    with pytest.raises(StorageError, match="refused the credentials"):
+        store.put_bytes(prefix + "g", b"x")
+
+
+def test_s3_check_says_what_is_wrong(seaweed, bucket):
+    s3_store(seaweed).check()
+
+    missing = s3_store(seaweed, bucket=f"missing-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(StorageError, match="does not exist: create it"):
+        missing.check()
+    missing.ensure_bucket()
+    missing.check()
+
+    nobody = S3Store(f"http://127.0.0.1:{free_ports(1)[0]}", BUCKET, "k", "s", client_attempts=1)
+    with pytest.raises(StorageError, match=r"cannot reach S3 .*check the endpoint URL"):
+        nobody.check()
+
+
+def test_s3_presigned_url_serves_plain_http(seaweed, bucket, prefix):
+    store = s3_store(seaweed)
+    store.put_bytes(prefix + "report.md", b"# parity\n")
+
+    url = store.presigned_url(prefix + "report.md", expires_s=60)
+    assert urllib.request.urlopen(url).read() == b"# parity\n"
+
+    tampered = url.replace("X-Amz-Signature=", "X-Amz-Signature=0")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(tampered)
+    assert refused.value.code == 403
+
+
+def test_s3_presigned_url_expires(seaweed, bucket, prefix):
+    store = s3_store(seaweed)
+    store.put_bytes(prefix + "report.md", b"# parity\n")
+    url = store.presigned_url(prefix + "report.md", expires_s=1)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url).read()
+        except urllib.error.HTTPError as err:
+            assert err.code == 403
+            return
+        time.sleep(0.2)
+    pytest.fail("a presigned URL was still served 10 s after it expired")
+
+
+# --- LocalStore specifics ------------------------------------------------------------------------
+
+
+def test_local_presigned_url_is_signed_for_its_key_and_time(tmp_path):
+    store = LocalStore(tmp_path, BASE_URL, SECRET)
+    store.put_bytes("m/r/model.onnx", b"graph")
+
+    url = urllib.parse.urlsplit(store.presigned_url("m/r/model.onnx", expires_s=60))
+    query = dict(urllib.parse.parse_qsl(url.query))
+    key = urllib.parse.unquote(url.path.removeprefix("/files/"))
+
+    assert f"{url.scheme}://{url.netloc}" == BASE_URL and key == "m/r/model.onnx"
+    assert store.open_file(key).read_bytes() == b"graph"
+    assert store.open_file("m/r/absent") is None
+    assert verify_local_signature(SECRET, key, query["expires"], query["signature"])
+    tampered = ("1" if query["signature"][0] == "0" else "0") + query["signature"][1:]
+    assert not verify_local_signature(SECRET, key, query["expires"], tampered)
+    assert not verify_local_signature(SECRET, "m/r/model.onnx.data", query["expires"], query["signature"])
+    assert not verify_local_signature(SECRET, key, int(query["expires"]) + 1, query["signature"])
+    assert not verify_local_signature("another-secret", key, query["expires"], query["signature"])
+    assert not verify_local_signature(SECRET, key, query["expires"], query["signature"], now=int(query["expires"]) + 1)
+    assert not verify_local_signature(SECRET, key, "soon", query["signature"])
+
+
+def test_local_store_never_shows_a_partial_object(tmp_path):
+    store = LocalStore(tmp_path, BASE_URL, SECRET)
+    store.put_bytes("k/v", b"old")
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"new bytes")
+
+    with pytest.raises(StorageError):
+        store.put_file("k/v", bad, sha256(b"something else"))
+
+    assert store.get_bytes("k/v") == b"old" and store.head("k/v").sha256 == sha256(b"old")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_local_check_refuses_a_missing_root(tmp_path):
+    store = LocalStore(tmp_path / "nowhere", BASE_URL, SECRET)
+    with pytest.raises(StorageError, match="does not exist"):
+        store.check()
+    store.ensure_bucket()
+    store.check()
+
+
+# --- publishing ----------------------------------------------------------------------------------
+
+
+def test_publish_uploads_data_first_and_manifest_last(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    recording = RecordingStore(store)
+
+    result = publish_export(recording, export, prefix, status="ready")
+
+    names = [key.removeprefix(prefix) for key in recording.puts]
+    assert names == [DATA_FILE, MODEL_FILE, "parity_report.json", "parity_report.md", MANIFEST_FILE]
+    local_manifest = json.loads((export / MANIFEST_FILE).read_text())
+    for name, entry in local_manifest["files"].items():
+        assert sha256(store.get_bytes(prefix + name)) == entry["sha256"]
+        assert store.head(prefix + name).size == entry["size"]
+    published = read_published_manifest(store, prefix)
+    assert published == result.manifest
+    assert published["status"] == "ready" and published["published"]["prefix"] == prefix
+    assert published["export_id"] == local_manifest["export_id"]
+
+
+def test_publishing_again_is_a_no_op(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    first = publish_export(store, export, prefix, status="quarantined")
+    recording = RecordingStore(store)
+
+    again = publish_export(recording, export, prefix, status="quarantined")
+
+    assert again.already_published and again.manifest == first.manifest
+    assert recording.puts == []
+
+
+def test_publish_skips_objects_that_are_already_there(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    entry = json.loads((export / MANIFEST_FILE).read_text())["files"][DATA_FILE]
+    store.put_file(prefix + DATA_FILE, export / DATA_FILE, entry["sha256"])  # left by an interrupted publish
+
+    result = publish_export(store, export, prefix, status="ready")
+
+    assert result.skipped == [DATA_FILE]
+    assert result.uploaded == [MODEL_FILE, "parity_report.json", "parity_report.md"]
+
+
+def test_publish_refuses_a_file_that_does_not_match_the_manifest(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    (export / "parity_report.md").write_text("# parity\nedited after export\n")
+
+    with pytest.raises(StorageError, match=r"parity_report\.md"):
+        publish_export(store, export, prefix, status="ready")
+
+    assert store.head(prefix + MANIFEST_FILE) is None
+    assert read_published_manifest(store, prefix) is None
+
+
+def test_publish_verifies_what_the_store_holds_before_the_manifest(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    manifest = json.loads((export / MANIFEST_FILE).read_text())
+    manifest["files"][MODEL_FILE]["size"] += 1  # right bytes, wrong size: only the check after upload sees it
+    (export / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    with pytest.raises(StorageError, match=f"{MODEL_FILE} does not match the manifest after upload"):
+        publish_export(store, export, prefix, status="ready")
+
+    assert store.list_keys(prefix) == [prefix + MODEL_FILE, prefix + DATA_FILE]
+
+
+def test_publish_needs_every_file_the_manifest_lists(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    (export / MODEL_FILE).unlink()
+
+    with pytest.raises(ExportError, match=f"has no {MODEL_FILE}"):
+        publish_export(store, export, prefix, status="ready")
+    assert read_published_manifest(store, prefix) is None
+
+
+def test_publish_refuses_another_export_at_the_same_prefix(store, prefix, tmp_path):
+    publish_export(store, make_export(tmp_path / "one"), prefix, status="ready")
+    with pytest.raises(StorageError, match="already holds export"):
+        publish_export(store, make_export(tmp_path / "two"), prefix, status="ready")
+
+
+def test_publish_waits_for_s3_to_come_back(seaweed, bucket, prefix, tmp_path, caplog):
+    export = make_export(tmp_path / "export", data_bytes=PART + 1)
+    store = s3_store(seaweed, attempts=30, backoff_s=0.2, max_backoff_s=0.5)
+    outcome: dict = {}
+
+    def publish() -> None:
+        try:
+            outcome["result"] = publish_export(store, export, prefix, status="ready")
+        except Exception as err:  # handed to the test thread, which asserts on it
+            outcome["error"] = err
+
+    seaweed.stop()
+    try:
+        worker = threading.Thread(target=publish)
+        worker.start()
+        # S3 stays down until the publish has been turned away twice (or has given up).
+        wait_until(lambda: retries_logged(caplog) >= 2 or not worker.is_alive())
+    finally:
+        seaweed.start()
+    worker.join(timeout=30)
+
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"].uploaded == [DATA_FILE, MODEL_FILE, "parity_report.json", "parity_report.md"]
+    assert read_published_manifest(store, prefix)["status"] == "ready"
+
+
+def test_publish_that_loses_s3_leaves_no_manifest_and_resumes(seaweed, bucket, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    store = s3_store(seaweed, attempts=2, backoff_s=0.05)
+
+    def stop_after_the_weights(key: str) -> None:
+        """S3 goes away right after the weights are uploaded, and stays away longer than we retry."""
+        if key.endswith(DATA_FILE):
+            seaweed.stop()
+
+    dropping = RecordingStore(store, after_put=stop_after_the_weights)
+
+    try:
+        with pytest.raises(StorageError, match="cannot reach S3"):
+            publish_export(dropping, export, prefix, status="ready")
+    finally:
+        seaweed.start()
+
+    assert store.list_keys(prefix) == [prefix + DATA_FILE]
+    resumed = publish_export(store, export, prefix, status="ready")
+    assert resumed.skipped == [DATA_FILE]
+    assert resumed.uploaded == [MODEL_FILE, "parity_report.json", "parity_report.md"]
+    assert read_published_manifest(store, prefix)["export_id"] == resumed.manifest["export_id"]
+
+
+def retries_logged(caplog) -> int:
+    return sum("cannot reach S3" in record.getMessage() for record in caplog.records)
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(0.05)
+
+
+# --- key layout ----------------------------------------------------------------------------------
+
+
+def manifest_for(model: str, source: dict, **request) -> dict:
+    return {
+        "export_id": "e0f1",
+        "request": {"model": model, "dtype": "fp16", "ep": "cuda", "max_seq_len": None} | request,
+        "variant": "gqa",
+        "source": source,
+        "versions": {"onnxruntime": "1.32.0"},
+    }
+
+
+def test_export_prefix_for_a_hub_model_at_a_revision():
+    manifest = manifest_for(
+        "Qwen/Qwen2.5-0.5B@main", {"kind": "hub", "repo_id": "Qwen/Qwen2.5-0.5B", "revision": "9a7c0de"}
+    )
+    assert export_prefix(manifest) == "Qwen/Qwen2.5-0.5B/9a7c0de/gqa-fp16-cuda/ort-1.32.0/e0f1/"
+
+    static = manifest | {"variant": "attn_static", "request": manifest["request"] | {"max_seq_len": 4096}}
+    assert export_prefix(static) == "Qwen/Qwen2.5-0.5B/9a7c0de/attn_static-fp16-cuda-ms4096/ort-1.32.0/e0f1/"
+
+
+def test_export_prefix_for_a_local_checkpoint_uses_its_directory_name():
+    source = {"kind": "local", "path": "/models/my llama (v2)", "repo_id": None, "revision": "local-00ff"}
+    manifest = manifest_for("./my llama (v2)", source, dtype="fp32", ep="cpu")
+    assert export_prefix(manifest) == "my-llama-v2/local-00ff/gqa-fp32-cpu/ort-1.32.0/e0f1/"
+
+
+@pytest.mark.parametrize("model", ["../../etc", "org/../../x", "/org/name", "org//name"])
+def test_export_prefix_refuses_path_traversal(model):
+    manifest = manifest_for(model, {"kind": "hub", "repo_id": None, "revision": "abc"})
+    with pytest.raises(StorageError):
+        export_prefix(manifest)
+
+
+def test_export_prefix_sanitizes_every_level():
+    source = {"kind": "hub", "repo_id": "org/name", "revision": "../../main"}
+    manifest = manifest_for("org/name", source) | {"export_id": "../id", "versions": {"onnxruntime": "1.32.0+cu12"}}
+    prefix = export_prefix(manifest)
+    assert ".." not in prefix and not prefix.startswith("/")
+    assert prefix == "org/name/main/gqa-fp16-cuda/ort-1.32.0-cu12/id/"

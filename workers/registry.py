@@ -1,0 +1,42 @@
+"""Workers report what they run on; the catalog keeps the latest state and the history."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from exporter import __version__
+from services.catalog.database import session_scope
+from services.catalog.models import RuntimeReport, Worker, utcnow
+from services.settings import Settings
+from workers.runtime_info import RuntimeInfo, runtime_info
+
+
+def report_worker(settings: Settings, hostname: str, queues: str, info: RuntimeInfo | None = None) -> None:
+    """Upsert the worker row; add a history row when its runtime changed (or is new)."""
+    info = info or runtime_info(hostname)
+    with session_scope(settings.catalog_url) as session:
+        worker = session.get(Worker, hostname)
+        changed = worker is None or (worker.onnxruntime, worker.cuda, worker.gpu, worker.queues) != (
+            info.onnxruntime, info.cuda, info.gpu, queues)
+        if worker is None:
+            worker = Worker(hostname=hostname, started_at=utcnow())
+            session.add(worker)
+        worker.queues, worker.onnxruntime, worker.cuda, worker.gpu = queues, info.onnxruntime, info.cuda, info.gpu
+        worker.exporter_version, worker.last_seen = __version__, utcnow()
+        if changed:
+            session.add(RuntimeReport(hostname=hostname, queues=queues, onnxruntime=info.onnxruntime,
+                                      cuda=info.cuda, gpu=info.gpu))
+
+
+def live_workers(settings: Settings, session, within_s: float | None = None) -> list[Worker]:
+    import datetime
+
+    horizon = utcnow() - datetime.timedelta(seconds=within_s or 3 * settings.worker_report_s)
+    rows = session.scalars(select(Worker)).all()
+    return [w for w in rows if _aware(w.last_seen) >= horizon]
+
+
+def _aware(moment):
+    import datetime
+
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

@@ -1,0 +1,58 @@
+"""What a worker runs on: onnxruntime, CUDA and GPU versions, reported to the catalog."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInfo:
+    hostname: str
+    onnxruntime: str
+    cuda: str | None
+    gpu: str | None
+    providers: tuple[str, ...]
+
+
+def _gpu_name() -> str | None:
+    try:
+        import pynvml  # nvidia-ml-py, present on GPU images only
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    name = name.decode() if isinstance(name, bytes) else name
+    driver = driver.decode() if isinstance(driver, bytes) else driver
+    return f"{name} (driver {driver})"
+
+
+def _cuda_version(providers: tuple[str, ...]) -> str | None:
+    if "CUDAExecutionProvider" not in providers:
+        return None
+    try:
+        import torch
+
+        return torch.version.cuda
+    except ImportError:
+        return "unknown"
+
+
+def runtime_info(hostname: str | None = None) -> RuntimeInfo:
+    import onnxruntime
+
+    providers = tuple(onnxruntime.get_available_providers())
+    return RuntimeInfo(
+        hostname=hostname or socket.gethostname(),
+        onnxruntime=onnxruntime.__version__,
+        cuda=_cuda_version(providers),
+        gpu=_gpu_name(),
+        providers=providers,
+    )
