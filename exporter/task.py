@@ -85,7 +85,10 @@ def build_graph(
         total = _dim_scalar(b, attention_mask, 1)
         step.total_seq_len = b.op("Cast", [total], {"to": ir.DataType.INT32})
         if tables.switch_at is not None:
-            start = b.op("Unsqueeze", [longrope_row_offset(b, total, tables), b.ints(0)])
+            # The longest real sequence, not the mask width: with a shared max-length buffer the mask
+            # is as wide as the buffer while the tokens seen are far fewer.
+            longest = b.op("ReduceMax", [lengths], {"keepdims": 0})
+            start = b.op("Unsqueeze", [longrope_row_offset(b, longest, tables), b.ints(0)])
             end = b.op("Add", [start, b.ints(tables.table_len)])
             rotary.cos = b.op("Slice", [cos, start, end, b.ints(0)])
             rotary.sin = b.op("Slice", [sin, start, end, b.ints(0)])
@@ -103,7 +106,8 @@ def build_graph(
             rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
 
     if variant is Variant.ATTN_STATIC:
-        cache_dims = [BATCH, cfg.num_kv_heads, max_seq_len, cfg.head_dim]
+        # The runtime picks the buffer length (at most max_seq_len: the rope table covers that).
+        cache_dims = [BATCH, cfg.num_kv_heads, "max_seq_len", cfg.head_dim]
         out_cache_dims = cache_dims
     else:
         cache_dims = [BATCH, cfg.num_kv_heads, PAST, cfg.head_dim]

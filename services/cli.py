@@ -17,6 +17,9 @@ def _cmd_serve(args) -> int:
     from services.settings import get_settings
 
     settings = get_settings()
+    if "public_base_url" not in settings.model_fields_set:
+        # Links the API hands out (local-store downloads) point at where it actually listens.
+        settings = settings.model_copy(update={"public_base_url": f"http://{args.host}:{args.port}"})
     worker = None
     if settings.redis_url is None and not args.no_worker:
         # Embedded mode: the file-based queue needs a local worker; run one beside the API.

@@ -1,0 +1,414 @@
+"""The decode matrix of one model in one run: our three variants, the onnxruntime-genai builder's
+export, transformers eager and the memory-bandwidth floor, at several context lengths.
+
+Run on the GPU machine (see ../shared/gpu/README.md), one model per call::
+
+    python benchmarks/gpu_matrix.py --model llama-3.2-1b --out $OUT/llama-3.2-1b.json \
+        [--genai-builder /tmp/site/onnxruntime_genai/models/builder.py]
+
+Random weights are built on the device from the model's config (nothing that large travels).
+Every ORT configuration runs through ``exporter.bench.DecodeHarness`` (IO binding; CUDA graphs
+where the contract allows) and writes into one JSON, saved after every step so a partial run
+still reports. ``--tiny --ep cpu`` runs the same code on a small model on the CPU (CI smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STATIC_OVERSIZED = 8320
+MODELS = {
+    # Llama-3.2-1B: tied embeddings, llama3 rope scaling.
+    "llama-3.2-1b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+    # Phi-3.5-mini: fused qkv / gate_up, longrope (factor values are stand-ins of the right shape).
+    "phi-3.5-mini": ("Phi3Config", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+        sliding_window=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": list(np.linspace(1.0, 2.7, 48).round(4)),
+                         "long_factor": list(np.linspace(1.08, 64.0, 48).round(4))},
+    )),
+}
+
+
+class Recorder:
+    """The result JSON, written after every update so a cut-short run still has its figures."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self.data = path, data
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+    def error(self, where: str, err: BaseException) -> None:
+        self.data.setdefault("errors", {})[where] = "".join(traceback.format_exception_only(err)).strip()[-3000:]
+        self.save()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def tokenizer_into(directory: Path) -> None:
+    """A tiny WordLevel tokenizer: the genai builder insists on one; its contents do not matter here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+
+
+def build_checkpoint(name: str, directory: Path, device: str, tiny: bool):
+    """Random fp16 weights from the config, saved as a checkpoint; returns the live model too."""
+    import torch
+    import transformers
+
+    if tiny:
+        from exporter.tiny_checkpoint import make_tiny_checkpoint
+
+        make_tiny_checkpoint("llama" if name.startswith("llama") else "phi3", directory, dtype="float16")
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16, attn_implementation="eager")
+    else:
+        class_name, kwargs = MODELS[name]
+        config = getattr(transformers, class_name)(**kwargs)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16, attn_implementation="eager")
+        model.save_pretrained(directory)
+    tokenizer_into(directory)
+    return model.to(device).eval()
+
+
+def export_variants(checkpoint: Path, work: Path, ep: str, max_seq_len: int) -> dict[str, Path]:
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    dirs = {}
+    for variant in ("attn_static", "gqa", "attn_dynamic"):
+        request = ExportRequest(model=str(checkpoint), dtype="fp16", ep=ep, variant=variant,
+                                static_cache=variant == "attn_static", max_seq_len=max_seq_len)
+        start = time.perf_counter()
+        dirs[variant] = export_model(request, work / variant, overwrite=True, validate=False).out_dir
+        log(f"exported {variant} in {time.perf_counter() - start:.1f} s")
+    return dirs
+
+
+def build_genai(builder: Path, checkpoint: Path, out: Path, ep: str) -> tuple[Path | None, str]:
+    """The onnxruntime-genai model builder's fp16 export of the same checkpoint."""
+    cmd = [sys.executable, str(builder), "-i", str(checkpoint), "-o", str(out), "-p", "fp16", "-e", ep,
+           "-c", str(out.parent / "genai-cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=builder.parent)
+    if proc.returncode != 0 or not (out / "model.onnx").is_file():
+        return None, f"builder exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
+    return out, " ".join(cmd)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000.0
+    del src, dst
+    return 2 * 20 * (1 << 30) / seconds
+
+
+def weight_bytes_per_token(export_dir: Path) -> int:
+    """Bytes of weights one decode step reads: all but gather-only tables (embedding, rope)."""
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    total = 0
+    for name, entry in manifest["initializers"].items():
+        if name == "model.embed_tokens.weight" or name.startswith("rope."):
+            continue  # a decode step gathers one row of these
+        count = int(np.prod(entry["shape"])) if entry["shape"] else 1
+        total += count * {"FLOAT16": 2, "BFLOAT16": 2, "FLOAT": 4, "INT64": 8}.get(entry["dtype"], 4)
+    return total
+
+
+def process_gpu_memory() -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+        return int(used[0]) if used and used[0] else None
+    except Exception:
+        return None
+
+
+def bench_hf(model, contexts, steps: int, warmup: int, device: str, vocab: int) -> dict:
+    import torch
+
+    rng = np.random.default_rng(0)
+    results = {}
+    for ctx in contexts:
+        prompt = torch.tensor(rng.integers(3, vocab, size=(1, ctx)), device=device)
+        with torch.no_grad():
+            out = model(input_ids=prompt, use_cache=True)
+            cache = out.past_key_values
+            token = torch.ones((1, 1), dtype=torch.long, device=device)
+            times = []
+            for i in range(warmup + steps):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append((time.perf_counter() - start) * 1000.0)
+        results[str(ctx)] = {"decode_ms_median": float(np.median(times)), "decode_ms_p90": float(np.percentile(times, 90)),
+                             "steps": len(times)}
+        del cache, out
+    return results
+
+
+def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, steps: int, warmup: int, vocab: int,
+              harness=None) -> tuple[dict, dict, object]:
+    """Decode + prefill per context for one configuration; returns (figures, last logits, harness)."""
+    from exporter.bench import DecodeHarness
+
+    harness = harness or DecodeHarness(model_path, ep, cuda_graph=graph)
+    rng = np.random.default_rng(0)
+    figures, logits = {}, {}
+    for ctx in contexts:
+        buffer = buffer_for(ctx)
+        prompt = rng.integers(3, vocab, size=(1, ctx))
+        harness.prefill(prompt, harness.new_caches(buffer), buffer)  # warm: allocations, kernel choice
+        caches = harness.new_caches(buffer)
+        prefill_s, _ = harness.prefill(prompt, caches, buffer)
+        if not graph:
+            harness._graph_ids = -10**9  # keep run ids negative: no capture in this configuration
+        times, last = harness.decode(caches, ctx, buffer, steps, warmup)
+        figures[str(ctx)] = {"decode_ms_median": float(np.median(times)), "decode_ms_p90": float(np.percentile(times, 90)),
+                             "steps": len(times), "buffer": buffer, "prefill_ms": prefill_s * 1000.0,
+                             "prefill_tokens_per_s": ctx / prefill_s}
+        logits[str(ctx)] = last.astype(np.float32).ravel()
+        del caches
+    figures["device_memory_bytes"] = process_gpu_memory()
+    return figures, logits, harness
+
+
+def profile_decode(model_path: Path, ep: str, ctx: int, steps: int, vocab: int, out_dir: Path) -> dict:
+    """ORT's own profile of ``steps`` uncaptured decode steps: time per op type, largest first."""
+    import onnxruntime as ort
+
+    from exporter.bench import DecodeHarness
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_profiling = True
+    options.profile_file_prefix = str(out_dir / f"profile_{model_path.parent.name}")
+    harness = DecodeHarness(model_path, ep, session_options=options)
+    caches = harness.new_caches(ctx + steps + 2)
+    harness.prefill(np.random.default_rng(0).integers(3, vocab, size=(1, ctx)), caches, ctx + steps + 2)
+    harness.decode(caches, ctx, ctx + steps + 2, steps, 0)
+    trace = json.loads(Path(harness.session.end_profiling()).read_text())
+    runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
+    decode_start = runs[1] if len(runs) > 1 else 0
+    by_op: dict[str, float] = {}
+    for event in trace:
+        if event.get("cat") == "Node" and event["ts"] >= decode_start and event["name"].endswith("_kernel_time"):
+            op = event.get("args", {}).get("op_name", "?")
+            by_op[op] = by_op.get(op, 0.0) + event["dur"]
+    total = sum(by_op.values()) or 1.0
+    return {"ctx": ctx, "steps": steps, "op_us_per_step": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "op_share": {k: round(v / total, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])}}
+
+
+def agreement(logits: dict[str, dict], reference: str) -> dict:
+    """Max |logit difference| and argmax agreement of every configuration against ``reference``."""
+    out = {}
+    for name, per_ctx in logits.items():
+        if name == reference:
+            continue
+        out[name] = {ctx: {"max_abs_diff": float(np.max(np.abs(values - logits[reference][ctx]))),
+                           "same_argmax": int(values.argmax()) == int(logits[reference][ctx].argmax())}
+                     for ctx, values in per_ctx.items() if ctx in logits[reference]}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/exportfarm-gpu"))
+    parser.add_argument("--ep", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--ctx", default="128,512,2048,4096,8192")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--hf-steps", type=int, default=16)
+    parser.add_argument("--genai-builder", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: hf,genai,profile,kernels")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    contexts = [int(c) for c in args.ctx.split(",")]
+    device = "cuda" if args.ep == "cuda" else "cpu"
+    work = args.work / args.model
+    work.mkdir(parents=True, exist_ok=True)
+    span = args.warmup + args.steps
+    max_seq_len = STATIC_OVERSIZED if not args.tiny else max(contexts) + span + 8
+
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    rec = Recorder(args.out, {
+        "benchmark": "gpu_matrix", "model": args.model, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "cuda": torch.version.cuda, "python": platform.python_version()},
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
+        "settings": {"contexts": contexts, "steps": args.steps, "warmup": args.warmup, "hf_steps": args.hf_steps,
+                     "static_oversized_buffer": STATIC_OVERSIZED, "dtype": "fp16", "batch": 1},
+        "configs": {},
+    })
+    checkpoint = work / "checkpoint"
+    log(f"building {args.model} checkpoint")
+    model = build_checkpoint(args.model, checkpoint, device, args.tiny)
+    vocab = model.config.vocab_size
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    if "hf" not in skip:
+        try:
+            log("transformers eager")
+            rec.data["configs"]["transformers eager"] = {"decode": bench_hf(model, contexts, args.hf_steps, 3, device, vocab)}
+            rec.save()
+        except Exception as err:
+            rec.error("transformers eager", err)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    rec.data["bandwidth_bytes_per_s"] = copy_bandwidth(device)
+
+    log("exporting")
+    exports = export_variants(checkpoint, work / "exports", args.ep, max_seq_len)
+    weight_bytes = weight_bytes_per_token(exports["attn_static"])
+    rec.data["floor"] = {
+        "weight_bytes_per_token": weight_bytes,
+        "kv_bytes_per_token": {str(c): 2 * layers * kv_heads * c * head_dim * 2 for c in contexts},
+    }
+    bw = rec.data["bandwidth_bytes_per_s"]
+    rec.data["floor"]["decode_ms"] = {str(c): (weight_bytes + 2 * layers * kv_heads * c * head_dim * 2) / bw * 1000.0
+                                      for c in contexts} if bw == bw else None
+    rec.data["export_timings_s"] = {v: json.loads((d / "manifest.json").read_text())["timings_s"] for v, d in exports.items()}
+    rec.save()
+
+    genai_dir = None
+    if args.genai_builder and "genai" not in skip:
+        log("onnxruntime-genai builder")
+        genai_dir, detail = build_genai(args.genai_builder, checkpoint, work / "genai", args.ep)
+        rec.data["genai_builder"] = {"ok": genai_dir is not None, "detail": detail}
+        rec.save()
+
+    graph = device == "cuda"
+    sized = lambda c: c + span  # noqa: E731  (a buffer that just fits the run)
+    plan = [
+        ("ours attn_static + CUDA graph, buffer = context", exports["attn_static"], graph, sized, "static"),
+        (f"ours attn_static + CUDA graph, buffer = {STATIC_OVERSIZED}", exports["attn_static"], graph,
+         lambda c: max(STATIC_OVERSIZED, c + span) if not args.tiny else max_seq_len, "static"),
+        ("ours attn_static, no graph, buffer = context", exports["attn_static"], False, sized, "static"),
+        ("ours gqa + CUDA graph, shared buffer", exports["gqa"], graph, sized, "gqa"),
+        ("ours gqa, no graph, shared buffer", exports["gqa"], False, sized, "gqa"),
+        ("ours attn_dynamic", exports["attn_dynamic"], False, sized, None),
+    ]
+    if genai_dir is not None:
+        plan += [("onnxruntime-genai builder gqa + CUDA graph, shared buffer", genai_dir, graph, sized, "genai"),
+                 ("onnxruntime-genai builder gqa, no graph, shared buffer", genai_dir, False, sized, "genai")]
+    harnesses: dict[str, object] = {}
+    logits: dict[str, dict] = {}
+    for name, export_dir, use_graph, buffer_for, share in plan:
+        log(name)
+        try:
+            key = f"{export_dir}:{use_graph or (share and harnesses.get(f'{export_dir}:True') is not None)}"
+            harness = harnesses.get(f"{export_dir}:True") if share else None
+            figures, last, harness = bench_ort(export_dir / "model.onnx", args.ep, use_graph, buffer_for, contexts,
+                                               args.steps, args.warmup, vocab, harness)
+            if use_graph:
+                harnesses[f"{export_dir}:True"] = harness
+            rec.data["configs"][name] = {"decode": {k: v for k, v in figures.items() if k != "device_memory_bytes"},
+                                         "device_memory_bytes": figures["device_memory_bytes"], "cuda_graph": use_graph}
+            logits[name] = last
+            rec.save()
+        except Exception as err:
+            rec.error(name, err)
+        del key
+    rec.data["agreement_vs_attn_dynamic"] = agreement(logits, "ours attn_dynamic") if "ours attn_dynamic" in logits else {}
+    rec.save()
+    harnesses.clear()
+    gc.collect()
+
+    if "kernels" not in skip:
+        from exporter.kernel_log import probe
+
+        targets = {"ours attn_static": exports["attn_static"], "ours gqa": exports["gqa"], "ours attn_dynamic": exports["attn_dynamic"]}
+        if genai_dir is not None:
+            targets["onnxruntime-genai builder gqa"] = genai_dir
+        for name, export_dir in targets.items():
+            log(f"kernel probe {name}")
+            try:
+                rec.data.setdefault("kernels", {})[name] = probe(export_dir / "model.onnx", args.ep, ctx=min(512, max(contexts)))
+            except Exception as err:
+                rec.error(f"kernels {name}", err)
+            rec.save()
+
+    if "profile" not in skip:
+        ctx = 2048 if not args.tiny else min(contexts)
+        targets = {"ours attn_static": exports["attn_static"], "ours gqa": exports["gqa"]}
+        if genai_dir is not None:
+            targets["onnxruntime-genai builder gqa"] = genai_dir
+        for name, export_dir in targets.items():
+            log(f"profile {name}")
+            try:
+                rec.data.setdefault("profiles", {})[name] = profile_decode(export_dir / "model.onnx", args.ep, ctx, 16, vocab, work)
+            except Exception as err:
+                rec.error(f"profile {name}", err)
+            rec.save()
+    log(f"done: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
