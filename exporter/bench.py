@@ -94,11 +94,11 @@ class DecodeHarness:
             raise ValueError("a growing past/present cache cannot be captured in a CUDA graph")
         self.cache_pairs = self._cache_pairs()
         first = self.inputs[self.cache_pairs[0][0]]
-        self.kv_heads, self.head_dim = first.shape[1], first.shape[3]
-        if not isinstance(self.head_dim, int):
+        self.cache_dims = list(first.shape)
+        if not isinstance(self.cache_dims[-1], int):
             # onnxruntime-genai's builder leaves head_dim symbolic; its genai_config.json has it.
             genai = json.loads((Path(model_path).parent / "genai_config.json").read_text())["model"]["decoder"]
-            self.kv_heads, self.head_dim = genai["num_key_value_heads"], genai["head_size"]
+            self.cache_dims[-1] = genai["head_size"]
         self.cache_dtype = _NP[first.type]
         self.mask_dtype = _NP[self.inputs["attention_mask"].type] if "attention_mask" in self.inputs else np.int64
         self._graph_ids = 0
@@ -127,10 +127,9 @@ class DecodeHarness:
     def new_caches(self, buffer: int) -> dict:
         """Zeroed cache buffers of ``buffer`` positions (``dynamic``: an empty past)."""
         length = 0 if self.mode == "dynamic" else buffer
-        caches = {}
-        for name, _ in self.cache_pairs:
-            caches[name] = self._value(np.zeros((1, self.kv_heads, length, self.head_dim), self.cache_dtype))
-        return caches
+        # Batch 1; the one symbolic dimension left is the positions axis (whatever the layout).
+        shape = [1] + [d if isinstance(d, int) else length for d in self.cache_dims[1:]]
+        return {name: self._value(np.zeros(shape, self.cache_dtype)) for name, _ in self.cache_pairs}
 
     def _step_feeds(self, tokens: np.ndarray, past: int, buffer: int) -> dict[str, np.ndarray]:
         n = tokens.shape[1]

@@ -70,8 +70,10 @@ class OnnxCausalLM:
 
     def new_state(self, batch: int = 1) -> CacheState:
         cfg = self.config
-        length = cfg["max_seq_len"] if self.variant is Variant.ATTN_STATIC else 0
-        shape = (batch, cfg["num_kv_heads"], length, cfg["head_dim"])
+        if self.variant is Variant.ATTN_STATIC:  # [batch, positions, kv_heads*head_dim], allocated once
+            shape = (batch, cfg["max_seq_len"], cfg["num_kv_heads"] * cfg["head_dim"])
+        else:  # past_key_values: [batch, kv_heads, past, head_dim], empty before the prompt
+            shape = (batch, cfg["num_kv_heads"], 0, cfg["head_dim"])
         keys = [np.zeros(shape, self.np_dtype) for _ in range(self.num_layers)]
         values = [np.zeros(shape, self.np_dtype) for _ in range(self.num_layers)]
         if self.io_binding:

@@ -12,7 +12,7 @@ from exporter.architectures.base import Architecture
 from exporter.components.attention import StepInputs
 from exporter.components.decoder import decoder_layer
 from exporter.components.graph import GraphBuilder, linear
-from exporter.components.norm import rms_norm
+from exporter.components.norm import residual_rms_norm, rms_norm
 from exporter.components.rotary import Rotary, longrope_row_offset, rope_constants
 from exporter.config import ModelConfig
 from exporter.request import Variant
@@ -106,8 +106,9 @@ def build_graph(
             rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
 
     if variant is Variant.ATTN_STATIC:
+        # [batch, positions, kv_heads*head_dim] (BSNH): the layout the attention kernels read natively.
         # The runtime picks the buffer length (at most max_seq_len: the rope table covers that).
-        cache_dims = [BATCH, cfg.num_kv_heads, "max_seq_len", cfg.head_dim]
+        cache_dims = [BATCH, "max_seq_len", cfg.kv_size]
         out_cache_dims = cache_dims
     else:
         cache_dims = [BATCH, cfg.num_kv_heads, PAST, cfg.head_dim]
@@ -131,8 +132,11 @@ def build_graph(
     else:
         x = b.op("Gather", [embed, input_ids], {"axis": 0})
     outputs = []
+    h = rms_norm(b, x, b.weight(arch.names(0)["input_norm"]), cfg.rms_norm_eps)
     for i in range(cfg.num_layers):
-        x, (key_out, value_out) = decoder_layer(b, x, arch, cfg, i, variant, step, caches_in[i])
+        mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step, caches_in[i])
+        next_norm = arch.names(i + 1)["input_norm"] if i + 1 < cfg.num_layers else arch.final_norm
+        h, x = residual_rms_norm(b, x, mlp_out, b.weight(next_norm), cfg.rms_norm_eps)
         names = cache_io_names(variant, i)
         outputs += [
             _name_output(key_out, names[2], dtype, out_cache_dims),
@@ -140,17 +144,16 @@ def build_graph(
         ]
         if on_layer:
             on_layer(i + 1, cfg.num_layers)
-    x = rms_norm(b, x, b.weight(arch.final_norm), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
-        head = b.op("MatMul", [x, embed_t])
+        head = b.op("MatMul", [h, embed_t])
     else:
-        head = linear(b, x, b.weight(arch.lm_head))
+        head = linear(b, h, b.weight(arch.lm_head))
     logits = _name_output(head, "logits", dtype, [BATCH, SEQ, cfg.vocab_size])
     return ir.Graph(
         inputs,
         [logits, *outputs],
         nodes=b.tape.nodes,
         initializers=b.tape.initializers,
-        opset_imports={"": 24, "com.microsoft": 1} if variant is Variant.GQA else {"": 24},
+        opset_imports={"": 24, "com.microsoft": 1},
         name=f"{cfg.architecture}_{variant.value}",
     )

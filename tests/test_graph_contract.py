@@ -61,7 +61,7 @@ def test_attn_static_contract(arch, exported):
     model = _load(exported(arch, "attn_static"))
     inputs, outputs = _io(model)
     assert "attention_mask" not in inputs
-    assert _dims(inputs["key_cache.0"]) == _dims(outputs["updated_key_cache.0"]) == ["batch_size", 2, "max_seq_len", 16]
+    assert _dims(inputs["key_cache.0"]) == _dims(outputs["updated_key_cache.0"]) == ["batch_size", "max_seq_len", 32]
     config = json.loads({p.key: p.value for p in model.metadata_props}["exportfarm.config"])
     assert config["max_seq_len"] == MAX_SEQ_LEN
     assert _dims(inputs["write_indices"]) == _dims(inputs["nonpad_kv_seqlen"]) == ["batch_size"]

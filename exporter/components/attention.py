@@ -41,17 +41,12 @@ class StepInputs:
     total_seq_len: ir.Value | None = None  # gqa: int32 scalar
 
 
-def _heads(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float):
-    """[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim], with the optional q/k norm."""
-    x = b.op("Reshape", [x, b.ints(0, 0, num_heads, head_dim)])
-    if norm is not None:
-        x = rms_norm(b, x, norm, eps)
-    return b.op("Transpose", [x], {"perm": [0, 2, 1, 3]})
-
-
-def _merge_heads(b: GraphBuilder, y: ir.Value, cfg: ModelConfig) -> ir.Value:
-    y = b.op("Transpose", [y], {"perm": [0, 2, 1, 3]})
-    return b.op("Reshape", [y, b.ints(0, 0, cfg.q_size)])
+def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float):
+    """Per-head RMSNorm (qwen3's q_norm / k_norm) on [batch, seq, heads*head_dim], shape kept."""
+    if norm is None:
+        return x
+    per_head = rms_norm(b, b.op("Reshape", [x, b.ints(0, 0, num_heads, head_dim)]), norm, eps)
+    return b.op("Reshape", [per_head, b.ints(0, 0, num_heads * head_dim)])
 
 
 def _split_qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig):
@@ -59,30 +54,40 @@ def _split_qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConf
     return b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size)], {"axis": -1}, num_outputs=3)
 
 
-def _qkv_4d(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary):
+def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary):
+    """Q, K, V as [batch, seq, heads*head_dim] (BSNH), rotated: no transposes anywhere.
+
+    The Attention kernels work in BSNH natively (Flash needs it); a BNSH graph would pay a
+    transpose per tensor per layer, which is most of a decode step's kernel count.
+    """
     q, k, v = _split_qkv(b, x, w, cfg)
-    q = apply_rotary(b, _heads(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps), rotary)
-    k = apply_rotary(b, _heads(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps), rotary)
-    v = _heads(b, v, cfg.num_kv_heads, cfg.head_dim, None, cfg.rms_norm_eps)
+    q = apply_rotary(b, _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps), rotary, cfg.num_heads)
+    k = apply_rotary(b, _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps), rotary, cfg.num_kv_heads)
     return q, k, v
 
 
+def _heads_attrs(cfg: ModelConfig, **extra) -> dict:
+    return {"q_num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **extra}
+
+
 def attention_dynamic(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    q, k, v = _qkv_4d(b, x, w, cfg, step.rotary)
+    q, k, v = _qkv(b, x, w, cfg, step.rotary)
     y, present_key, present_value = b.op_multi(
-        "Attention", [q, k, v, step.attn_mask, past_key, past_value], {"is_causal": 0}, num_outputs=3
+        "Attention", [q, k, v, step.attn_mask, past_key, past_value], _heads_attrs(cfg, is_causal=0), num_outputs=3
     )
-    return linear(b, _merge_heads(b, y, cfg), w.o, w.o_bias), present_key, present_value
+    return linear(b, y, w.o, w.o_bias), present_key, present_value
 
 
 def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
-    q, k, v = _qkv_4d(b, x, w, cfg, step.rotary)
-    updated_key = b.op("TensorScatter", [key_cache, k, step.write_indices], {"axis": 2})
-    updated_value = b.op("TensorScatter", [value_cache, v, step.write_indices], {"axis": 2})
+    q, k, v = _qkv(b, x, w, cfg, step.rotary)
+    # Caches are [batch, max_seq_len, kv_heads*head_dim]: this step's rows go in at write_indices.
+    updated_key = b.op("TensorScatter", [key_cache, k, step.write_indices], {"axis": 1})
+    updated_value = b.op("TensorScatter", [value_cache, v, step.write_indices], {"axis": 1})
     y = b.op(
-        "Attention", [q, updated_key, updated_value, None, None, None, step.nonpad_kv_seqlen], {"is_causal": 1}
+        "Attention", [q, updated_key, updated_value, None, None, None, step.nonpad_kv_seqlen],
+        _heads_attrs(cfg, is_causal=1),
     )
-    return linear(b, _merge_heads(b, y, cfg), w.o, w.o_bias), updated_key, updated_value
+    return linear(b, y, w.o, w.o_bias), updated_key, updated_value
 
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
@@ -91,10 +96,8 @@ def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value = _split_qkv(b, x, w, cfg)
-        query = rms_norm(b, b.op("Reshape", [q, b.ints(0, 0, cfg.num_heads, cfg.head_dim)]), w.q_norm, cfg.rms_norm_eps)
-        key = rms_norm(b, b.op("Reshape", [k, b.ints(0, 0, cfg.num_kv_heads, cfg.head_dim)]), w.k_norm, cfg.rms_norm_eps)
-        query = b.op("Reshape", [query, b.ints(0, 0, cfg.q_size)])
-        key = b.op("Reshape", [key, b.ints(0, 0, cfg.kv_size)])
+        query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps)
+        key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps)
     y, present_key, present_value = b.op_multi(
         "GroupQueryAttention",
         [query, key, value, past_key, past_value, step.seqlens_k, step.total_seq_len, step.rotary.cos, step.rotary.sin],

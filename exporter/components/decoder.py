@@ -1,4 +1,4 @@
-"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused into norms."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from exporter.components.attention import (
 )
 from exporter.components.graph import GraphBuilder, packed
 from exporter.components.mlp import gated_mlp
-from exporter.components.norm import rms_norm
+from exporter.components.norm import residual_rms_norm
 from exporter.config import ModelConfig
 from exporter.request import Variant
 
@@ -52,6 +52,7 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
 
 def decoder_layer(
     b: GraphBuilder,
+    h: ir.Value,
     x: ir.Value,
     arch: Architecture,
     cfg: ModelConfig,
@@ -59,16 +60,19 @@ def decoder_layer(
     variant: Variant,
     step: StepInputs,
     cache: tuple[ir.Value, ir.Value],
-) -> tuple[ir.Value, tuple[ir.Value, ir.Value]]:
+) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+    """One layer on the normed input ``h`` and residual stream ``x``.
+
+    Returns (mlp output, residual after attention, caches out). The last residual add is left to
+    the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
+    """
     names = arch.names(i)
-    h = rms_norm(b, x, b.weight(names["input_norm"]), cfg.rms_norm_eps)
     attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
-    x = b.op("Add", [x, attn_out])
-    h = rms_norm(b, x, b.weight(names["post_attention_norm"]), cfg.rms_norm_eps)
+    h, x = residual_rms_norm(b, x, attn_out, b.weight(names["post_attention_norm"]), cfg.rms_norm_eps)
     gate_up_bias = _packed_weight(b, arch.gate_up_parts(cfg, i, "bias")) if cfg.mlp_bias else None
     down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
     mlp_out = gated_mlp(
         b, h, _packed_weight(b, arch.gate_up_parts(cfg, i)), b.weight(f"{names['down']}.weight"),
         cfg.intermediate_size, gate_up_bias, down_bias,
     )
-    return b.op("Add", [x, mlp_out]), (key_out, value_out)
+    return mlp_out, x, (key_out, value_out)

@@ -38,9 +38,9 @@ def longrope_row_offset(b: GraphBuilder, total_len: ir.Value, tables: RopeTables
     return b.op("Mul", [b.op("Cast", [longer], {"to": ir.DataType.INT64}), b.scalar_i64(tables.table_len)])
 
 
-def apply_rotary(b: GraphBuilder, x: ir.Value, rotary: Rotary) -> ir.Value:
-    """Rotate [batch, heads, seq, head_dim] by ``rotary.position_ids`` (non-interleaved halves)."""
-    attrs = {"interleaved": 0}
+def apply_rotary(b: GraphBuilder, x: ir.Value, rotary: Rotary, num_heads: int) -> ir.Value:
+    """Rotate [batch, seq, heads*head_dim] by ``rotary.position_ids`` (non-interleaved halves)."""
+    attrs = {"interleaved": 0, "num_heads": num_heads}
     if rotary.rotary_dim != rotary.head_dim:
         attrs["rotary_embedding_dim"] = rotary.rotary_dim
     return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin, rotary.position_ids], attrs)
