@@ -208,6 +208,7 @@ def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, step
     """Decode + prefill per context for one configuration; returns (figures, last logits, harness)."""
     from exporter.bench import DecodeHarness
 
+    before = process_gpu_memory() if harness is None else None
     harness = harness or DecodeHarness(model_path, ep, cuda_graph=graph)
     rng = np.random.default_rng(0)
     figures, logits = {}, {}
@@ -225,7 +226,9 @@ def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, step
                              "prefill_tokens_per_s": ctx / prefill_s}
         logits[str(ctx)] = last.astype(np.float32).ravel()
         del caches
-    figures["device_memory_bytes"] = process_gpu_memory()
+    after = process_gpu_memory()
+    # What this session added (weights, caches, arena), when it was created here.
+    figures["device_memory_bytes"] = after - before if after is not None and before is not None else None
     return figures, logits, harness
 
 

@@ -64,7 +64,9 @@ def probe(model_path: Path, ep: str = "cuda", ctx: int = 512, timeout_s: int = 6
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout_s,
     )
     output = proc.stdout
-    result = {"kernels": parse_kernel_lines(output), "returncode": proc.returncode}
+    evidence = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines()
+                if line.startswith(PHASE_MARK) or "SdpaKernel=" in line or "Attention: using" in line]
+    result = {"kernels": parse_kernel_lines(output), "returncode": proc.returncode, "lines": evidence[:40]}
     if proc.returncode != 0:
         result["error"] = output[-2000:]
     return result
