@@ -101,6 +101,12 @@ def build_checkpoint(name: str, directory: Path, device: str, tiny: bool):
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16, attn_implementation="eager")
         model.save_pretrained(directory)
+        if class_name == "Phi3Config":
+            # The genai builder reads rope_parameters["type"] (the pre-5.x key); keep both spellings.
+            config_path = directory / "config.json"
+            saved = json.loads(config_path.read_text())
+            saved["rope_parameters"]["type"] = saved["rope_parameters"]["rope_type"]
+            config_path.write_text(json.dumps(saved, indent=2))
     tokenizer_into(directory)
     return model.to(device).eval()
 
@@ -218,9 +224,7 @@ def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, step
         harness.prefill(prompt, harness.new_caches(buffer), buffer)  # warm: allocations, kernel choice
         caches = harness.new_caches(buffer)
         prefill_s, _ = harness.prefill(prompt, caches, buffer)
-        if not graph:
-            harness._graph_ids = -10**9  # keep run ids negative: no capture in this configuration
-        times, last = harness.decode(caches, ctx, buffer, steps, warmup)
+        times, last = harness.decode(caches, ctx, buffer, steps, warmup, capture=graph)
         figures[str(ctx)] = {"decode_ms_median": float(np.median(times)), "decode_ms_p90": float(np.percentile(times, 90)),
                              "steps": len(times), "buffer": buffer, "prefill_ms": prefill_s * 1000.0,
                              "prefill_tokens_per_s": ctx / prefill_s}

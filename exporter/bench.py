@@ -176,10 +176,15 @@ class DecodeHarness:
         for name_in, name_out in self.cache_pairs:
             caches[name_in] = outputs[name_out]
 
-    def decode(self, caches: dict, past: int, buffer: int, steps: int, warmup: int, should_stop=lambda: False):
-        """Time ``steps`` single-token steps after ``warmup``; returns (ms list, last logits as numpy)."""
+    def decode(self, caches: dict, past: int, buffer: int, steps: int, warmup: int, should_stop=lambda: False,
+               capture: bool | None = None):
+        """Time ``steps`` single-token steps after ``warmup``; returns (ms list, last logits as numpy).
+
+        ``capture`` (default: whether the session was made for CUDA graphs) records the step once
+        and replays it; False runs every step normally, even in a graph-enabled session.
+        """
         graph_id = -1
-        if self.cuda_graph:
+        if self.cuda_graph and capture is not False:
             self._graph_ids += 1
             graph_id = self._graph_ids  # one captured graph per buffer set (addresses differ)
         fixed = {name: self._value(array) for name, array in self._step_feeds(np.ones((1, 1), np.int64), past, buffer).items()}

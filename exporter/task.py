@@ -86,12 +86,15 @@ def build_graph(
         step.total_seq_len = b.op("Cast", [total], {"to": ir.DataType.INT32})
         if tables.switch_at is not None:
             # The longest real sequence, not the mask width: with a shared max-length buffer the mask
-            # is as wide as the buffer while the tokens seen are far fewer.
+            # is as wide as the buffer while the tokens seen are far fewer. Where (not Slice: its
+            # starts would pull the index math onto the CPU and block CUDA graph capture).
             longest = b.op("ReduceMax", [lengths], {"keepdims": 0})
-            start = b.op("Unsqueeze", [longrope_row_offset(b, longest, tables), b.ints(0)])
-            end = b.op("Add", [start, b.ints(tables.table_len)])
-            rotary.cos = b.op("Slice", [cos, start, end, b.ints(0)])
-            rotary.sin = b.op("Slice", [sin, start, end, b.ints(0)])
+            use_long = b.op("Greater", [longest, b.scalar_i64(tables.switch_at)])
+            half = tables.table_len
+            short = [b.op("Slice", [t, b.ints(0), b.ints(half), b.ints(0)]) for t in (cos, sin)]
+            long_ = [b.op("Slice", [t, b.ints(half), b.ints(2 * half), b.ints(0)]) for t in (cos, sin)]
+            rotary.cos = b.op("Where", [use_long, long_[0], short[0]])
+            rotary.sin = b.op("Where", [use_long, long_[1], short[1]])
     else:
         position_ids = _input("position_ids", I64, [BATCH, SEQ])
         if variant is Variant.ATTN_DYNAMIC:
