@@ -64,6 +64,49 @@ def add_validate_parser(sub) -> None:
     p.set_defaults(func=_cmd_validate)
 
 
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="decode benchmark of an export (IO binding; CUDA graphs on cuda)")
+    p.add_argument("dir", type=Path, help="export directory")
+    p.add_argument("--ep", default=None, help="cpu | cuda (default: the export's target)")
+    p.add_argument("--ctx", default="128,512,2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
+    p.add_argument("--warmup", type=int, default=8)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    from exporter.bench import BENCH_FILE, run_bench
+    from exporter.bench_report import write_report
+    from exporter.package import MANIFEST_FILE, add_files_to_manifest
+
+    if args.ep not in (None, "cpu", "cuda"):
+        raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
+    try:
+        contexts = [int(c) for c in args.ctx.split(",") if c.strip()]
+    except ValueError:
+        raise ExportError(f"--ctx takes comma-separated integers, got {args.ctx!r}") from None
+    if not contexts or min(contexts) < 1 or args.steps < 1 or args.warmup < 0:
+        raise ExportError("--ctx needs positive lengths, --steps at least 1, --warmup at least 0")
+    if not (args.dir / "model.onnx").is_file():
+        raise ExportError(f"{args.dir} has no model.onnx: pass an export directory")
+    if args.ep == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise ExportError("this onnxruntime has no CUDAExecutionProvider: install onnxruntime-gpu or use --ep cpu")
+    result = run_bench(args.dir, args.ep, contexts, args.steps, args.warmup)
+    png, md = write_report(args.dir / BENCH_FILE)
+    if (args.dir / MANIFEST_FILE).is_file():
+        add_files_to_manifest(args.dir, [BENCH_FILE, png.name, md.name])
+    for c in result.contexts:
+        print(f"  ctx {c.ctx:>6}: {c.decode_ms_median:8.3f} ms/token (p90 {c.decode_ms_p90:.3f}), prefill {c.prefill_ms:.1f} ms")
+    skipped = [c for c in contexts if c not in {r.ctx for r in result.contexts}]
+    if skipped:
+        print(f"  skipped contexts {skipped}: longer than the export's max_seq_len / context length")
+    print(f"report: {args.dir / BENCH_FILE}, {png.name}, {md.name}")
+    return 0
+
+
 def _print_report(report) -> None:
     for g in report.gates:
         mark = "ok  " if g.passed else "FAIL"
@@ -130,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_export_parser(sub)
     add_validate_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

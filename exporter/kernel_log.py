@@ -55,6 +55,19 @@ def parse_kernel_lines(text: str) -> dict[str, dict[str, str]]:
     return found
 
 
+def evidence_lines(text: str, per_phase: int = 4) -> list[str]:
+    """The first few kernel lines of each phase, kept verbatim in reports as evidence."""
+    kept, phase_count = [], 0
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines():
+        if line.startswith(PHASE_MARK):
+            kept.append(line.strip())
+            phase_count = 0
+        elif ("SdpaKernel=" in line or "Attention: using" in line) and phase_count < per_phase:
+            kept.append(line.strip())
+            phase_count += 1
+    return kept
+
+
 def probe(model_path: Path, ep: str = "cuda", ctx: int = 512, timeout_s: int = 600) -> dict:
     """Run one prefill of ``ctx`` tokens and decode steps in a child process; parse what ORT said."""
     env = {**os.environ, "ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO": "1"}
@@ -64,9 +77,7 @@ def probe(model_path: Path, ep: str = "cuda", ctx: int = 512, timeout_s: int = 6
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout_s,
     )
     output = proc.stdout
-    evidence = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines()
-                if line.startswith(PHASE_MARK) or "SdpaKernel=" in line or "Attention: using" in line]
-    result = {"kernels": parse_kernel_lines(output), "returncode": proc.returncode, "lines": evidence[:40]}
+    result = {"kernels": parse_kernel_lines(output), "returncode": proc.returncode, "lines": evidence_lines(output)}
     if proc.returncode != 0:
         result["error"] = output[-2000:]
     return result

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from exporter.bench import BENCH_FILE, run_bench
+from exporter.bench_report import write_report
 from exporter.errors import ExportError, ValidationFailed
 from exporter.package import MANIFEST_FILE, add_files_to_manifest
 from exporter.pipeline import Progress, export_model, load_manifest
@@ -172,7 +173,8 @@ def run_export_job(settings: Settings, export_id: str, worker: str) -> ExportSta
             progress.stage("bench")
             run_bench(export_dir, ep=settings.validate_ep or export.ep, contexts=settings.bench_contexts,
                       steps=settings.bench_steps, repeats=settings.bench_repeats, should_stop=cancelled.is_set)
-            manifest = add_files_to_manifest(export_dir, [BENCH_FILE]).data
+            png, md = write_report(export_dir / BENCH_FILE)
+            manifest = add_files_to_manifest(export_dir, [BENCH_FILE, png.name, md.name]).data
         progress.stage("publish")
         status = ExportStatus.READY if manifest["status"] == "ready" else ExportStatus.QUARANTINED
         prefix = export_prefix(manifest)
