@@ -1,0 +1,162 @@
+{{/* Names, labels and the pieces every pod of the farm shares. */}}
+
+{{- define "exportfarm.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "exportfarm.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<suffix>", kept within the 63 characters a name may have. */}}
+{{- define "exportfarm.componentName" -}}
+{{- $full := include "exportfarm.fullname" .root }}
+{{- printf "%s-%s" ($full | trunc (int (sub 62 (len .component)))) .component | trimSuffix "-" }}
+{{- end }}
+
+{{- define "exportfarm.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "exportfarm.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: exportfarm
+{{- end }}
+
+{{/* Selector labels of one component: {root, component}. */}}
+{{- define "exportfarm.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "exportfarm.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "exportfarm.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "exportfarm.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret the pods read credentials from: the user's, or the one this chart makes. */}}
+{{- define "exportfarm.secretName" -}}
+{{- default (include "exportfarm.fullname" .) .Values.credentials.existingSecret }}
+{{- end }}
+
+{{/* image: {root, image}; the tag falls back to image.tag, then to the chart's appVersion. */}}
+{{- define "exportfarm.image" -}}
+{{- $tag := .image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion }}
+{{- printf "%s:%s" .image.repository (toString $tag) }}
+{{- end }}
+
+{{/* The Secret's data, shared by the release Secret and the migration hook's copy of it. */}}
+{{- define "exportfarm.secretData" -}}
+{{- $c := .Values.credentials }}
+{{- $data := dict }}
+{{- range $key, $value := dict "DATABASE_URL" $c.databaseUrl "REDIS_URL" $c.redisUrl "S3_ACCESS_KEY" $c.s3AccessKey "S3_SECRET_KEY" $c.s3SecretKey "ADMIN_TOKEN" $c.adminToken "SIGNING_SECRET" $c.signingSecret }}
+{{- if $value }}{{ $_ := set $data $key $value }}{{ end }}
+{{- end }}
+{{- range $key, $value := $c.extraSecret }}
+{{- $_ := set $data $key $value }}
+{{- end }}
+{{- range $key, $value := $data }}
+{{ $key }}: {{ $value | toString | b64enc | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Annotations that restart pods when their settings change. */}}
+{{- define "exportfarm.checksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if not .Values.credentials.existingSecret }}
+checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/* Settings as environment: non-secret ones from the ConfigMap, credentials from the Secret. */}}
+{{- define "exportfarm.envFrom" -}}
+- configMapRef:
+    name: {{ include "exportfarm.fullname" . }}
+- secretRef:
+    name: {{ include "exportfarm.secretName" . }}
+{{- end }}
+
+{{/* Pod-level fields every farm pod shares. */}}
+{{- define "exportfarm.podSpecCommon" -}}
+serviceAccountName: {{ include "exportfarm.serviceAccountName" . }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Writable paths under a read-only root: /tmp and the data directory (also $HOME). */}}
+{{- define "exportfarm.baseVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: data
+  mountPath: /var/lib/exportfarm
+{{- if .Values.models.existingClaim }}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "exportfarm.baseVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: data
+  emptyDir: {}
+{{- if .Values.models.existingClaim }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+Worker probe: ask this pod's Celery node for a pong over the broker. The worker names itself
+celery@<hostname> (exportfarm worker without --name), and its main process answers control
+messages even while its pool child runs an export, so a hung or disconnected consumer fails this
+while a busy one passes. It imports only celery, not the project (cheap next to a running job).
+*/}}
+{{- define "exportfarm.workerPing" -}}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import os, socket, sys
+      from celery import Celery
+      app = Celery(broker=os.environ["REDIS_URL"])
+      app.conf.broker_connection_timeout = 5
+      replies = app.control.ping(destination=["celery@" + socket.gethostname()], timeout=10)
+      sys.exit(0 if replies else 1)
+{{- end }}
+
+{{/* Beat probe: the broker that beat sends scheduled jobs to answers from this pod. */}}
+{{- define "exportfarm.brokerCheck" -}}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import os
+      from kombu import Connection
+      with Connection(os.environ["REDIS_URL"], connect_timeout=5) as conn:
+          conn.ensure_connection(max_retries=1)
+{{- end }}
