@@ -15,6 +15,7 @@ from pathlib import Path
 from exporter.build import build_model
 from exporter.errors import ExportError, ValidationFailed
 from exporter.fold import fold_model
+from exporter.genai import write_genai_package
 from exporter.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
 from exporter.resolve import ResolvedSource, resolve_source
@@ -111,8 +112,15 @@ def export_model(
         write_model(built.model, staging, on_bytes)
         progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
         timings["write"] = time.perf_counter() - t0
+        # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
+        genai = write_genai_package(
+            staging, source.path, built.config, built.variant, request,
+            [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs],
+        )
         # The validator reads what the manifest says each initializer was made from.
-        manifest = build_manifest(built.model, staging, request, built.variant, source, timings, export_id=export_id)
+        manifest = build_manifest(
+            built.model, staging, request, built.variant, source, timings, genai.files, export_id=export_id
+        )
         report = None
         if validate:
             t0 = time.perf_counter()
@@ -121,7 +129,9 @@ def export_model(
             report = validate_export(staging, reference or str(source.path), validate_ep or request.ep.value)
             extra = [p.name for p in report.write(staging)]
             timings["validate"] = time.perf_counter() - t0
-            manifest = build_manifest(built.model, staging, request, built.variant, source, timings, extra, export_id)
+            manifest = build_manifest(
+                built.model, staging, request, built.variant, source, timings, [*genai.files, *extra], export_id
+            )
             manifest.data["validation"] = {
                 "status": "passed" if report.passed else "failed",
                 "failed_gates": sorted({g.gate for g in report.failed}),
@@ -129,6 +139,7 @@ def export_model(
                 "report": REPORT_JSON,
             }
             progress.validated(report)
+        manifest.data["genai"] = genai.manifest_entry()
         manifest.data["status"] = "quarantined" if report is not None and not report.passed else (
             "ready" if report is not None else "unvalidated")
         manifest.write(staging)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from exporter.errors import ExportError
 
-# Files an export needs from a hub repository (weights, config, tokenizer, generation defaults).
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]
+# Files an export needs from a hub repository (weights, config, tokenizer, chat template, generation defaults).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 

@@ -64,6 +64,40 @@ def make_tiny_checkpoint(
     return out_dir
 
 
+# A byte-level BPE needs its 256 byte symbols + 3 specials + merges: pass vocab_size=TINY_TOKENIZER_VOCAB
+# to make_tiny_checkpoint so every token id has a row.
+TINY_TOKENIZER_VOCAB = 300
+_TINY_CORPUS = (
+    "the quick brown fox jumps over the lazy dog",
+    "export the model to onnx and run it fast on every device",
+    "a tiny tokenizer for a tiny model that still speaks in bytes",
+    "hello world, hello onnx runtime, hello generation",
+)
+
+
+def make_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_TOKENIZER_VOCAB) -> Path:
+    """Write tokenizer.json + tokenizer_config.json of a small byte-level BPE (trained offline) to ``out_dir``.
+
+    Special tokens match BASE: ``<pad>`` 0, ``<s>`` 1 (bos), ``</s>`` 2 (eos). Byte-level, like the
+    llama-3 / qwen2 tokenizers, so any text encodes and onnxruntime-genai's tokenizer reads it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(_TINY_CORPUS) * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    out_dir = Path(out_dir)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)

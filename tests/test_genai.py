@@ -1,0 +1,243 @@
+"""Exports run in onnxruntime-genai unchanged: genai_config.json, tokenizer files, greedy parity.
+
+The packages are loaded by the real onnxruntime-genai (CPU wheel from PyPI) from the export folder as
+written, and its greedy tokens are compared with transformers' generate on the same weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import onnx
+import onnxruntime_genai as og
+import pytest
+
+from exporter.genai import (
+    GENAI_CONFIG_FILE,
+    GENAI_RUNTIME,
+    search_defaults,
+    special_token_ids,
+)
+from exporter.package import MANIFEST_FILE, MODEL_FILE, sha256_file
+from exporter.pipeline import export_model
+from exporter.reference import load_reference, reference_greedy
+from exporter.request import ExportRequest, Variant
+from exporter.tiny_checkpoint import (
+    TINY_TOKENIZER_VOCAB,
+    make_tiny_checkpoint,
+    make_tiny_tokenizer,
+)
+from tests.conftest import ARCHITECTURES, MAX_SEQ_LEN
+
+NEW_TOKENS = 20
+PROMPT = "hello onnx runtime, the quick brown fox"
+GENAI_VARIANTS = ["gqa", "attn_dynamic"]
+
+
+@pytest.fixture(scope="module")
+def tokenized_checkpoint(tmp_path_factory):
+    """tokenized_checkpoint(arch) -> a random-weight checkpoint that carries a real (tiny BPE) tokenizer."""
+    root = tmp_path_factory.mktemp("genai-ckpt")
+
+    @functools.cache
+    def make(arch: str):
+        source = make_tiny_checkpoint(arch, root / arch, vocab_size=TINY_TOKENIZER_VOCAB)
+        return make_tiny_tokenizer(source)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def genai_export(tmp_path_factory, tokenized_checkpoint):
+    """genai_export(arch, variant, dtype="fp32", ep="cpu") -> export directory of a tokenized checkpoint."""
+    root = tmp_path_factory.mktemp("genai-exports")
+
+    @functools.cache
+    def make(arch: str, variant: str, dtype: str = "fp32", ep: str = "cpu"):
+        request = ExportRequest(
+            model=str(tokenized_checkpoint(arch)), dtype=dtype, ep=ep, variant=variant, max_seq_len=MAX_SEQ_LEN
+        )
+        return export_model(request, root / f"{arch}-{variant}-{dtype}-{ep}", validate=False).out_dir
+
+    return make
+
+
+def _genai_config(export_dir) -> dict:
+    return json.loads((export_dir / GENAI_CONFIG_FILE).read_text())
+
+
+def _manifest(export_dir) -> dict:
+    return json.loads((export_dir / MANIFEST_FILE).read_text())
+
+
+def _genai_greedy(export_dir, prompt: list[int], new_tokens: int) -> list[int]:
+    model = og.Model(str(export_dir))
+    params = og.GeneratorParams(model)
+    # min_length = max_length keeps eos from ending the run early, as min_new_tokens does in transformers.
+    total = len(prompt) + new_tokens
+    params.set_search_options(do_sample=False, max_length=total, min_length=total)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt):]
+
+
+def _transformers_greedy(checkpoint, prompt: list[int], new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant", GENAI_VARIANTS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_genai_greedy_tokens_equal_transformers(arch, variant, genai_export, tokenized_checkpoint):
+    from transformers import AutoTokenizer
+
+    export_dir = genai_export(arch, variant)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tokenized_checkpoint(arch)))
+    genai_tokenizer = og.Tokenizer(og.Model(str(export_dir)))
+    ids = hf_tokenizer(PROMPT).input_ids
+    # The copied tokenizer files mean the same thing to genai as to transformers.
+    assert [int(t) for t in genai_tokenizer.encode(PROMPT)] == ids
+    assert genai_tokenizer.decode(ids) == PROMPT
+    prompt = [hf_tokenizer.bos_token_id, *ids]
+
+    genai_tokens = _genai_greedy(export_dir, prompt, NEW_TOKENS)
+    assert len(genai_tokens) == NEW_TOKENS
+    assert genai_tokens == _transformers_greedy(tokenized_checkpoint(arch), prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("variant", GENAI_VARIANTS)
+def test_genai_greedy_across_the_longrope_switch(variant, genai_export, tokenized_checkpoint):
+    """Tiny phi3 switches to its long rope factors past 64 positions; 50 + 20 tokens cross it mid-decode.
+
+    The reference is transformers' forward with its KV cache kept, step by step, as genai keeps it.
+    (transformers' Phi3 ``generate`` instead drops the cache at the switch and recomputes the whole
+    prefix with the long factors, which no KV-cached runtime does, so its tokens differ from there on.)
+    """
+    prompt = [1, *(3 + (7 * i) % 290 for i in range(49))]
+    genai_tokens = _genai_greedy(genai_export("phi3", variant), prompt, NEW_TOKENS)
+    reference = reference_greedy(load_reference(tokenized_checkpoint("phi3")), prompt, NEW_TOKENS)
+    assert genai_tokens == reference.tokens
+
+
+@pytest.mark.parametrize("variant", GENAI_VARIANTS)
+def test_genai_config_follows_the_graph_and_the_checkpoint(variant, genai_export):
+    export_dir = genai_export("qwen3", variant)
+    config = _genai_config(export_dir)
+    model, search = config["model"], config["search"]
+    decoder = model["decoder"]
+    assert model["type"] == "qwen3"
+    assert model["context_length"] == search["max_length"] == MAX_SEQ_LEN
+    assert model["vocab_size"] == TINY_TOKENIZER_VOCAB
+    assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (1, 2, 0)
+    assert (decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 2, 16)
+    assert (decoder["num_hidden_layers"], decoder["hidden_size"], decoder["filename"]) == (2, 64, MODEL_FILE)
+    assert decoder["session_options"]["provider_options"] == []
+    assert search["past_present_share_buffer"] is (variant == "gqa")
+    assert search["do_sample"] is False
+
+    # Every name genai will feed or read is exactly a graph input / output of model.onnx, and back.
+    graph = onnx.load(str(export_dir / MODEL_FILE), load_external_data=False).graph
+    layers = range(decoder["num_hidden_layers"])
+    inputs, outputs = decoder["inputs"], decoder["outputs"]
+    fed = {v for k, v in inputs.items() if not k.endswith("_names")}
+    fed |= {inputs[k] % i for k in ("past_key_names", "past_value_names") for i in layers}
+    read = {outputs["logits"]} | {outputs[k] % i for k in ("present_key_names", "present_value_names") for i in layers}
+    assert fed == {i.name for i in graph.input}
+    assert read == {o.name for o in graph.output}
+    assert ("position_ids" in inputs) is (variant == "attn_dynamic")
+
+
+def test_cuda_export_carries_cuda_provider_options(genai_export):
+    export_dir = genai_export("llama", "gqa", "fp16", "cuda")  # built on the CPU, never run here
+    config = _genai_config(export_dir)
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert config["search"]["past_present_share_buffer"] is True
+
+
+def test_manifest_lists_genai_runtime_and_files(genai_export, tokenized_checkpoint):
+    export_dir = genai_export("llama", "gqa")
+    manifest = _manifest(export_dir)
+    genai = manifest["genai"]
+    assert genai == {
+        "package": True,
+        "runtime": GENAI_RUNTIME,
+        "reason": None,
+        "config": GENAI_CONFIG_FILE,
+        "files": [GENAI_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json"],
+        "tokenizer": "copied",
+    }
+    for name in genai["files"]:
+        path = export_dir / name
+        assert manifest["files"][name] == {"sha256": sha256_file(path), "size": path.stat().st_size}
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied byte for byte
+        assert sha256_file(export_dir / name) == sha256_file(tokenized_checkpoint("llama") / name)
+
+
+def test_missing_tokenizer_gives_a_package_without_tokenizer_files(exported):
+    export_dir = exported("llama", "gqa")  # the shared tiny checkpoint has no tokenizer
+    genai = _manifest(export_dir)["genai"]
+    assert genai["package"] is True and genai["tokenizer"] == "missing"
+    assert "no tokenizer files" in genai["reason"]
+    assert genai["files"] == [GENAI_CONFIG_FILE]
+    assert not [p.name for p in export_dir.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges"))]
+    # Still runs in genai from token ids; only text in / out needs a tokenizer.
+    assert len(_genai_greedy(export_dir, [1, 17, 42, 99], 4)) == 4
+    with pytest.raises(RuntimeError, match="tokenizer_config.json"):
+        og.Tokenizer(og.Model(str(export_dir)))
+
+
+def test_attn_static_is_not_a_genai_package(genai_export):
+    export_dir = genai_export("llama", "attn_static")
+    genai = _manifest(export_dir)["genai"]
+    assert genai["package"] is False and genai["runtime"] is None and genai["config"] is None
+    assert "write_indices" in genai["reason"] and "nonpad_kv_seqlen" in genai["reason"]
+    assert not (export_dir / GENAI_CONFIG_FILE).exists()
+    # The tokenizer still travels with the model: a static-cache runtime needs it too.
+    assert genai["tokenizer"] == "copied" and (export_dir / "tokenizer.json").is_file()
+
+
+def test_validated_export_keeps_the_genai_block(tokenized_checkpoint, tmp_path):
+    request = ExportRequest(model=str(tokenized_checkpoint("qwen2")), variant="gqa", max_seq_len=64)
+    result = export_model(request, tmp_path / "validated")
+    manifest = _manifest(result.out_dir)
+    assert manifest["status"] == "ready" and manifest["genai"]["package"] is True
+    assert {GENAI_CONFIG_FILE, "tokenizer.json", "parity_report.json"} <= set(manifest["files"])
+    assert _genai_config(result.out_dir)["model"]["context_length"] == 64
+
+
+def test_generation_config_sets_token_ids_and_search_defaults(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05,
+         "eos_token_id": [2, 7], "max_length": 20}
+    ))
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert special_token_ids(tmp_path) == (1, [2, 7], 2)
+    search = search_defaults(generation, Variant.ATTN_DYNAMIC, 4096)
+    assert search["do_sample"] is True and search["temperature"] == 0.7 and search["top_k"] == 20
+    assert search["top_p"] == 0.8 and search["repetition_penalty"] == 1.05
+    assert search["max_length"] == 4096  # the context, not generation_config's default 20
+    assert search["past_present_share_buffer"] is False
+
+
+def test_tokenizer_eos_joins_config_eos_without_generation_config(tmp_path):
+    # A chat model: config.json names end-of-text, the tokenizer ends each turn with <|im_end|>.
+    make_tiny_tokenizer(tmp_path)
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    tokenizer_json["added_tokens"].append({"id": 299, "content": "<|im_end|>", "special": True})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    assert special_token_ids(tmp_path) == (1, [2, 299], 0)
