@@ -168,12 +168,45 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def add_diff_parser(sub) -> None:
+    p = sub.add_parser(
+        "diff", help="compare two exports: graph, I/O, sizes, parity, decode latency, kernels",
+        description="Compare export B against export A (the baseline) and print a Markdown report. "
+        "Exit status: 0 no regression, 1 a regression was flagged (a validation gate newly failing, "
+        "new token mismatches, or, for exports of the same variant, dtype and ep: decode latency, "
+        "node count or weight bytes above the thresholds, or changed graph I/O), 2 bad input.",
+    )
+    p.add_argument("old", type=Path, help="baseline export directory (A)")
+    p.add_argument("new", type=Path, help="export directory to judge (B)")
+    p.add_argument("--out", type=Path, default=None, help="also write diff.json and diff.md into this directory")
+    p.add_argument("--latency-pct", type=float, default=10.0, help="decode ms/token increase that flags (default 10)")
+    p.add_argument("--node-count-pct", type=float, default=10.0, help="node count increase that flags (default 10)")
+    p.add_argument("--size-pct", type=float, default=10.0, help="weight bytes increase that flags (default 10)")
+    p.set_defaults(func=_cmd_diff)
+
+
+def _cmd_diff(args) -> int:
+    from exporter.diff import ExportArtifacts, Thresholds, diff_exports, write_diff
+
+    for name in ("latency_pct", "node_count_pct", "size_pct"):
+        if getattr(args, name) < 0:
+            raise ExportError(f"--{name.replace('_', '-')} must be at least 0")
+    thresholds = Thresholds(latency_pct=args.latency_pct, node_count_pct=args.node_count_pct, size_pct=args.size_pct)
+    diff = diff_exports(ExportArtifacts.from_dir(args.old), ExportArtifacts.from_dir(args.new), thresholds)
+    print(diff.to_markdown(), end="")
+    if args.out is not None:
+        paths = write_diff(diff, args.out)
+        print(f"diff: {paths[0]} and {paths[1].name}", file=sys.stderr)
+    return 1 if diff.regression else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exportfarm", description="ONNX export farm for Hugging Face LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     add_export_parser(sub)
     add_validate_parser(sub)
     add_bench_parser(sub)
+    add_diff_parser(sub)
     return parser
 
 

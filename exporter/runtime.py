@@ -44,6 +44,9 @@ class OnnxCausalLM:
         import onnxruntime as ort
 
         model_path = Path(export_dir) / MODEL_FILE
+        if ep == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            # ORT would quietly run on the CPU instead; a CUDA run that is not on CUDA proves nothing.
+            raise RuntimeError(f"CUDAExecutionProvider is not available in this onnxruntime ({ort.__version__})")
         if session_options is None:
             session_options = ort.SessionOptions()
             # TensorScatter warns on every copy when caches are not bound in place; keep errors only.

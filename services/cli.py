@@ -51,6 +51,18 @@ def _cmd_worker(args) -> int:
     return 0
 
 
+def _cmd_beat(args) -> int:
+    from services.catalog.database import upgrade_schema
+    from services.settings import get_settings
+    from workers.app import make_celery
+
+    settings = get_settings()
+    upgrade_schema(settings.catalog_url)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_celery(settings).start(["beat", "--loglevel", args.loglevel])
+    return 0
+
+
 def _cmd_token(args) -> int:
     from services.auth import create_token
     from services.catalog.database import session_scope, upgrade_schema
@@ -86,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="worker name (default: the hostname)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=_cmd_worker)
+    p = sub.add_parser("beat", help="run the scheduler: re-export what an ONNX Runtime upgrade made stale")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(func=_cmd_beat)
     p = sub.add_parser("token", help="create an API bearer token (printed once; stored hashed)")
     p.add_argument("--name", required=True)
     p.add_argument("--scope", choices=["read", "admin"], default="read")

@@ -82,6 +82,17 @@ def submit_export(
     return export, True
 
 
+def request_of(export: Export) -> ExportRequest:
+    return ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
+                         max_seq_len=export.max_seq_len, variant=export.variant)
+
+
+def record_runtime(export: Export, ort_version: str) -> None:
+    """Stamp the onnxruntime that really built and validated ``export`` (and so its cache key)."""
+    export.ort_version = ort_version
+    export.cache_key = cache_key(request_of(export), export.revision, export.exporter_version, ort_version)
+
+
 def queue_export(celery_app, export: Export) -> None:
     try:
         celery_app.send_task(RUN_EXPORT, args=[export.id], queue=QUEUE_FOR_EP[export.ep])

@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     bench_steps: int = 32
     bench_repeats: int = 1
     publish_retries: int = 5
+    reexport_policy: str = Field("all", description="all | listed | dry-run: what an ORT upgrade re-exports")
+    reexport_models: list[str] = Field(default_factory=list, description="models re-exported under 'listed'")
+    reexport_max_per_run: int = Field(8, description="rate cap: re-exports one beat may queue")
+    beat_interval_s: float = 300.0
+    beat_queue: str = Field("cpu", description="queue whose workers run the beat's runtime check")
+    regression_latency_pct: float = 10.0
+    regression_node_count_pct: float = 10.0
     heartbeat_s: float = 10.0
     worker_report_s: float = 60.0
     lease_s: float = 60.0  # a running job whose heartbeat is older than this may be taken over

@@ -6,6 +6,7 @@ from services.settings import Settings
 
 QUEUE_FOR_EP = {"cuda": "gpu", "cpu": "cpu"}
 RUN_EXPORT = "exportfarm.run_export"
+CHECK_UPGRADES = "exportfarm.check_runtime_upgrades"
 
 
 def celery_config(settings: Settings) -> dict:
@@ -24,6 +25,13 @@ def celery_config(settings: Settings) -> dict:
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
         "worker_send_task_events": False,
+        # The beat's periodic runtime check; a light task, run by workers of BEAT_QUEUE.
+        "beat_schedule": {
+            "check-runtime-upgrades": {
+                "task": CHECK_UPGRADES, "schedule": settings.beat_interval_s, "options": {"queue": settings.beat_queue},
+            }
+        },
+        "beat_schedule_filename": str(settings.data_dir / "celerybeat-schedule"),
     }
     if settings.redis_url:
         # Unacknowledged jobs of a worker that vanished come back after this long.

@@ -21,8 +21,10 @@ from exporter.pipeline import Progress, export_model, load_manifest
 from exporter.request import ExportRequest
 from services.catalog import exports as catalog
 from services.catalog.database import session_scope
+from services.jobs import record_runtime
 from services.catalog.models import Export, ExportStatus
 from services.publish import export_prefix, publish_export
+from services.regressions import diff_with_predecessor
 from services.storage import StorageError
 from services.settings import Settings
 from services.sources import source_for_worker
@@ -116,6 +118,9 @@ def _finish(settings: Settings, export_id: str, status: ExportStatus, worker: st
         export = session.get(Export, export_id, with_for_update=True)
         if export.status.terminal:
             return
+        runtime = fields.pop("runtime", None)
+        if runtime:
+            record_runtime(export, runtime)
         for key, value in fields.items():
             setattr(export, key, value)
         if status.terminal:
@@ -176,13 +181,22 @@ def run_export_job(settings: Settings, export_id: str, worker: str) -> ExportSta
             png, md = write_report(export_dir / BENCH_FILE)
             manifest = add_files_to_manifest(export_dir, [BENCH_FILE, png.name, md.name]).data
         progress.stage("publish")
+        store = make_store(settings)
+        diff = None
+        if export.predecessor_id:
+            with session_scope(settings.catalog_url) as session:
+                predecessor = session.get(Export, export.predecessor_id)
+            diff = diff_with_predecessor(settings, store, predecessor, export_dir)
+            manifest = load_manifest(export_dir)
         status = ExportStatus.READY if manifest["status"] == "ready" else ExportStatus.QUARANTINED
         prefix = export_prefix(manifest)
-        publish_export(make_store(settings), export_dir, prefix, status.value)
+        publish_export(store, export_dir, prefix, status.value)
         if cancelled.is_set():
             raise JobCancelled(export_id)
         _finish(settings, export_id, status, worker, storage_prefix=prefix, manifest=_slim(manifest),
-                figures=key_figures(manifest, export_dir), timings=manifest.get("timings_s"), stage="publish")
+                figures=key_figures(manifest, export_dir), timings=manifest.get("timings_s"), stage="publish",
+                runtime=manifest["versions"]["onnxruntime"],  # the runtime that really built and validated it
+                diff=diff.to_dict() if diff else None, regression=bool(diff and diff.regression))
         shutil.rmtree(work, ignore_errors=True)
         return status
     except (JobCancelled, InterruptedError):

@@ -8,7 +8,7 @@ import threading
 
 from celery import Celery, signals
 
-from workers.config import RUN_EXPORT
+from workers.config import CHECK_UPGRADES, RUN_EXPORT
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,18 @@ def register(app: Celery) -> None:
                 return "failed"
             raise self.retry(exc=err, countdown=min(60, 2 ** self.request.retries)) from None
         return status.value if status else None
+
+    @app.task(name=CHECK_UPGRADES)
+    def check_runtime_upgrades() -> dict:
+        """The beat's periodic check: queue re-exports of exports built on an older ORT."""
+        from services.catalog.database import session_scope
+        from services.scheduler import plan_and_queue_reexports, send_queued
+
+        with session_scope(settings.catalog_url) as session:
+            plan = plan_and_queue_reexports(session, settings)
+        send_queued(app, plan)
+        log.info("runtime check: %d queued, %d skipped, %d deferred", len(plan.queued), len(plan.skipped), len(plan.deferred))
+        return plan.to_dict()
 
 
 @signals.worker_ready.connect

@@ -13,7 +13,9 @@ from sqlalchemy.orm import Session
 
 from exporter.errors import ExportError
 from services import jobs
-from services.api.schemas import Artifact, Artifacts, ExportCreate, ExportEventOut, ExportList, ExportOut, Links
+from services.api.schemas import (
+    Artifact, Artifacts, ExportCreate, ExportEventOut, ExportList, ExportOut, Links, ReexportRequest,
+)
 from services.auth import allows, create_token, token_scope
 from services.catalog.database import session_factory, upgrade_schema
 from services.catalog.models import Export
@@ -180,6 +182,51 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
                 sha256=entry["sha256"] if entry else ((info.sha256 or "") if info else ""),
             )
         return Artifacts(export_id=export.id, prefix=export.storage_prefix, expires_in_s=settings.presign_expires_s, files=files)
+
+    @app.post("/reexports", tags=["catalog"])
+    def reexports(body: ReexportRequest | None = None, session: Session = Depends(db), _=Depends(admin)):
+        """Re-export what the newest worker runtimes made stale (the beat's check, by hand)."""
+        from services.scheduler import plan_and_queue_reexports, send_queued
+
+        body = body or ReexportRequest()
+        plan = plan_and_queue_reexports(session, settings, policy=body.policy, models=body.models, limit=body.limit)
+        session.commit()
+        try:
+            send_queued(celery_app, plan)
+        except Exception as err:
+            raise HTTPException(503, f"queued in the catalog but the job queue is unreachable ({type(err).__name__})") from None
+        return plan.to_dict()
+
+    @app.get("/exports/{export_id}/diff", tags=["exports"])
+    def export_diff(export_id: str, session: Session = Depends(db), _=Depends(reader)):
+        try:
+            export = jobs.get_export(session, export_id)
+        except jobs.NotFound as err:
+            raise HTTPException(404, str(err)) from None
+        if export.diff is None:
+            raise HTTPException(404, f"export {export_id} has no diff (it is not a re-export, or is not finished)")
+        return export.diff
+
+    @app.get("/catalog/regressions", tags=["catalog"])
+    def catalog_regressions(session: Session = Depends(db), _=Depends(reader)):
+        from services.regressions import regressions_view
+
+        return regressions_view(session)
+
+    @app.get("/workers", tags=["catalog"])
+    def workers_view(session: Session = Depends(db), _=Depends(reader)):
+        """Workers, the runtimes they report, and the newest runtime per queue among live ones."""
+        from services.catalog.models import RuntimeReport, Worker
+        from services.scheduler import newest_runtimes
+
+        return {
+            "newest_live_runtime": newest_runtimes(session, settings),
+            "workers": [{"hostname": w.hostname, "queues": w.queues, "onnxruntime": w.onnxruntime, "cuda": w.cuda,
+                         "gpu": w.gpu, "last_seen": w.last_seen} for w in session.scalars(select(Worker))],
+            "history": [{"hostname": r.hostname, "onnxruntime": r.onnxruntime, "cuda": r.cuda, "gpu": r.gpu,
+                         "queues": r.queues, "reported_at": r.reported_at}
+                        for r in session.scalars(select(RuntimeReport).order_by(RuntimeReport.id.desc()).limit(200))],
+        }
 
     @app.get("/catalog/models", tags=["catalog"])
     def catalog_models(session: Session = Depends(db), _=Depends(reader)):

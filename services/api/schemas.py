@@ -81,6 +81,7 @@ class ExportOut(BaseModel):
     storage_prefix: str | None
     figures: dict | None
     timings: dict | None
+    regression: bool = False
     created_at: datetime.datetime
     started_at: datetime.datetime | None
     finished_at: datetime.datetime | None
@@ -106,3 +107,13 @@ class Artifacts(BaseModel):
     prefix: str
     expires_in_s: int
     files: dict[str, Artifact]
+
+
+class ReexportRequest(BaseModel):
+    """Re-export exports built on an older onnxruntime than the newest live worker's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["all", "listed", "dry-run"] | None = Field(None, description="default: REEXPORT_POLICY")
+    models: list[str] | None = Field(None, description="with policy 'listed' (default: REEXPORT_MODELS)")
+    limit: int | None = Field(None, ge=0, le=1000, description="rate cap (default: REEXPORT_MAX_PER_RUN)")

@@ -6,7 +6,7 @@ import datetime
 import enum
 import uuid
 
-from sqlalchemy import JSON, Boolean, DateTime, Enum, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Enum, ForeignKey, Integer, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -58,7 +58,7 @@ class Export(Base):
     percent: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     reason: Mapped[str] = mapped_column(String(40), default="request")
-    predecessor_id: Mapped[str | None] = mapped_column(ForeignKey("exports.id"), nullable=True)
+    predecessor_id: Mapped[str | None] = mapped_column(ForeignKey("exports.id"), nullable=True, index=True)
     worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -66,6 +66,8 @@ class Export(Base):
     manifest: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     figures: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # key parity / latency numbers
     timings: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    diff: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # against the predecessor (re-exports)
+    regression: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)

@@ -1,0 +1,22 @@
+"""Settings: one object, every field documented in .env.example, embedded defaults."""
+
+from pathlib import Path
+
+from services.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_env_example_lists_every_setting():
+    text = (ROOT / ".env.example").read_text()
+    missing = [name.upper() for name in Settings.model_fields if f"{name.upper()}=" not in text]
+    assert missing == []
+
+
+def test_embedded_defaults(tmp_path, monkeypatch):
+    for name in ("DATABASE_URL", "REDIS_URL", "S3_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings(data_dir=tmp_path)
+    assert settings.catalog_url == f"sqlite:///{tmp_path / 'catalog.db'}"
+    assert settings.broker_url == "filesystem://"
+    assert settings.store_dir == tmp_path / "store"
