@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -11,6 +12,8 @@ from sqlalchemy.orm import Session
 from services.catalog.models import ApiToken
 
 SCOPES = ("read", "admin")
+KNOWN_TOKEN_TTL_S = 30.0
+_known: dict[str, tuple[str, float]] = {}
 
 
 def hash_token(token: str) -> str:
@@ -29,8 +32,16 @@ def create_token(session: Session, name: str, scope: str, token: str | None = No
 
 
 def token_scope(session: Session, token: str) -> str | None:
-    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_token(token))).first()
-    return row.scope if row else None
+    """The token's scope, or None. Known tokens are remembered briefly: every request carries one."""
+    digest = hash_token(token)
+    hit = _known.get(digest)
+    if hit is not None and time.monotonic() - hit[1] < KNOWN_TOKEN_TTL_S:
+        return hit[0]
+    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
+    if row is None:
+        return None
+    _known[digest] = (row.scope, time.monotonic())
+    return row.scope
 
 
 def allows(scope: str, needed: str) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -16,7 +18,7 @@ from exporter.request import ExportRequest, cache_key
 from services.catalog import exports as catalog
 from services.catalog.models import Export, ExportStatus
 from services.settings import Settings
-from services.sources import local_model_dir, resolve_revision
+from services.sources import directory_signature, local_model_dir, resolve_revision
 from workers.config import QUEUE_FOR_EP, RUN_EXPORT
 
 
@@ -50,7 +52,14 @@ def check_against_local_config(settings: Settings, request: ExportRequest) -> No
     """Refuse what a local model cannot do (max_seq_len above its positions, ...) before queueing."""
     directory = local_model_dir(settings, request.model)
     if directory is not None:
-        check_request_against_config(request, request.resolved_variant(), load_model_config(directory, ARCHITECTURES))
+        config = _model_config(str(directory), directory_signature(directory))
+        check_request_against_config(request, request.resolved_variant(), config)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_config(directory: str, signature: tuple):
+    """config.json read through transformers, once per version of the directory (it is not cheap)."""
+    return load_model_config(Path(directory), ARCHITECTURES)
 
 
 def submit_export(

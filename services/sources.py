@@ -6,6 +6,7 @@ A model is either a hub id (``org/name[@revision]``) or the name of a directory 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -37,12 +38,23 @@ def local_model_dir(settings: Settings, model: str) -> Path | None:
     return candidate if (candidate / "config.json").is_file() else None
 
 
+def directory_signature(directory: Path) -> tuple:
+    """Names, sizes and mtimes of a checkpoint's files: cheap to read, changes when any file does."""
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir() if p.is_file()))
+
+
+@functools.lru_cache(maxsize=512)
+def _fingerprint(directory: str, signature: tuple) -> str:
+    return local_fingerprint(Path(directory))
+
+
 def resolve_revision(settings: Settings, model: str) -> str:
     """The exact revision of ``model`` now: a local fingerprint, a hub commit, or the asked ref."""
     check_model_id(model)
     local = local_model_dir(settings, model)
     if local is not None:
-        return f"local-{local_fingerprint(local)}"
+        # Fingerprinting reads every safetensors header; do it once per version of the directory.
+        return f"local-{_fingerprint(str(local), directory_signature(local))}"
     repo_id, _, revision = model.partition("@")
     try:
         from huggingface_hub import HfApi
