@@ -44,7 +44,9 @@ def test_kernel_log_parser_names_the_unfused_path():
 
 
 def test_cpu_harness_writes_a_valid_report(exported, tmp_path):
-    export_dir = exported("llama", "attn_static")
+    import shutil
+
+    export_dir = shutil.copytree(exported("llama", "attn_static"), tmp_path / "export")  # the fixture stays pristine
     result = run_bench(export_dir, "cpu", contexts=[16, 64], steps=8, warmup=2, prefill_lengths=[32])
     data = json.loads((export_dir / "benchmark.json").read_text())
     assert data["variant"] == "attn_static" and data["settings"]["io_binding"] and data["settings"]["cache_mode"] == "static"
