@@ -17,7 +17,7 @@ from services.api.schemas import (
     Artifact, Artifacts, ExportCreate, ExportEventOut, ExportList, ExportOut, Links, ReexportRequest,
 )
 from services.auth import allows, create_token, token_scope
-from services.catalog.database import session_factory, upgrade_schema
+from services.catalog.database import session_factory, session_scope, upgrade_schema
 from services.catalog.models import Export
 from services.catalog.views import latest_ready
 from services.metrics import Metrics
@@ -54,15 +54,8 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
     app.state.settings, app.state.store, app.state.celery = settings, store, celery_app
 
     def db() -> Session:
-        session = sessions()
-        try:
+        with session_scope(settings.catalog_url) as session:  # one transaction per request
             yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
 
     def scope_of(credentials: HTTPAuthorizationCredentials | None, session: Session) -> str:
         if credentials is None or credentials.scheme.lower() != "bearer":
