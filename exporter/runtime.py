@@ -30,6 +30,42 @@ def read_metadata(model_path: Path) -> dict:
     return meta
 
 
+def _ortvalue(array: np.ndarray):
+    """numpy -> CPU OrtValue sharing its memory; bfloat16 (which ORT's numpy bridge lacks) via uint16."""
+    import onnxruntime as ort
+
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), onnx.TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def run_numpy(session, feeds: dict[str, np.ndarray], output_shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """session.run for graphs whose inputs or outputs are bfloat16.
+
+    ORT's Python bridge cannot turn bfloat16 tensors into numpy arrays, so every output is bound to a
+    preallocated host array of the dtype the graph declares, which ORT fills in place.
+    """
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, _ortvalue(array))
+    types = {o.name: o.type for o in session.get_outputs()}
+    results = {}
+    for name, shape in output_shapes.items():
+        dtype = _OUTPUT_NP.get(types[name])
+        if dtype is None:
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        results[name] = np.empty(shape, dtype=dtype)
+        binding.bind_ortvalue_output(name, _ortvalue(results[name]))
+    session.run_with_iobinding(binding)
+    return results
+
+
+_OUTPUT_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
 @dataclasses.dataclass
 class CacheState:
     """What a runtime carries between steps: caches and how many tokens they hold (per batch row)."""
@@ -105,13 +141,28 @@ class OnnxCausalLM:
             for i in range(self.num_layers):
                 k_in, v_in, _, _ = cache_io_names(self.variant, i)
                 feeds[k_in], feeds[v_in] = state.keys[i], state.values[i]
-            outputs = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
+            if self.dtype == "bf16":
+                outputs = run_numpy(self.session, feeds, self._output_shapes(batch, past + seq, seq))
+            else:
+                outputs = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
             logits = outputs["logits"]
             for i in range(self.num_layers):
                 _, _, k_out, v_out = cache_io_names(self.variant, i)
                 state.keys[i], state.values[i] = outputs[k_out], outputs[v_out]
         state.length = past + seq
         return logits
+
+    def _output_shapes(self, batch: int, total: int, seq: int) -> dict[str, tuple]:
+        cfg = self.config
+        if self.variant is Variant.ATTN_STATIC:
+            cache = (batch, cfg["max_seq_len"], cfg["num_kv_heads"] * cfg["head_dim"])
+        else:
+            cache = (batch, cfg["num_kv_heads"], total, cfg["head_dim"])
+        shapes = {"logits": (batch, seq, cfg["vocab_size"])}
+        for i in range(self.num_layers):
+            _, _, k_out, v_out = cache_io_names(self.variant, i)
+            shapes[k_out] = shapes[v_out] = cache
+        return shapes
 
     def static_cache_counts(self, batch: int, past: int, seq: int) -> dict[str, np.ndarray]:
         """write_indices = tokens already cached; nonpad_kv_seqlen = the count *after* this scatter.

@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from exporter.gates import GateResult
+from exporter.runtime import run_numpy
 
 EXPECTED = 3.0
 TOP_LEFT_ANSWER = 1.0
@@ -74,7 +75,7 @@ def probe_static_cache(ep: str, dtype: str = "fp32") -> tuple[ProbeOutcome, str]
         if ep == "cuda" and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
         session = ort.InferenceSession(_probe_model(ir_dtype), options, providers=[provider])
-        got = session.run(None, feeds)[0].astype(np.float32)
+        got = run_numpy(session, feeds, {"y": (1, 2, 1, 8)})["y"].astype(np.float32)
     except Exception as err:  # any failure to build or run is a classification, not a crash
         return ProbeOutcome.ERROR, f"{provider} could not run TensorScatter + Attention(nonpad_kv_seqlen): {err}"
     return classify_probe_output(got)

@@ -19,7 +19,9 @@ import onnx
 from exporter.checkpoint import BLOCK_BYTES, Checkpoint
 from exporter.gates import GateResult
 
-CORRELATION_MIN = 0.9999
+# bf16's 8-bit significand alone puts a norm weight near 1.0 with spread 0.1 at correlation ~0.9998
+# (measured on H200 bf16 builds); a zeroed or swapped tensor sits near 0 either way.
+CORRELATION_MIN = {"fp16": 0.9999, "bf16": 0.999}
 # fp16 keeps 11 significant bits (RMS relative rounding error ~3e-4 from fp32); bf16 keeps 8
 # (~2.3e-3), so a bf16 build of a higher-precision checkpoint gets a looser L2 bound.
 REL_L2_MAX = {"fp16": 1e-3, "bf16": 5e-3}
@@ -162,13 +164,13 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         if dtype == "fp32":
             passed = exact
         else:
-            passed = rel <= REL_L2_MAX[dtype] and (corr is None or corr >= CORRELATION_MIN)
+            passed = rel <= REL_L2_MAX[dtype] and (corr is None or corr >= CORRELATION_MIN[dtype])
         rows = f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else ""
         stats.append(SliceStats(name, region, part["tensor"] + rows, corr, rel, acc.max_abs, exact, passed))
     missing = [s for s in checkpoint.names() if s not in used_sources and not s.endswith(IGNORED_SOURCES)]
     failed = [s for s in stats if not s.passed]
     worst = sorted(stats, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))
-    threshold = "exact" if dtype == "fp32" else f"corr >= {CORRELATION_MIN}, rel L2 <= {REL_L2_MAX[dtype]}"
+    threshold = "exact" if dtype == "fp32" else f"corr >= {CORRELATION_MIN[dtype]}, rel L2 <= {REL_L2_MAX[dtype]}"
     results = [
         GateResult(
             "weights", "every checkpoint slice matches its source by value", not failed and not problems,
