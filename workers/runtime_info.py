@@ -35,12 +35,27 @@ def _gpu_name() -> str | None:
 
 
 def _cuda_version(providers: tuple[str, ...]) -> str | None:
+    """The CUDA version the driver provides (NVML), else torch's build; None without a CUDA EP.
+
+    Workers install a CPU build of torch, so torch alone would report no CUDA on a GPU node.
+    """
     if "CUDAExecutionProvider" not in providers:
         return None
     try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetCudaDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return f"{version // 1000}.{version % 1000 // 10}"
+    except Exception:  # no NVML (or no driver): fall back to what torch was built with
+        pass
+    try:
         import torch
 
-        return torch.version.cuda
+        return torch.version.cuda or "unknown"
     except ImportError:
         return "unknown"
 
