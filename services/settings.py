@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(None, description="Celery broker; default a file-based queue under data_dir")
 
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint; default a local directory store")
+    s3_public_endpoint_url: str | None = Field(None, description="endpoint presigned links name (default: S3_ENDPOINT_URL)")
     s3_bucket: str = "exportfarm"
     s3_access_key: str | None = None
     s3_secret_key: str | None = None

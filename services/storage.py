@@ -180,6 +180,7 @@ class S3Store(ArtifactStore):
         client_attempts: int = 3,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
+        public_endpoint_url: str | None = None,
     ) -> None:
         if attempts < 1 or client_attempts < 1:
             raise ValueError("attempts and client_attempts must be at least 1")
@@ -207,6 +208,11 @@ class S3Store(ArtifactStore):
         )
         self._transfer = TransferConfig(
             multipart_threshold=multipart_threshold_bytes, multipart_chunksize=multipart_chunk_bytes
+        )
+        # Links are signed for the host that will fetch them: the in-cluster endpoint, or a public one.
+        self._presign_client = self._client if not public_endpoint_url else boto3.session.Session().client(
+            "s3", endpoint_url=public_endpoint_url, aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key, region_name=region, config=config,
         )
 
     def __repr__(self) -> str:
@@ -344,7 +350,7 @@ class S3Store(ArtifactStore):
         check_key(key)
         if expires_s <= 0:
             raise ValueError(f"expires_s must be positive, got {expires_s}")
-        return self._client.generate_presigned_url(
+        return self._presign_client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s
         )
 

@@ -482,3 +482,16 @@ def test_export_prefix_sanitizes_every_level():
     prefix = export_prefix(manifest)
     assert ".." not in prefix and not prefix.startswith("/")
     assert prefix == "org/name/main/gqa-fp16-cuda/ort-1.32.0-cu12/id/"
+
+
+def test_presigned_links_name_the_public_endpoint(seaweed):
+    """Links are signed for the host clients use (S3_PUBLIC_ENDPOINT_URL), not the internal name."""
+    public = seaweed.endpoint_url.replace("127.0.0.1", "localhost")
+    store = S3Store(seaweed.endpoint_url, "public-links", seaweed.access_key, seaweed.secret_key,
+                    public_endpoint_url=public, attempts=1)
+    store.ensure_bucket()
+    store.put_bytes("a/b.txt", b"hello")
+    url = store.presigned_url("a/b.txt", 60)
+    assert url.startswith(public)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.read() == b"hello"
