@@ -733,6 +733,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # `kill`, `timeout`: still clean up
     worker_counts = [int(n) for n in args.uvicorn_workers.split(",")]
     code_at_start = code_state()
     work = Path(tempfile.mkdtemp(prefix="exportfarm_api_load_"))

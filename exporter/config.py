@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 from exporter.errors import ExportError
+
+_TRANSFORMERS_IMPORT = threading.Lock()
 
 # rope types whose frequencies are fixed per position (so a cos/sin table can be baked in).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -68,7 +71,8 @@ def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> Mod
     if model_type not in supported:
         names = ", ".join(sorted(supported))
         raise ExportError(f"unsupported architecture {model_type!r} in config.json: supported are {names}")
-    from transformers import AutoConfig
+    with _TRANSFORMERS_IMPORT:  # transformers' lazy modules are not safe to import from many threads
+        from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(checkpoint_dir))
     rope_params = dict(getattr(hf, "rope_parameters", None) or {})

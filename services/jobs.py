@@ -6,7 +6,7 @@ import functools
 import json
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from exporter import __version__
@@ -75,6 +75,9 @@ def submit_export(
     revision = resolve_revision(settings, request.model)
     ort = target_ort_version(session, settings, request.ep.value)
     key = cache_key(request, revision, __version__, ort)
+    if session.get_bind().dialect.name == "postgresql":
+        # Identical concurrent POSTs: serialize check-then-insert per cache key (until commit).
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": key})
     if not force:
         existing = catalog.find_live_duplicate(session, key)
         if existing is not None:

@@ -132,3 +132,27 @@ def test_worker_runtime_history(settings):
         assert [h.onnxruntime for h in history] == ["1.30.0", "1.31.1"]
         assert session.get(Worker, "gpu-node-1").onnxruntime == "1.31.1"
         assert "gpu-node-1" in {w.hostname for w in live_workers(settings, session)}
+
+
+def test_concurrent_identical_requests_create_one_export(settings):
+    """Many API threads POSTing the same body at once: one export, the rest get it back (PostgreSQL)."""
+    import threading
+
+    if not settings.catalog_url.startswith("postgresql"):
+        pytest.skip("the per-cache-key lock is PostgreSQL's advisory lock; SQLite is the single-user default")
+    request = ExportRequest(model="tiny-llama", dtype="fp16", ep="cpu", variant="attn_static", max_seq_len=96)
+    results, barrier = [], threading.Barrier(8)
+
+    def post():
+        barrier.wait()
+        with session_scope(settings.catalog_url) as session:
+            export, created = submit_export(session, settings, request)
+            results.append((export.id, created))
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(created for _, created in results) == 1
+    assert len({export_id for export_id, _ in results}) == 1

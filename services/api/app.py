@@ -26,6 +26,7 @@ from services.storage import LocalStore, StorageError, verify_local_signature
 from services.storage_factory import make_store
 
 bearer = HTTPBearer(auto_error=False)
+EXPORT_FIELDS = tuple(name for name in ExportOut.model_fields if name not in ("links", "events"))
 
 
 def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
@@ -66,10 +67,10 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"})
         return scope
 
-    def reader(credentials=Depends(bearer), session: Session = Depends(db)) -> str:
+    def reader(credentials=Depends(bearer), session: Session = Depends(db, scope="function")) -> str:
         return scope_of(credentials, session)
 
-    def admin(credentials=Depends(bearer), session: Session = Depends(db)) -> str:
+    def admin(credentials=Depends(bearer), session: Session = Depends(db, scope="function")) -> str:
         scope = scope_of(credentials, session)
         if not allows(scope, "admin"):
             raise HTTPException(status.HTTP_403_FORBIDDEN, "this token has the read scope; the action needs admin")
@@ -101,14 +102,15 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return Links(self=base, artifacts=f"{base}/artifacts" if export.storage_prefix else None)
 
     def out(export: Export, with_events: bool = False) -> ExportOut:
-        data = {c: getattr(export, c) for c in ExportOut.model_fields if hasattr(export, c) and c not in ("links", "events")}
+        # Column fields only: touching ``events`` would lazy-load a relationship per row.
+        data = {c: getattr(export, c) for c in EXPORT_FIELDS}
         data["status"] = export.status.value
         events = [ExportEventOut.model_validate(e, from_attributes=True) for e in export.events] if with_events else []
         return ExportOut(**data, links=links(export), events=events)
 
     @app.post("/exports", status_code=202, response_model=ExportOut, tags=["exports"],
               responses={200: {"description": "an identical export exists; it is returned"}})
-    def create_export(body: ExportCreate, response: Response, session: Session = Depends(db), _=Depends(admin)):
+    def create_export(body: ExportCreate, response: Response, session: Session = Depends(db, scope="function"), _=Depends(admin)):
         try:
             export, created = jobs.submit_export(session, settings, body.to_request(), force=body.force)
         except ExportError as err:
@@ -129,7 +131,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return out(export)
 
     @app.get("/exports/{export_id}", response_model=ExportOut, tags=["exports"])
-    def read_export(export_id: str, session: Session = Depends(db), _=Depends(reader)):
+    def read_export(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
         try:
             return out(jobs.get_export(session, export_id), with_events=True)
         except jobs.NotFound as err:
@@ -139,7 +141,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
     def search_exports(
         model: str | None = None, status_: str | None = Query(None, alias="status"), variant: str | None = None,
         limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
-        session: Session = Depends(db), _=Depends(reader),
+        session: Session = Depends(db, scope="function"), _=Depends(reader),
     ):
         from services.catalog.models import ExportStatus
 
@@ -149,7 +151,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return ExportList(items=[out(r) for r in rows], total=total, limit=limit, offset=offset)
 
     @app.delete("/exports/{export_id}", response_model=ExportOut, status_code=202, tags=["exports"])
-    def cancel(export_id: str, session: Session = Depends(db), _=Depends(admin)):
+    def cancel(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(admin)):
         try:
             return out(jobs.cancel_export(session, export_id))
         except jobs.NotFound as err:
@@ -158,7 +160,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
             raise HTTPException(409, str(err)) from None
 
     @app.get("/exports/{export_id}/artifacts", response_model=Artifacts, tags=["exports"])
-    def artifacts(export_id: str, session: Session = Depends(db), _=Depends(reader)):
+    def artifacts(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
         try:
             export = jobs.get_export(session, export_id)
         except jobs.NotFound as err:
@@ -177,7 +179,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return Artifacts(export_id=export.id, prefix=export.storage_prefix, expires_in_s=settings.presign_expires_s, files=files)
 
     @app.post("/reexports", tags=["catalog"])
-    def reexports(body: ReexportRequest | None = None, session: Session = Depends(db), _=Depends(admin)):
+    def reexports(body: ReexportRequest | None = None, session: Session = Depends(db, scope="function"), _=Depends(admin)):
         """Re-export what the newest worker runtimes made stale (the beat's check, by hand)."""
         from services.scheduler import plan_and_queue_reexports, send_queued
 
@@ -191,7 +193,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return plan.to_dict()
 
     @app.get("/exports/{export_id}/diff", tags=["exports"])
-    def export_diff(export_id: str, session: Session = Depends(db), _=Depends(reader)):
+    def export_diff(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
         try:
             export = jobs.get_export(session, export_id)
         except jobs.NotFound as err:
@@ -201,13 +203,13 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return export.diff
 
     @app.get("/catalog/regressions", tags=["catalog"])
-    def catalog_regressions(session: Session = Depends(db), _=Depends(reader)):
+    def catalog_regressions(session: Session = Depends(db, scope="function"), _=Depends(reader)):
         from services.regressions import regressions_view
 
         return regressions_view(session)
 
     @app.get("/workers", tags=["catalog"])
-    def workers_view(session: Session = Depends(db), _=Depends(reader)):
+    def workers_view(session: Session = Depends(db, scope="function"), _=Depends(reader)):
         """Workers, the runtimes they report, and the newest runtime per queue among live ones."""
         from services.catalog.models import RuntimeReport, Worker
         from services.scheduler import newest_runtimes
@@ -222,11 +224,11 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         }
 
     @app.get("/catalog/models", tags=["catalog"])
-    def catalog_models(session: Session = Depends(db), _=Depends(reader)):
+    def catalog_models(session: Session = Depends(db, scope="function"), _=Depends(reader)):
         return latest_ready(session)
 
     @app.get("/catalog/models/{model:path}", tags=["catalog"])
-    def catalog_model(model: str, session: Session = Depends(db), _=Depends(reader)):
+    def catalog_model(model: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
         views = latest_ready(session, model)
         if model not in views:
             raise HTTPException(404, f"no ready export of {model}")
@@ -246,7 +248,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"])
-    def readyz(session: Session = Depends(db)):
+    def readyz(session: Session = Depends(db, scope="function")):
         checks = {}
         try:
             session.execute(text("SELECT 1"))
@@ -268,7 +270,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks}, status_code=200 if ready else 503)
 
     @app.get("/metrics", tags=["health"])
-    def prometheus(session: Session = Depends(db), _=Depends(reader)):
+    def prometheus(session: Session = Depends(db, scope="function"), _=Depends(reader)):
         counts = dict(session.execute(select(Export.status, func.count()).group_by(Export.status)).all())
         return Response(metrics.render({k.value: v for k, v in counts.items()}), media_type="text/plain; version=0.0.4")
 

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -60,4 +60,13 @@ def upgrade_schema(url: str) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(config, "head")
+    if not url.startswith("postgresql"):
+        command.upgrade(config, "head")
+        return
+    # Several API workers or pods may start at once: one migrates, the others wait for it.
+    with engine_for(url).connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(hashtext('exportfarm-migrations'))"))
+        try:
+            command.upgrade(config, "head")
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(hashtext('exportfarm-migrations'))"))
