@@ -115,11 +115,13 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
             export, created = jobs.submit_export(session, settings, body.to_request(), force=body.force)
         except ExportError as err:
             raise HTTPException(422, str(err)) from None
+        # Commit here, in this thread: it releases the per-cache-key lock at once, without waiting
+        # for the dependency teardown to find a free worker thread under load.
+        session.commit()
         if not created:
             metrics.submissions.labels("duplicate").inc()
             response.status_code = 200
             return out(export)
-        session.commit()
         try:
             jobs.queue_export(celery_app, export)
         except jobs.BrokerUnavailable as err:

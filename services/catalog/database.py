@@ -28,7 +28,8 @@ def engine_for(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # More connections than the API's 40 worker threads: a request never waits for one while holding another.
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=30)
 
 
 @functools.cache
