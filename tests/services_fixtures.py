@@ -22,9 +22,9 @@ def fresh_postgres_database():
     try:
         yield f"{base.replace('postgresql://', 'postgresql+psycopg://')}/{name}"
     finally:
-        from services.catalog.database import engine_for
+        from services.catalog.database import forget_engines
 
-        engine_for.cache_clear()
+        forget_engines()
         with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

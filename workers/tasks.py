@@ -52,6 +52,14 @@ def register(app: Celery) -> None:
         return plan.to_dict()
 
 
+@signals.worker_process_init.connect
+def _fresh_connections(**_kwargs) -> None:
+    """Each pool child opens its own database connections instead of sharing the parent's."""
+    from services.catalog.database import forget_inherited_connections
+
+    forget_inherited_connections()
+
+
 @signals.worker_ready.connect
 def _report_runtime(sender=None, **_kwargs) -> None:
     """Record this worker's runtime now and then every minute (the scheduler reads it)."""

@@ -8,14 +8,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
+from sqlalchemy.pool import NullPool
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
-@functools.cache
+_ENGINES: dict[str, Engine] = {}
+
+
 def engine_for(url: str) -> Engine:
+    if url not in _ENGINES:
+        _ENGINES[url] = _make_engine(url)
+    return _ENGINES[url]
+
+
+def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -64,10 +73,29 @@ def upgrade_schema(url: str) -> None:
     if not url.startswith("postgresql"):
         command.upgrade(config, "head")
         return
-    # Several API workers or pods may start at once: one migrates, the others wait for it.
-    with engine_for(url).connect() as conn:
-        conn.execute(text("SELECT pg_advisory_lock(hashtext('exportfarm-migrations'))"))
-        try:
-            command.upgrade(config, "head")
-        finally:
-            conn.execute(text("SELECT pg_advisory_unlock(hashtext('exportfarm-migrations'))"))
+    # Several API workers or pods may start at once: one migrates, the others wait for it. A
+    # throwaway engine: no pooled connection may outlive this (a forking worker would share it).
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(hashtext('exportfarm-migrations'))"))
+            try:
+                command.upgrade(config, "head")
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(hashtext('exportfarm-migrations'))"))
+    finally:
+        engine.dispose()
+
+
+def forget_engines() -> None:
+    """Close and forget every engine (a test dropping its database first closes our connections)."""
+    for engine in _ENGINES.values():
+        engine.dispose()
+    _ENGINES.clear()
+    session_factory.cache_clear()
+
+
+def forget_inherited_connections() -> None:
+    """In a forked child: drop pooled connections the parent opened (never share a socket)."""
+    for engine in list(_ENGINES.values()):
+        engine.dispose(close=False)
