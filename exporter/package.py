@@ -83,6 +83,11 @@ def initializer_sources(model: ir.Model) -> dict[str, dict]:
 class Manifest:
     data: dict
 
+    def add_files(self, out_dir: Path, names: list[str]) -> None:
+        """Record files written after packaging (reports, benchmark, diff) with their sha256 and size."""
+        for name in names:
+            self.data["files"][name] = file_entry(Path(out_dir) / name)
+
     def write(self, out_dir: Path) -> Path:
         path = out_dir / MANIFEST_FILE
         tmp = path.with_suffix(".json.tmp")

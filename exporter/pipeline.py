@@ -1,7 +1,10 @@
-"""The export pipeline: resolve -> build -> fold -> package, into a directory that appears whole.
+"""The export pipeline: resolve -> build (build, fold, package) -> validate, as stage functions.
 
-Everything is written into a hidden sibling directory first and renamed into place at the end, so a
-failed export leaves no DIR that looks complete (no manifest.json), whatever stage failed.
+``build_export`` and ``validate_built`` are the stages the CLI and the farm's workers share; each
+takes and returns plain objects and keeps the manifest in memory, so it is written exactly once,
+by whoever finishes the export. ``export_model`` (the CLI's path) runs them into a hidden sibling
+directory and renames it into place after writing the manifest, so a failed export leaves no DIR
+that looks complete, whatever stage failed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from exporter.genai import write_genai_package
 from exporter.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
 from exporter.resolve import ResolvedSource, resolve_source
-from exporter.validate import REPORT_JSON, validate_export
+from exporter.validate import REPORT_JSON, ValidationReport, check_validatable, validate_export
 
 
 class Progress:
@@ -39,7 +42,7 @@ class ExportResult:
     out_dir: Path
     manifest: Manifest
     source: ResolvedSource
-    report: object | None = None  # ValidationReport when validation ran
+    report: ValidationReport | None = None  # when validation ran
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -59,6 +62,79 @@ def _publish_dir(staging: Path, out_dir: Path) -> None:
         staging.rename(out_dir)
 
 
+def build_export(
+    request: ExportRequest, source: ResolvedSource, out_dir: Path, progress: Progress | None = None,
+    export_id: str | None = None, timings: dict[str, float] | None = None,
+) -> Manifest:
+    """Stages build, fold and package: write the model, its weights and the genai package into ``out_dir``.
+
+    Returns the manifest in memory (files, versions, op census, where every weight came from);
+    nothing is written to ``out_dir / manifest.json``, so a directory without one is never mistaken
+    for a finished export.
+    """
+    progress = progress or Progress()
+    timings = timings if timings is not None else {}
+    out_dir = Path(out_dir)
+
+    t0 = time.perf_counter()
+    progress.stage("build")
+    built = build_model(request, source, on_layer=progress.layer)
+    timings["build"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    progress.stage("fold")
+    fold_model(built.model)
+    timings["fold"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    progress.stage("package")
+    total = sum(v.const_value.nbytes for v in built.model.graph.initializers.values())
+    written = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal written
+        written += n
+        progress.bytes_written(written, total)
+
+    write_model(built.model, out_dir, on_bytes)
+    progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
+    timings["write"] = time.perf_counter() - t0
+    # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
+    genai = write_genai_package(
+        out_dir, source.path, built.config, built.variant, request,
+        [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs],
+    )
+    manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id)
+    manifest.data["genai"] = genai.manifest_entry()
+    manifest.data["status"] = "unvalidated"
+    return manifest
+
+
+def validate_built(
+    out_dir: Path, manifest: Manifest, reference: str, ep: str, progress: Progress | None = None,
+) -> ValidationReport:
+    """Stage validate: run every gate on the export in ``out_dir`` and record the outcome in ``manifest``.
+
+    Writes parity_report.json / .md next to the model and sets the manifest's status to ``ready``
+    or ``quarantined`` (a failed gate); the caller decides what a quarantined export means.
+    """
+    progress = progress or Progress()
+    t0 = time.perf_counter()
+    progress.stage("validate")
+    report = validate_export(out_dir, reference, ep, manifest=manifest.data)
+    manifest.add_files(out_dir, [p.name for p in report.write(out_dir)])
+    manifest.data["timings_s"]["validate"] = round(time.perf_counter() - t0, 3)
+    manifest.data["validation"] = {
+        "status": "passed" if report.passed else "failed",
+        "failed_gates": sorted({g.gate for g in report.failed}),
+        "summary": report.summary(),
+        "report": REPORT_JSON,
+    }
+    manifest.data["status"] = "ready" if report.passed else "quarantined"
+    progress.validated(report)
+    return report
+
+
 def export_model(
     request: ExportRequest,
     out_dir: Path,
@@ -75,73 +151,25 @@ def export_model(
     "quarantined", then raises ``ValidationFailed``.
     """
     progress = progress or Progress()
-    export_id = export_id or uuid.uuid4().hex  # the farm passes its catalog id; the key layout uses it
+    export_id = export_id or uuid.uuid4().hex
     request.resolved_variant()  # refuse impossible requests before touching anything
+    if validate:
+        check_validatable(request.max_seq_len)
     out_dir = Path(out_dir).absolute()
     _check_out_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
-    timings: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
         progress.stage("resolve")
         source = resolve_source(request.model)
-        timings["resolve"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        progress.stage("build")
-        built = build_model(request, source, on_layer=progress.layer)
-        timings["build"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        progress.stage("fold")
-        fold_model(built.model)
-        timings["fold"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        progress.stage("package")
-        total = sum(v.const_value.nbytes for v in built.model.graph.initializers.values())
-        written = 0
-
-        def on_bytes(n: int) -> None:
-            nonlocal written
-            written += n
-            progress.bytes_written(written, total)
-
-        write_model(built.model, staging, on_bytes)
-        progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
-        timings["write"] = time.perf_counter() - t0
-        # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
-        genai = write_genai_package(
-            staging, source.path, built.config, built.variant, request,
-            [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs],
-        )
-        # The validator reads what the manifest says each initializer was made from.
-        manifest = build_manifest(
-            built.model, staging, request, built.variant, source, timings, genai.files, export_id=export_id
-        )
+        timings = {"resolve": time.perf_counter() - t0}
+        manifest = build_export(request, source, staging, progress, export_id, timings)
         report = None
         if validate:
-            t0 = time.perf_counter()
-            progress.stage("validate")
-            manifest.write(staging)
-            report = validate_export(staging, reference or str(source.path), validate_ep or request.ep.value)
-            extra = [p.name for p in report.write(staging)]
-            timings["validate"] = time.perf_counter() - t0
-            manifest = build_manifest(
-                built.model, staging, request, built.variant, source, timings, [*genai.files, *extra], export_id
-            )
-            manifest.data["validation"] = {
-                "status": "passed" if report.passed else "failed",
-                "failed_gates": sorted({g.gate for g in report.failed}),
-                "summary": report.summary(),
-                "report": REPORT_JSON,
-            }
-            progress.validated(report)
-        manifest.data["genai"] = genai.manifest_entry()
-        manifest.data["status"] = "quarantined" if report is not None and not report.passed else (
-            "ready" if report is not None else "unvalidated")
+            report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,
+                                    progress)
         manifest.write(staging)
         _publish_dir(staging, out_dir)
     except BaseException:

@@ -27,6 +27,7 @@ from exporter.package import MANIFEST_FILE, MODEL_FILE
 from exporter.resolve import resolve_source
 
 REPORT_JSON = "parity_report.json"
+PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
 REPORT_MD = "parity_report.md"
 
 
@@ -116,18 +117,30 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_validatable(max_seq_len: int | None) -> None:
+    """Refuse an export too short to validate: the parity run needs prompt + steps positions."""
+    needed = PARITY_PROMPT_LEN + PARITY_STEPS
+    if max_seq_len is not None and max_seq_len < needed:
+        raise ExportError(
+            f"max_seq_len {max_seq_len} is shorter than validation needs ({PARITY_PROMPT_LEN}-token prompt + "
+            f"{PARITY_STEPS} decode steps = {needed}): use max_seq_len {needed} or more (CLI: or --no-validate)")
+
+
 def validate_export(
     export_dir: Path,
     reference: str | None = None,
     ep: str | None = None,
     peer: Path | None = None,
-    steps: int = 24,
-    prompt_len: int = 16,
+    steps: int = PARITY_STEPS,
+    prompt_len: int = PARITY_PROMPT_LEN,
     lm_factory=None,
+    manifest: dict | None = None,
 ) -> ValidationReport:
     """Run every gate on ``export_dir``; ``reference`` defaults to the checkpoint it was built from.
 
-    ``lm_factory(export_dir, ep)`` builds the runtime driver (tests pass a deliberately wrong one).
+    ``manifest`` is the export's manifest when the caller holds it in memory (the pipeline writes
+    it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
+    ep)`` builds the runtime driver (tests pass a deliberately wrong one).
     """
     from exporter.reference import load_reference, reference_greedy
     from exporter.runtime import OnnxCausalLM, read_metadata
@@ -138,7 +151,8 @@ def validate_export(
     if not model_path.is_file():
         raise ExportError(f"{export_dir} has no {MODEL_FILE}: pass an export directory")
     meta = read_metadata(model_path)
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if manifest is None:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
     ep = ep or meta["ep"]
     if reference is None:

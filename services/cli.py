@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import subprocess
 import sys
 
 from exporter import cli as exporter_cli
+from exporter.errors import ExportError
 
 
 def _cmd_serve(args) -> int:
@@ -16,34 +17,50 @@ def _cmd_serve(args) -> int:
     from services.api.app import create_app
     from services.settings import get_settings
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
     if "public_base_url" not in settings.model_fields_set:
         # Links the API hands out (local-store downloads) point at where it actually listens.
         settings = settings.model_copy(update={"public_base_url": f"http://{args.host}:{args.port}"})
-    worker = None
-    if settings.redis_url is None and not args.no_worker:
-        # Embedded mode: the file-based queue needs a local worker; run one beside the API.
-        worker = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--queues", "cpu,gpu"])
+    farm = None
+    if not settings.redis_url:
+        # Embedded mode: the filesystem queue needs a local worker, and someone must sweep.
+        from services.embedded import EmbeddedFarm
+
+        farm = EmbeddedFarm(settings, worker=not args.no_worker)
+    # The farm stops in the app's shutdown, not after uvicorn.run: uvicorn re-raises SIGTERM once
+    # it has shut down, which ends the process before code after run() could stop the worker.
+    app = create_app(settings, on_shutdown=(farm.stop,) if farm is not None else ())
+    if farm is not None:
+        farm.start()
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(timeout=30)
+        if farm is not None:
+            farm.stop()
     return 0
 
 
 def _cmd_worker(args) -> int:
+    from exporter.versions import ort_version
     from services.catalog.database import upgrade_schema
+    from services.queue import worker_queues
     from services.settings import get_settings
     from workers.app import make_celery
 
+    _die_with_parent()
     settings = get_settings()
     upgrade_schema(settings.catalog_url)
     if args.name:
         os.environ["EXPORTFARM_WORKER_NAME"] = args.name
+    # Leases name the worker's main process; its pool process inherits this.
+    os.environ["EXPORTFARM_WORKER_PID"] = str(os.getpid())
+    try:
+        queues = worker_queues(args.queues or settings.worker_queues, ort_version())
+    except ValueError as err:
+        raise ExportError(f"--queues: {err}") from None
     app = make_celery(settings)
-    argv = ["worker", "-Q", args.queues or settings.worker_queues, "--concurrency", "1", "--loglevel", args.loglevel,
+    argv = ["worker", "-Q", ",".join(queues), "--concurrency", "1", "--loglevel", args.loglevel,
             "--without-gossip", "--without-mingle", "--without-heartbeat"]
     if args.name:
         argv += ["-n", f"{args.name}@%h"]
@@ -51,15 +68,37 @@ def _cmd_worker(args) -> int:
     return 0
 
 
-def _cmd_beat(args) -> int:
-    from services.catalog.database import upgrade_schema
-    from services.settings import get_settings
-    from workers.app import make_celery
+def _die_with_parent() -> None:
+    """A worker started by ``serve`` (EXPORTFARM_PARENT_PID) is killed by the kernel when serve dies."""
+    parent = os.environ.get("EXPORTFARM_PARENT_PID")
+    if not parent:
+        return
+    from celery.platforms import set_pdeathsig
 
+    set_pdeathsig("SIGKILL")
+    if os.getppid() != int(parent):  # serve died before the death signal was armed
+        raise SystemExit(1)
+
+
+def _cmd_beat(args) -> int:
+    import signal
+    import threading
+
+    from services.beat import Beat
+    from services.catalog.database import upgrade_schema
+    from services.queue import CeleryQueue
+    from services.settings import get_settings
+    from services.storage_factory import make_store
+
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
     upgrade_schema(settings.catalog_url)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    make_celery(settings).start(["beat", "--loglevel", args.loglevel])
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.getLogger("exportfarm").info("beat: sweeping every %g s, checking runtimes every %g s",
+                                         settings.sweep_interval_s, settings.beat_interval_s)
+    Beat(settings, CeleryQueue(settings), make_store(settings)).run(stop)
     return 0
 
 
@@ -98,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="worker name (default: the hostname)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=_cmd_worker)
-    p = sub.add_parser("beat", help="run the scheduler: re-export what an ONNX Runtime upgrade made stale")
+    p = sub.add_parser("beat", help="run the sweeper and the scheduler (re-exports after an ONNX Runtime upgrade)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=_cmd_beat)
     p = sub.add_parser("token", help="create an API bearer token (printed once; stored hashed)")

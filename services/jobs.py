@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from sqlalchemy import func, select, text
@@ -15,11 +14,14 @@ from exporter.config import load_model_config
 from exporter.architectures import ARCHITECTURES
 from exporter.errors import ExportError
 from exporter.request import ExportRequest, cache_key
+from exporter.validate import check_validatable
 from services.catalog import exports as catalog
+from services.catalog.exports import lease_expired, request_of
 from services.catalog.models import Export, ExportStatus
+from services.catalog.workers import live_workers
+from services.queue import QUEUE_FOR_EP
 from services.settings import Settings
 from services.sources import directory_signature, local_model_dir, resolve_revision
-from workers.config import QUEUE_FOR_EP, RUN_EXPORT
 
 
 class NotFound(Exception):
@@ -30,13 +32,8 @@ class Conflict(Exception):
     pass
 
 
-class BrokerUnavailable(Exception):
-    pass
-
-
 def target_ort_version(session: Session, settings: Settings, ep: str) -> str:
     """The newest onnxruntime among live workers of the request's queue (else the API's own)."""
-    from workers.registry import live_workers
     from exporter.versions import ort_version
 
     queue = QUEUE_FOR_EP[ep]
@@ -63,17 +60,20 @@ def _model_config(directory: str, signature: tuple):
 
 
 def submit_export(
-    session: Session, settings: Settings, request: ExportRequest, *, force: bool = False, send=None,
-    reason: str = "request", predecessor_id: str | None = None,
+    session: Session, settings: Settings, request: ExportRequest, *, force: bool = False,
+    reason: str = "request", predecessor_id: str | None = None, target_ort: str | None = None,
 ) -> tuple[Export, bool]:
-    """Create and queue an export; an identical live one is returned instead unless ``force``.
+    """Add an export to the catalog as queued; an identical live one is returned instead unless ``force``.
 
-    Returns (export, created). ``send(export)`` queues the Celery task (after the row commits).
+    Returns (export, created). The row is the outbox entry: the caller commits it, then sends it
+    (services.sweeper.Sweeper.ring); if that send never happens, the sweeper sends it. A re-export
+    names the onnxruntime it must be built on (``target_ort``); only workers running it take it.
     """
     check_against_local_config(settings, request)
+    check_validatable(request.max_seq_len)  # the farm validates every export
     variant = request.resolved_variant()
     revision = resolve_revision(settings, request.model)
-    ort = target_ort_version(session, settings, request.ep.value)
+    ort = target_ort or target_ort_version(session, settings, request.ep.value)
     key = cache_key(request, revision, __version__, ort)
     if session.get_bind().dialect.name == "postgresql":
         # Identical concurrent POSTs: serialize check-then-insert per cache key (until commit).
@@ -86,30 +86,12 @@ def submit_export(
         cache_key=key, model=request.model, revision=revision, dtype=request.dtype.value, ep=request.ep.value,
         static_cache=request.static_cache, max_seq_len=request.max_seq_len, variant=variant.value,
         ort_version=ort, exporter_version=__version__, status=ExportStatus.QUEUED, stage=None, percent=0,
-        reason=reason, predecessor_id=predecessor_id,
+        reason=reason, predecessor_id=predecessor_id, target_ort=target_ort,
     )
     session.add(export)
     session.flush()
     session.add(catalog.ExportEvent(export_id=export.id, to_status="queued", message=reason))
     return export, True
-
-
-def request_of(export: Export) -> ExportRequest:
-    return ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
-                         max_seq_len=export.max_seq_len, variant=export.variant)
-
-
-def record_runtime(export: Export, ort_version: str) -> None:
-    """Stamp the onnxruntime that really built and validated ``export`` (and so its cache key)."""
-    export.ort_version = ort_version
-    export.cache_key = cache_key(request_of(export), export.revision, export.exporter_version, ort_version)
-
-
-def queue_export(celery_app, export: Export) -> None:
-    try:
-        celery_app.send_task(RUN_EXPORT, args=[export.id], queue=QUEUE_FOR_EP[export.ep])
-    except Exception as err:  # kombu raises many connection error types
-        raise BrokerUnavailable(f"the job queue is unreachable ({type(err).__name__}): try again shortly") from err
 
 
 def get_export(session: Session, export_id: str) -> Export:
@@ -132,32 +114,30 @@ def list_exports(session: Session, *, model=None, status=None, variant=None, lim
     return list(rows), int(total or 0)
 
 
-def cancel_export(session: Session, export_id: str) -> Export:
-    """Queued: cancelled at once. Running: the worker stops at its next checkpoint."""
+def request_cancel(session: Session, settings: Settings, export_id: str) -> tuple[Export, bool]:
+    """Ask for an export to be cancelled; returns it and whether someone must settle the cancel now.
+
+    Queued without anything published: cancelled at once. Running with a live lease: its worker
+    stops at its next checkpoint (within HEARTBEAT_S), deletes what it uploaded and cancels. A
+    queued export an earlier attempt began publishing, or a running one whose worker is gone, needs
+    its uploads deleted before it may say cancelled: ``True``, and the caller runs
+    ``Sweeper.settle_cancel`` after committing (the sweeper does it too, if the store is down).
+    """
     export = session.get(Export, export_id, with_for_update=True)
     if export is None:
         raise NotFound(f"no export {export_id}")
     if export.status.terminal:
         raise Conflict(f"export {export_id} is already {export.status.value}")
-    export.cancel_requested = True
-    if export.status is ExportStatus.QUEUED:
+    if not export.cancel_requested:
+        export.cancel_requested = True
+        session.add(catalog.ExportEvent(export_id=export.id, from_status=export.status.value,
+                                        to_status=export.status.value, stage=export.stage, message="cancel requested"))
+    if export.status is ExportStatus.QUEUED and not export.storage_prefix:
         catalog.transition(session, export, ExportStatus.CANCELLED, message="cancelled while queued")
-    else:
-        session.add(catalog.ExportEvent(export_id=export.id, from_status="running", to_status="running",
-                                        stage=export.stage, message="cancel requested"))
-    return export
+        export.error = "cancelled"
+        return export, False
+    live = export.status is ExportStatus.RUNNING and not lease_expired(export, settings.lease_s)
+    return export, not live
 
 
-def published_files(export: Export) -> dict[str, dict]:
-    if not export.manifest:
-        return {}
-    files = dict(export.manifest.get("files", {}))
-    files["manifest.json"] = None  # size/sha256 of the manifest itself are in the store
-    return files
-
-
-def to_json(value) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-__all__ = ["submit_export", "queue_export", "get_export", "list_exports", "cancel_export", "ExportError"]
+__all__ = ["submit_export", "request_cancel", "get_export", "list_exports", "request_of", "ExportError"]

@@ -12,12 +12,13 @@ import dataclasses
 import datetime
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from exporter.errors import ExportError
 from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.pipeline import load_manifest
-from services.storage import ArtifactStore, ObjectInfo, StorageError, check_key
+from services.storage import ArtifactStore, Guard, ObjectInfo, StorageError, check_key
 
 STATUSES = ("ready", "quarantined", "unvalidated")
 # The weights first (by far the biggest, the most likely to be interrupted), then the graph.
@@ -100,14 +101,14 @@ def _matches(info: ObjectInfo | None, entry: dict) -> bool:
     return info is not None and info.size == entry["size"] and info.sha256 == entry["sha256"]
 
 
-def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, entry: dict) -> bool:
+def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, entry: dict, guard: Guard | None) -> bool:
     """Upload one file unless an identical object is there; verify it. True if it was uploaded."""
     if _matches(store.head(key), entry):
         return False
     path = export_dir / name
     if not path.is_file():
         raise ExportError(f"{export_dir} has no {name}, which its manifest lists: export it again")
-    store.put_file(key, path, entry["sha256"])
+    store.put_file(key, path, entry["sha256"], guard)
     info = store.head(key)
     if not _matches(info, entry):
         found = f"size {info.size}, sha256 {info.sha256}" if info else "no object"
@@ -118,14 +119,18 @@ def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, e
     return True
 
 
-def publish_export(store: ArtifactStore, export_dir: Path, prefix: str, status: str) -> PublishResult:
+def publish_export(
+    store: ArtifactStore, export_dir: Path, prefix: str, status: str, guard: Guard | None = None,
+    on_uploaded: Callable[[str], None] | None = None,
+) -> PublishResult:
     """Publish the export in ``export_dir`` under ``prefix`` with ``status`` (e.g. "ready").
 
     Uploads every file in the manifest's "files" map (model.onnx.data, model.onnx, then the rest),
     verifies each against its manifest entry, and only then writes manifest.json with "status" and
     a "published" block. Idempotent: if this export's manifest is already at the prefix it is
     returned untouched, and objects that already match are not uploaded again. A different export
-    at the same prefix is refused.
+    at the same prefix is refused. ``guard()`` runs before and during every write and aborts the
+    publish by raising (a worker whose lease ended); ``on_uploaded(name)`` follows each file.
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
@@ -144,10 +149,12 @@ def publish_export(store: ArtifactStore, export_dir: Path, prefix: str, status: 
     uploaded, skipped = [], []
     files = manifest["files"]
     for name in _upload_order(files):
-        if _publish_file(store, export_dir, check_key(prefix + name), name, files[name]):
+        if _publish_file(store, export_dir, check_key(prefix + name), name, files[name], guard):
             uploaded.append(name)
         else:
             skipped.append(name)
+        if on_uploaded is not None:
+            on_uploaded(name)
 
     published = {
         **manifest,
@@ -157,5 +164,21 @@ def publish_export(store: ArtifactStore, export_dir: Path, prefix: str, status: 
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },
     }
-    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(published, indent=2) + "\n").encode(), "application/json")
+    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(published, indent=2) + "\n").encode(), "application/json", guard)
     return PublishResult(prefix, published, uploaded, skipped)
+
+
+def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None) -> int:
+    """Remove what was published under ``prefix``: manifest.json first, so the prefix stops being an
+    export before any file it names goes away. Returns how many objects were deleted."""
+    prefix = _directory(prefix)
+    if guard is not None:
+        guard()
+    store.delete_key(prefix + MANIFEST_FILE)
+    return store.delete_prefix(prefix)
+
+
+def read_published(store: ArtifactStore, prefix: str, name: str) -> dict | None:
+    """A JSON file published under ``prefix`` (parity report, benchmark, diff), or None."""
+    data = store.get_bytes(_directory(prefix) + name)
+    return json.loads(data) if data else None

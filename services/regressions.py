@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from exporter.diff import ExportArtifacts, Thresholds, diff_exports, write_diff
-from exporter.package import add_files_to_manifest
+from exporter.diff import ExportArtifacts, ExportDiff, Thresholds, diff_exports, write_diff
 from services.catalog.models import Export
-from services.publish import read_published_manifest
+from services.publish import read_published, read_published_manifest
 from services.settings import Settings
 from services.storage import ArtifactStore
-
-
-def _published_json(store: ArtifactStore, prefix: str, name: str) -> dict | None:
-    data = store.get_bytes(prefix + name)
-    return json.loads(data) if data else None
 
 
 def predecessor_artifacts(store: ArtifactStore, predecessor: Export) -> ExportArtifacts | None:
@@ -30,23 +23,25 @@ def predecessor_artifacts(store: ArtifactStore, predecessor: Export) -> ExportAr
         return None
     return ExportArtifacts(
         manifest=manifest,
-        parity_report=_published_json(store, predecessor.storage_prefix, "parity_report.json"),
-        benchmark=_published_json(store, predecessor.storage_prefix, "benchmark.json"),
+        parity_report=read_published(store, predecessor.storage_prefix, "parity_report.json"),
+        benchmark=read_published(store, predecessor.storage_prefix, "benchmark.json"),
         label=f"{predecessor.id} (onnxruntime {predecessor.ort_version})",
     )
 
 
-def diff_with_predecessor(settings: Settings, store: ArtifactStore, predecessor: Export, export_dir: Path):
-    """Write diff.json / diff.md into the new export (listed in its manifest); returns the diff."""
+def diff_with_predecessor(settings: Settings, store: ArtifactStore, predecessor: Export, new: ExportArtifacts,
+                          export_dir: Path) -> tuple[ExportDiff, list[str]] | None:
+    """Diff a re-export (its manifest and reports, in memory) against its published predecessor.
+
+    Writes diff.json / diff.md into ``export_dir`` and returns the diff with those file names (for
+    the caller's manifest), or None when the predecessor has nothing published to compare with.
+    """
     old = predecessor_artifacts(store, predecessor)
     if old is None:
         return None
-    new = ExportArtifacts.from_dir(export_dir)
     thresholds = Thresholds(latency_pct=settings.regression_latency_pct, node_count_pct=settings.regression_node_count_pct)
     diff = diff_exports(old, new, thresholds)
-    names = [p.name for p in write_diff(diff, export_dir)]
-    add_files_to_manifest(export_dir, names)
-    return diff
+    return diff, [p.name for p in write_diff(diff, export_dir)]
 
 
 def regressions_view(session: Session, limit: int = 200) -> list[dict]:

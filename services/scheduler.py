@@ -1,26 +1,38 @@
 """Re-exports when the workers' ONNX Runtime moves on: the beat's check, also callable by hand.
 
 An export is stale when a live worker of its queue runs a newer onnxruntime than the one it was
-built and validated with. The check queues one re-export per stale export (reason ``ort-upgrade``,
-linked to its predecessor), under a policy (all / listed models / dry run) and a per-run cap so an
-upgrade does not flood the GPUs. It is idempotent: a predecessor that already has a live successor
-is skipped, and the new request's cache key (which includes the ORT version) deduplicates too.
+built and validated with. The check adds one re-export per stale export (reason ``ort-upgrade``,
+linked to its predecessor, targeting that runtime) under a policy (all / listed models / dry run),
+and it is bounded (DESIGN.md, Job lifecycle):
+
+- at most one re-export per (predecessor, target onnxruntime), whatever became of it: a
+  quarantined or failed one is reported in the catalog, not retried on every run (a unique
+  constraint holds this even for two checks at once);
+- at most ``REEXPORT_MAX_IN_FLIGHT`` re-exports queued or running at once; the rest wait for a
+  later run (``deferred``);
+- a re-export only runs on a worker of its target runtime (it is sent to that runtime's queue),
+  so it is never stamped with the runtime it was meant to replace;
+- users' exports go first: the sweeper sends a re-export only while no user export waits for the
+  same execution provider.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from sqlalchemy import select
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from services.catalog.exports import request_of
 from services.catalog.models import Export, ExportStatus
-from services.jobs import request_of, submit_export
+from services.catalog.workers import live_workers
+from services.jobs import submit_export
+from services.queue import QUEUE_FOR_EP, RUNTIME_QUEUE_SEPARATOR
 from services.settings import Settings
-from workers.config import QUEUE_FOR_EP
-from workers.registry import live_workers
 
 POLICIES = ("all", "listed", "dry-run")
+IN_FLIGHT = (ExportStatus.QUEUED, ExportStatus.RUNNING)
 
 
 def version_key(version: str) -> tuple:
@@ -28,10 +40,12 @@ def version_key(version: str) -> tuple:
 
 
 def newest_runtimes(session: Session, settings: Settings) -> dict[str, str]:
-    """{queue: newest onnxruntime version among its live workers}."""
+    """{queue: newest onnxruntime version among its live workers} (runtime queues left out)."""
     newest: dict[str, str] = {}
     for worker in live_workers(settings, session):
         for queue in worker.queues.split(","):
+            if RUNTIME_QUEUE_SEPARATOR in queue:
+                continue
             if queue not in newest or version_key(worker.onnxruntime) > version_key(newest[queue]):
                 newest[queue] = worker.onnxruntime
     return newest
@@ -41,19 +55,30 @@ def newest_runtimes(session: Session, settings: Settings) -> dict[str, str]:
 class ReexportPlan:
     policy: str
     newest: dict[str, str]
+    in_flight: int = 0  # re-exports queued or running before this run
+    cap: int = 0
     queued: list[dict] = dataclasses.field(default_factory=list)
     skipped: list[dict] = dataclasses.field(default_factory=list)
-    deferred: list[dict] = dataclasses.field(default_factory=list)  # over the rate cap: next run
+    deferred: list[dict] = dataclasses.field(default_factory=list)  # over the in-flight cap: a later run
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _has_live_successor(session: Session, export: Export) -> bool:
+def _successor(session: Session, export: Export, target: str) -> Export | None:
+    """The re-export of ``export`` onto onnxruntime ``target``, if there ever was one."""
     return session.scalars(
-        select(Export.id).where(Export.predecessor_id == export.id,
-                                Export.status.in_((ExportStatus.QUEUED, ExportStatus.RUNNING, ExportStatus.READY)))
-    ).first() is not None
+        select(Export).where(Export.predecessor_id == export.id, or_(
+            Export.target_ort == target,
+            # re-exports made before targets were recorded: the runtime they ended on
+            and_(Export.target_ort.is_(None), Export.reason == "ort-upgrade", Export.ort_version == target)))
+        .limit(1)
+    ).first()
+
+
+def reexports_in_flight(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Export).where(
+        Export.target_ort.is_not(None), Export.status.in_(IN_FLIGHT))) or 0)
 
 
 def _is_latest_of_its_slot(session: Session, export: Export) -> bool:
@@ -73,19 +98,20 @@ def plan_and_queue_reexports(
     session: Session, settings: Settings, *, policy: str | None = None, models: list[str] | None = None,
     limit: int | None = None,
 ) -> ReexportPlan:
-    """Find stale ready exports and add their re-exports to the catalog as queued.
+    """Find stale ready exports and add their re-exports to the catalog as queued (not yet sent).
 
-    The caller commits, then sends each ``plan.queued`` job to the broker: a worker must never see
-    a job id before its row exists.
+    The caller commits; the sweeper sends them, users' exports first. ``limit`` lowers the
+    in-flight cap for this run only.
     """
     policy = policy or settings.reexport_policy
     if policy not in POLICIES:
         raise ValueError(f"re-export policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     models = models if models is not None else settings.reexport_models
-    limit = settings.reexport_max_per_run if limit is None else limit
-    plan = ReexportPlan(policy, newest_runtimes(session, settings))
+    cap = settings.reexport_max_in_flight if limit is None else min(limit, settings.reexport_max_in_flight)
+    plan = ReexportPlan(policy, newest_runtimes(session, settings), reexports_in_flight(session), cap)
+    room = cap - plan.in_flight
     candidates = session.scalars(
-        select(Export).where(Export.status == ExportStatus.READY).order_by(Export.finished_at.asc()).with_for_update()
+        select(Export).where(Export.status == ExportStatus.READY).order_by(Export.finished_at.asc())
     ).all()
     for export in candidates:
         target = plan.newest.get(QUEUE_FOR_EP[export.ep])
@@ -95,8 +121,10 @@ def plan_and_queue_reexports(
             continue  # up to date, or no live worker for its queue
         if not _is_latest_of_its_slot(session, export):
             continue
-        if _has_live_successor(session, export):
-            plan.skipped.append({**entry, "why": "a re-export is already queued, running or ready"})
+        successor = _successor(session, export, target)
+        if successor is not None:
+            plan.skipped.append({**entry, "why": f"re-exported to onnxruntime {target} already "
+                                                 f"({successor.id}, {successor.status.value})"})
             continue
         if policy == "listed" and export.model not in models:
             plan.skipped.append({**entry, "why": "model not in REEXPORT_MODELS"})
@@ -104,20 +132,20 @@ def plan_and_queue_reexports(
         if policy == "dry-run":
             plan.skipped.append({**entry, "why": "dry run"})
             continue
-        if len(plan.queued) >= limit:
-            plan.deferred.append({**entry, "why": f"rate cap of {limit} per run"})
+        if room <= 0:
+            plan.deferred.append({**entry, "why": f"{cap - room} re-exports in flight (cap {cap})"})
             continue
-        new, created = submit_export(session, settings, request_of(export), reason="ort-upgrade", predecessor_id=export.id)
+        try:
+            with session.begin_nested():  # another check may add the same successor at the same moment
+                new, created = submit_export(session, settings, request_of(export), reason="ort-upgrade",
+                                             predecessor_id=export.id, target_ort=target)
+                session.flush()
+        except IntegrityError:
+            plan.skipped.append({**entry, "why": f"re-exported to onnxruntime {target} already (concurrently)"})
+            continue
         if not created:
             plan.skipped.append({**entry, "why": f"an identical export exists ({new.id})"})
             continue
-        session.flush()
+        room -= 1
         plan.queued.append({**entry, "export_id": new.id})
     return plan
-
-
-def send_queued(celery_app, plan: ReexportPlan) -> None:
-    from workers.config import RUN_EXPORT
-
-    for job in plan.queued:
-        celery_app.send_task(RUN_EXPORT, args=[job["export_id"]], queue=QUEUE_FOR_EP[job["ep"]])

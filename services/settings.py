@@ -11,7 +11,7 @@ import functools
 import secrets
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -41,25 +41,63 @@ class Settings(BaseSettings):
 
     models_dir: Path | None = Field(None, description="local checkpoints the API may export, by directory name")
     work_dir: Path | None = Field(None, description="worker scratch; default data_dir/work")
-    worker_queues: str = "cpu"
-    task_soft_time_limit_s: int = 6 * 3600
-    task_time_limit_s: int = 6 * 3600 + 600
-    visibility_timeout_s: int = 3600
+    worker_queues: str = Field("cpu", description="queues a worker serves: cpu, gpu or both (comma-separated)")
+    task_soft_time_limit_s: int = Field(6 * 3600, description="a job still running after this fails, naming its stage")
+    task_time_limit_s: int = Field(6 * 3600 + 600, description="hard limit: the worker's pool process is killed")
+    visibility_timeout_s: int | None = Field(
+        None, description="Redis redelivery of an unacknowledged job; default and minimum: TASK_TIME_LIMIT_S + 600")
     validate_ep: str | None = Field(None, description="EP to validate and bench on; default the request's")
-    bench_contexts: list[int] = [128, 512]
-    bench_steps: int = 32
-    bench_repeats: int = 1
-    publish_retries: int = 5
+    bench_contexts: list[int] = Field([128, 512], description="decode context lengths the worker benchmarks")
+    bench_steps: int = Field(32, description="timed decode steps per context")
+    bench_repeats: int = Field(1, description="benchmark runs per context (step times pooled)")
+    publish_retries: int = Field(5, description="publish attempts while the object store fails, backing off")
     reexport_policy: str = Field("all", description="all | listed | dry-run: what an ORT upgrade re-exports")
     reexport_models: list[str] = Field(default_factory=list, description="models re-exported under 'listed'")
-    reexport_max_per_run: int = Field(8, description="rate cap: re-exports one beat may queue")
-    beat_interval_s: float = 300.0
-    beat_queue: str = Field("cpu", description="queue whose workers run the beat's runtime check")
-    regression_latency_pct: float = 10.0
-    regression_node_count_pct: float = 10.0
-    heartbeat_s: float = 10.0
-    worker_report_s: float = 60.0
-    lease_s: float = 60.0  # a running job whose heartbeat is older than this may be taken over
+    reexport_max_in_flight: int = Field(4, ge=0, description="cap on re-exports queued or running at once")
+    reexport_timeout_s: float = Field(
+        24 * 3600.0, description="a re-export no worker of its target runtime starts within this long fails")
+    beat_interval_s: float = Field(300.0, description="how often beat checks workers' runtimes for re-exports")
+    regression_latency_pct: float = Field(10.0, description="decode latency increase a re-export's diff flags")
+    regression_node_count_pct: float = Field(10.0, description="node count increase a re-export's diff flags")
+    heartbeat_s: float = Field(10.0, gt=0, description="how often a worker renews its job's lease")
+    worker_report_s: float = Field(60.0, gt=0, description="how often a worker reports its runtime")
+    lease_s: float = Field(60.0, gt=0, description="a running job whose lease is older than this is re-dispatched")
+    max_attempts: int = Field(3, ge=1, description="lost attempts (its worker died or was cut off) before a job fails with the reason")
+    sweep_interval_s: float = Field(10.0, gt=0, description="how often the sweeper re-dispatches and expires leases")
+    redispatch_s: float = Field(
+        60.0, gt=0, description="re-send a queued job's message when a worker of its queue sat idle this long")
+    shutdown_grace_s: float = Field(5.0, ge=0, description="embedded serve: wait this long for its worker to stop")
+
+    @model_validator(mode="after")
+    def _lifecycle_bounds(self) -> Settings:
+        if self.task_soft_time_limit_s > self.task_time_limit_s:
+            raise ValueError(
+                f"TASK_SOFT_TIME_LIMIT_S ({self.task_soft_time_limit_s}) is above TASK_TIME_LIMIT_S "
+                f"({self.task_time_limit_s}): the soft limit must come first")
+        if self.visibility_timeout_s is not None and self.visibility_timeout_s < self.task_time_limit_s:
+            # Redis hands an unacknowledged job to another worker after this long, even while the
+            # first still runs it: shorter than the hard limit means two workers on one job.
+            raise ValueError(
+                f"VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}) is shorter than TASK_TIME_LIMIT_S "
+                f"({self.task_time_limit_s}): a long job would be redelivered while it still runs; "
+                "raise it or leave it unset")
+        if self.lease_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"LEASE_S ({self.lease_s}) must be at least twice HEARTBEAT_S ({self.heartbeat_s}): "
+                "one late heartbeat would otherwise hand a live job to another worker")
+        return self
+
+    @property
+    def broker_visibility_timeout_s(self) -> int:
+        return self.visibility_timeout_s if self.visibility_timeout_s is not None else self.task_time_limit_s + 600
+
+    @field_validator("database_url", "redis_url", "s3_endpoint_url", "s3_public_endpoint_url", "s3_access_key",
+                     "s3_secret_key", "admin_token", "models_dir", "work_dir", "validate_ep", "visibility_timeout_s",
+                     mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        # `REDIS_URL=` in a .env file or a compose file means "not set", not "the empty URL".
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("data_dir", mode="after")
     @classmethod

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import io
 import logging
 import os
 import re
@@ -34,6 +35,7 @@ from boto3.s3.transfer import TransferConfig
 from exporter.package import sha256_file
 
 T = TypeVar("T")
+Guard = Callable[[], None]
 logger = logging.getLogger(__name__)
 
 # S3 metadata key that carries an object's full sha256 (hex): S3 itself only keeps per-part
@@ -71,6 +73,10 @@ def check_key(key: str, *, prefix: bool = False) -> str:
     return key
 
 
+def _no_guard() -> None:
+    pass
+
+
 def _check_directory_prefix(prefix: str) -> str:
     """Deleting by prefix is only allowed on a whole 'directory', so 'a/b' can never take 'a/bc'."""
     check_key(prefix, prefix=True)
@@ -79,21 +85,55 @@ def _check_directory_prefix(prefix: str) -> str:
     return prefix
 
 
+class _GuardedReader(io.RawIOBase):
+    """A file that calls ``guard()`` before every read, for uploads that must stop the moment it raises."""
+
+    def __init__(self, raw: BinaryIO, guard: Guard):
+        self._raw, self._guard = raw, guard
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        self._guard()
+        return self._raw.read(size)
+
+    def readinto(self, buffer) -> int:
+        self._guard()
+        return self._raw.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+
 class ArtifactStore(abc.ABC):
     """Where exports are published: put, read, list, delete and hand out time-limited links."""
 
     @abc.abstractmethod
-    def put_file(self, key: str, path: Path, sha256: str) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
         """Upload the file at ``path`` as ``key`` if its content hashes to ``sha256``.
 
         The file is hashed before it is stored, so bytes that changed since the caller computed
         ``sha256`` (a manifest written earlier) are refused with ``StorageError`` instead of being
         published under a checksum they do not have. The sha256 is recorded with the object.
+        ``guard()`` is called before and while the bytes go out; whatever it raises aborts the
+        upload, and no object is created (a worker that lost its job's lease stops mid-file).
         """
 
     @abc.abstractmethod
-    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> ObjectInfo:
-        """Store ``data`` as ``key`` (replacing any object there), recording its sha256."""
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
+                  guard: Guard | None = None) -> ObjectInfo:
+        """Store ``data`` as ``key`` (replacing any object there), recording its sha256; ``guard`` as for put_file."""
+
+    @abc.abstractmethod
+    def delete_key(self, key: str) -> None:
+        """Delete one object (no error if it is absent)."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
@@ -262,9 +302,11 @@ class S3Store(ArtifactStore):
     def _checksum_args(self) -> dict:
         return {"ChecksumAlgorithm": self._checksum_algorithm} if self._checksum_algorithm else {}
 
-    def put_file(self, key: str, path: Path, sha256: str) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
         check_key(key)
         path = Path(path)
+        guard = guard or _no_guard
+        guard()
         actual = sha256_file(path)
         if actual != sha256:
             raise StorageError(
@@ -272,14 +314,23 @@ class S3Store(ArtifactStore):
                 f"the file changed after it was checksummed; refusing to upload it as {key}"
             )
         extra = {"Metadata": {SHA256_METADATA: sha256}, **self._checksum_args()}
-        self._call(
-            f"upload {key}",
-            lambda: self._client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=self._transfer),
-        )
+        guard()
+
+        def upload() -> None:
+            # The guard runs on every read of the body and on s3transfer's progress callbacks (every
+            # 256 KiB sent, per part); whatever it raises aborts the request, or the whole multipart
+            # upload, before the object exists.
+            with path.open("rb") as raw:
+                self._client.upload_fileobj(_GuardedReader(raw, guard), self.bucket, key, ExtraArgs=extra,
+                                            Config=self._transfer, Callback=lambda _sent: guard())
+
+        self._call(f"upload {key}", upload)
         return ObjectInfo(path.stat().st_size, sha256)
 
-    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> ObjectInfo:
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
+                  guard: Guard | None = None) -> ObjectInfo:
         check_key(key)
+        (guard or _no_guard)()
         sha256 = hashlib.sha256(data).hexdigest()
         self._call(
             f"upload {key}",
@@ -330,6 +381,10 @@ class S3Store(ArtifactStore):
             return sorted(obj["Key"] for page in pages for obj in page.get("Contents", ()))
 
         return self._call(f"list {prefix or '/'}", list_all)
+
+    def delete_key(self, key: str) -> None:
+        check_key(key)
+        self._call(f"delete {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list_keys(_check_directory_prefix(prefix))
@@ -453,25 +508,33 @@ class LocalStore(ArtifactStore):
             tmp.unlink(missing_ok=True)
             raise
 
-    def _store(self, key: str, sha256: str, write: Callable[[BinaryIO], object]) -> None:
+    def _store(self, key: str, sha256: str, write: Callable[[BinaryIO], object], guard: Guard) -> None:
         """Write an object whole, then record its sha256 (see the class docstring for the order)."""
         target, sha256_path = self._object_path(key), self._sha256_path(key)
         try:
             tmp = self._temp_file(write)
+            try:
+                guard()  # the last moment a write can still be refused: nothing is visible yet
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             sha256_path.unlink(missing_ok=True)
             self._rename_into(tmp, target)
             self._rename_into(self._temp_file(lambda f: f.write(sha256.encode())), sha256_path)
         except OSError as err:
             raise StorageError(f"cannot write {key} under {self.root}: {err}") from None
 
-    def put_file(self, key: str, path: Path, sha256: str) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
         path = Path(path)
+        guard = guard or _no_guard
+        guard()
 
         def copy(out: BinaryIO) -> None:
             """Hash while copying, so the bytes stored are exactly the bytes checked."""
             digest = hashlib.sha256()
             with path.open("rb") as src:
                 while block := src.read(8 << 20):
+                    guard()
                     digest.update(block)
                     out.write(block)
             if digest.hexdigest() != sha256:
@@ -480,13 +543,24 @@ class LocalStore(ArtifactStore):
                     f"the file changed after it was checksummed; refusing to store it as {key}"
                 )
 
-        self._store(key, sha256, copy)
+        self._store(key, sha256, copy, guard)
         return ObjectInfo(path.stat().st_size, sha256)
 
-    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> ObjectInfo:
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
+                  guard: Guard | None = None) -> ObjectInfo:
+        guard = guard or _no_guard
+        guard()
         sha256 = hashlib.sha256(data).hexdigest()
-        self._store(key, sha256, lambda f: f.write(data))
+        self._store(key, sha256, lambda f: f.write(data), guard)
         return ObjectInfo(len(data), sha256)
+
+    def delete_key(self, key: str) -> None:
+        # The checksum goes first, as in _store: an object may lack a sha256, never have a wrong one.
+        try:
+            self._sha256_path(key).unlink(missing_ok=True)
+            self._object_path(key).unlink(missing_ok=True)
+        except OSError as err:
+            raise StorageError(f"cannot delete {key} under {self.root}: {err}") from None
 
     def get_bytes(self, key: str) -> bytes | None:
         path = self._object_path(key)

@@ -53,6 +53,7 @@ def test_post_queues_and_identical_post_returns_it(api):
         ({"model": "tiny-qwen3", "dtype": "fp8"}, ["dtype", "fp16"]),
         ({"model": "tiny-qwen3", "static_cache": True}, ["max_seq_len"]),
         ({"model": "tiny-qwen3", "static_cache": True, "max_seq_len": -4}, ["max_seq_len", "greater than 0"]),
+        ({"model": "tiny-qwen3", "static_cache": True, "max_seq_len": 24}, ["max_seq_len 24", "validation needs", "40"]),
         ({"model": "../../etc/passwd"}, ["not a hub id", "'..'"]),
         ({"model": "org/name/../../x"}, ["not a hub id"]),
         ({"model": "tiny-qwen3", "ep": "cpu", "dtype": "bf16", "variant": "gqa"}, ["bf16", "cpu"]),
@@ -88,7 +89,7 @@ def test_tokens_and_scopes(api):
 
 
 def test_list_filters_and_paging(api):
-    for n in (32, 48, 64):
+    for n in (40, 48, 64):
         post(api, {"model": "tiny-qwen3", "dtype": "fp32", "ep": "cpu", "static_cache": True, "max_seq_len": n})
     page = api.get("/exports", params={"variant": "attn_static", "limit": 2}, headers=api.reader).json()
     assert page["total"] >= 3 and len(page["items"]) == 2

@@ -12,10 +12,12 @@ from services.catalog import exports as catalog
 from services.catalog.database import session_scope, upgrade_schema
 from services.catalog.models import Export, ExportEvent, ExportStatus, RuntimeReport, Worker
 from services.catalog.views import latest_ready
-from services.jobs import Conflict, cancel_export, list_exports, submit_export
+from services import lifecycle
+from services.catalog.workers import live_workers
+from services.jobs import Conflict, list_exports, request_cancel, submit_export
 from services.settings import Settings
 from tests.services_fixtures import fresh_postgres_database
-from workers.registry import live_workers, report_worker
+from workers.registry import report_worker
 from workers.runtime_info import RuntimeInfo
 
 
@@ -56,46 +58,50 @@ def test_identical_requests_share_one_export(settings):
 def test_transitions_leave_an_audit_trail(settings):
     export_id, _, _ = _submit(settings, variant="attn_dynamic", max_seq_len=64)
     with session_scope(settings.catalog_url) as session:
+        lease = lifecycle.claim(session, export_id, "w1", 100, "1.31.1").lease
+    with session_scope(settings.catalog_url) as session:
+        assert lifecycle.record_stage(session, lease, "build", 10) is False  # no cancel requested
+        assert lifecycle.record_stage(session, lease, "validate", 60) is False
+        lifecycle.finish(session, lease, ExportStatus.READY, message="published", stage="publish")
+    with session_scope(settings.catalog_url) as session:
         export = session.get(Export, export_id)
-        catalog.transition(session, export, ExportStatus.RUNNING, stage="build", worker="w1")
-        assert catalog.record_stage(session, export_id, "validate", 60, "w1")
-        catalog.transition(session, export, ExportStatus.READY, message="published", worker="w1")
         with pytest.raises(catalog.TransitionError):
             catalog.transition(session, export, ExportStatus.RUNNING)
-    with session_scope(settings.catalog_url) as session:
         events = session.scalars(select(ExportEvent).where(ExportEvent.export_id == export_id).order_by(ExportEvent.id)).all()
         assert [(e.to_status, e.stage) for e in events] == [
-            ("queued", None), ("running", "build"), ("running", "validate"), ("ready", None)]
+            ("queued", None), ("running", "resolve"), ("running", "build"), ("running", "validate"), ("ready", "publish")]
         assert all(e.at is not None for e in events)
         export = session.get(Export, export_id)
         assert export.started_at <= export.finished_at
 
 
 def test_cancel_queued_and_running(settings):
-    queued, _, _ = _submit(settings, variant="attn_static", max_seq_len=32)
+    queued, _, _ = _submit(settings, variant="attn_static", max_seq_len=56)
     with session_scope(settings.catalog_url) as session:
-        assert cancel_export(session, queued).status is ExportStatus.CANCELLED
+        export, settle = request_cancel(session, settings, queued)
+        assert export.status is ExportStatus.CANCELLED and not settle
     with session_scope(settings.catalog_url) as session, pytest.raises(Conflict):
-        cancel_export(session, queued)
+        request_cancel(session, settings, queued)
     running, _, _ = _submit(settings, variant="attn_static", max_seq_len=48)
     with session_scope(settings.catalog_url) as session:
-        catalog.transition(session, session.get(Export, running), ExportStatus.RUNNING, stage="build", worker="w2")
-        session.get(Export, running).worker = "w2"
+        lease = lifecycle.claim(session, running, "w2", 200, "1.31.1").lease
     with session_scope(settings.catalog_url) as session:
-        assert cancel_export(session, running).status is ExportStatus.RUNNING  # the worker stops it
+        export, settle = request_cancel(session, settings, running)
+        assert export.status is ExportStatus.RUNNING and not settle  # its live worker stops it
     with session_scope(settings.catalog_url) as session:
-        assert not catalog.heartbeat(session, running, "w2")  # so the worker learns of it
-        assert not catalog.record_stage(session, running, "fold", 20, "w2")
+        assert lifecycle.renew(session, lease) is True  # so the worker learns of it at its next heartbeat
+        assert lifecycle.record_stage(session, lease, "fold", 20) is True
 
 
 def test_lease_expiry(settings):
     export = Export(heartbeat_at=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=30))
     assert catalog.lease_expired(export, lease_s=10)
     assert not catalog.lease_expired(export, lease_s=60)
+    assert catalog.lease_expired(Export(heartbeat_at=None), lease_s=60)  # released: its worker is known dead
 
 
 def test_list_filters_and_paging(settings):
-    for n in (16, 24, 40):
+    for n in (72, 80, 88):
         _submit(settings, variant="attn_static", max_seq_len=n, dtype="fp16")
     with session_scope(settings.catalog_url) as session:
         rows, total = list_exports(session, variant="attn_static", status="queued", limit=2)
@@ -111,10 +117,8 @@ def test_latest_ready_per_variant(settings):
         export_id, _, _ = _submit(settings, variant="gqa", dtype=dtype, max_seq_len=100 + len(ids))
         ids.append(export_id)
         with session_scope(settings.catalog_url) as session:
-            export = session.get(Export, export_id)
-            catalog.transition(session, export, ExportStatus.RUNNING)
-            export.figures = {"prefill_max_abs_error": 1e-6 * (len(ids))}
-            catalog.transition(session, export, ExportStatus.READY)
+            lease = lifecycle.claim(session, export_id, "w1", 1, "1.31.1").lease
+            lifecycle.finish(session, lease, ExportStatus.READY, figures={"prefill_max_abs_error": 1e-6 * len(ids)})
     with session_scope(settings.catalog_url) as session:
         view = latest_ready(session, "tiny-llama")["tiny-llama"]
     assert view["gqa-fp32-cpu-ms101"]["id"] == ids[1]

@@ -292,6 +292,28 @@ def test_schema_refuses_bad_values(bad, where):
     assert "schema" in result.stderr and f"'{where}'" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("values", VALUES)
+def test_the_charts_settings_are_ones_the_farm_accepts(values, tmp_path):
+    """Every pod reads the ConfigMap as settings: they must pass the farm's own checks (a redelivery
+    shorter than the hard time limit, a lease shorter than two heartbeats are refused at start)."""
+    from services.settings import Settings
+
+    data = next(d["data"] for d in of_kind(render(*VALUES[values]), "ConfigMap") if "TASK_TIME_LIMIT_S" in d["data"])
+    settings = Settings(_env_file=None, **{k.lower(): v for k, v in data.items() if k.lower() in Settings.model_fields
+                                          and k not in ("DATA_DIR", "WORK_DIR")}, data_dir=tmp_path)
+    assert settings.broker_visibility_timeout_s >= settings.task_time_limit_s
+    assert settings.lease_s >= 2 * settings.heartbeat_s
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ("config.visibilityTimeoutS=3600", "shorter than config.taskTimeLimitS"),
+    ("config.leaseS=10", "at least twice config.heartbeatS"),
+])
+def test_chart_refuses_lifecycle_settings_the_farm_would_refuse(bad, words):
+    result = helm("template", RELEASE, str(CHART), "--set", bad, check=False)
+    assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
 # --- docker compose ---------------------------------------------------------------------------------
 
 COMPOSE_VARS = re.compile(r"\$\{([A-Z][A-Z0-9_]*)")

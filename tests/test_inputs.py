@@ -121,6 +121,11 @@ def test_max_seq_len_above_positions(checkpoint, out_dir):
     _assert_refused(proc, out_dir, "max_position_embeddings", "256")
 
 
+def test_max_seq_len_too_short_to_validate(checkpoint, out_dir):
+    proc = _cli("--model", str(checkpoint("llama")), "--static-cache", "--max-seq-len", "24", "--out", str(out_dir))
+    _assert_refused(proc, out_dir, "validation needs", "--no-validate")
+
+
 def test_gqa_bf16_on_cpu(checkpoint, out_dir):
     proc = _cli("--model", str(checkpoint("llama")), "--variant", "gqa", "--dtype", "bf16", "--out", str(out_dir))
     _assert_refused(proc, out_dir, "bf16", "cpu")

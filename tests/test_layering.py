@@ -1,4 +1,7 @@
-"""exporter/ is a pure library: importing all of it pulls in no service framework."""
+"""Dependencies point one way: exporter/ is a pure library, services/ never imports workers/.
+
+Each check imports every module of a package in a fresh interpreter and lists what came with it.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +10,28 @@ import subprocess
 import sys
 
 import exporter
+import services
 
 
-def test_exporter_imports_no_service_frameworks():
-    modules = [m.name for m in pkgutil.walk_packages(exporter.__path__, "exporter.")]
+def imported_with(package) -> tuple[list[str], set[str]]:
+    modules = [m.name for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+               if ".migrations" not in m.name]  # Alembic scripts only run under Alembic
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'celery', 'fastapi', 'boto3', 'sqlalchemy'})\n"
-        "print(','.join(bad))\n"
+        "print(','.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    return modules, set(out.stdout.strip().split(","))
+
+
+def test_exporter_imports_no_service_framework_and_nothing_of_the_farm():
+    modules, loaded = imported_with(exporter)
     assert len(modules) > 10
+    assert loaded & {"celery", "fastapi", "boto3", "sqlalchemy", "services", "workers"} == set()
+
+
+def test_services_never_import_workers():
+    modules, loaded = imported_with(services)
+    assert len(modules) > 10 and "services.api.app" in modules
+    assert "workers" not in loaded

@@ -1,15 +1,18 @@
-"""The runtime-upgrade check: which exports are stale, policy, rate cap, idempotence."""
+"""The runtime-upgrade check: which exports are stale, policy, the in-flight cap, at most one per target."""
 
 from __future__ import annotations
 
+import random
+import threading
+
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from exporter.request import ExportRequest
-from services.catalog import exports as catalog
+from services import lifecycle
 from services.catalog.database import session_scope, upgrade_schema
 from services.catalog.models import Export, ExportStatus
-from services.jobs import record_runtime, submit_export
+from services.jobs import submit_export
 from services.scheduler import newest_runtimes, plan_and_queue_reexports
 from services.settings import Settings
 from tests.services_fixtures import fresh_postgres_database
@@ -21,7 +24,7 @@ from workers.runtime_info import RuntimeInfo
 def settings(request, tmp_path, checkpoint):
     models = tmp_path / "models"
     models.mkdir()
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3"):
         (models / f"tiny-{arch}").symlink_to(checkpoint(arch))
     if request.param == "sqlite":
         s = Settings(data_dir=tmp_path / "data", models_dir=models)
@@ -34,22 +37,37 @@ def settings(request, tmp_path, checkpoint):
             yield s
 
 
+def finish(settings, export_id, status, ort, worker="w", message=None):
+    """What a worker on onnxruntime ``ort`` does: claim the export, then end it with ``status``."""
+    with session_scope(settings.catalog_url) as session:
+        claim = lifecycle.claim(session, export_id, worker, 1, ort)
+    if claim.lease is None:
+        return claim.why
+    with session_scope(settings.catalog_url) as session:
+        lifecycle.finish(session, claim.lease, status, runtime=ort, message=message)
+    return None
+
+
 def ready_export(settings, model, ort="1.30.0", **kw) -> str:
     with session_scope(settings.catalog_url) as session:
         export, _ = submit_export(session, settings, ExportRequest(model=model, dtype="fp32", ep="cpu", **kw))
-        catalog.transition(session, export, ExportStatus.RUNNING)
-        catalog.transition(session, export, ExportStatus.READY)
-        record_runtime(export, ort)  # what the worker does when it finishes
-        return export.id
+        export_id = export.id
+    assert finish(settings, export_id, ExportStatus.READY, ort) is None
+    return export_id
 
 
 def worker(settings, name, ort, queues="cpu"):
-    report_worker(settings, name, queues, RuntimeInfo(name, ort, None, None, ("CPUExecutionProvider",)))
+    report_worker(settings, name, f"{queues},{queues}.ort-{ort}", RuntimeInfo(name, ort, None, None, ("CPUExecutionProvider",)))
 
 
 def plan(settings, **kw):
     with session_scope(settings.catalog_url) as session:
         return plan_and_queue_reexports(session, settings, **kw)
+
+
+def reexports(settings) -> list[Export]:
+    with session_scope(settings.catalog_url) as session:
+        return session.scalars(select(Export).where(Export.reason == "ort-upgrade")).all()
 
 
 def test_upgrade_queues_one_reexport_per_stale_export_once(settings):
@@ -58,29 +76,32 @@ def test_upgrade_queues_one_reexport_per_stale_export_once(settings):
     assert plan(settings).queued == []  # nothing newer than what they were built with
     worker(settings, "new-node", "1.31.1")
     with session_scope(settings.catalog_url) as session:
-        assert newest_runtimes(session, settings) == {"cpu": "1.31.1"}
+        assert newest_runtimes(session, settings) == {"cpu": "1.31.1"}  # runtime queues are not queues of their own
     result = plan(settings)
     assert sorted(q["predecessor_id"] for q in result.queued) == sorted([first, second])
-    with session_scope(settings.catalog_url) as session:
-        news = session.scalars(select(Export).where(Export.reason == "ort-upgrade")).all()
-        assert {(n.predecessor_id, n.ort_version, n.status) for n in news} == {
-            (first, "1.31.1", ExportStatus.QUEUED), (second, "1.31.1", ExportStatus.QUEUED)}
+    assert {(n.predecessor_id, n.ort_version, n.target_ort, n.status) for n in reexports(settings)} == {
+        (first, "1.31.1", "1.31.1", ExportStatus.QUEUED), (second, "1.31.1", "1.31.1", ExportStatus.QUEUED)}
     again = plan(settings)
-    assert again.queued == [] and len(again.skipped) == 2  # idempotent: successors exist
+    assert again.queued == [] and len(again.skipped) == 2 and all("already" in s["why"] for s in again.skipped)
 
 
-def test_policy_and_rate_cap(settings):
+def test_policy_and_in_flight_cap(settings):
+    settings = settings.model_copy(update={"reexport_max_in_flight": 1})
     worker(settings, "new-node", "1.31.1")
     ids = [ready_export(settings, m) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")]
     dry = plan(settings, policy="dry-run")
     assert dry.queued == [] and {s["why"] for s in dry.skipped} == {"dry run"}
     listed = plan(settings, policy="listed", models=["tiny-qwen3"])
     assert [q["model"] for q in listed.queued] == ["tiny-qwen3"]
-    capped = plan(settings, limit=1)
-    assert len(capped.queued) == 1 and len(capped.deferred) == 1
-    rest = plan(settings, limit=5)
-    assert len(rest.queued) == 1  # the deferred one, next run
-    assert {q["predecessor_id"] for q in listed.queued + capped.queued + rest.queued} == set(ids)
+    full = plan(settings)
+    assert full.queued == [] and len(full.deferred) == 2 and full.in_flight == 1  # the cap counts what runs
+    assert finish(settings, listed.queued[0]["export_id"], ExportStatus.READY, "1.31.1") is None
+    nxt = plan(settings)
+    assert len(nxt.queued) == 1 and len(nxt.deferred) == 1
+    assert finish(settings, nxt.queued[0]["export_id"], ExportStatus.FAILED, "1.31.1") is None
+    last = plan(settings)
+    assert len(last.queued) == 1 and last.deferred == []
+    assert {q["predecessor_id"] for q in listed.queued + nxt.queued + last.queued} == set(ids)
 
 
 def test_only_the_newest_export_of_a_slot_is_reexported(settings):
@@ -94,6 +115,61 @@ def test_only_the_newest_export_of_a_slot_is_reexported(settings):
 def test_unknown_policy_is_refused(settings):
     with pytest.raises(ValueError, match="dry-run"):
         plan(settings, policy="everything")
+
+
+def test_twenty_runs_whatever_the_successors_do(settings):
+    """Successors quarantine, fail, or are offered to a worker still on the old runtime: over 20
+    runs each stale export gets exactly one re-export to the new runtime, and the in-flight cap holds."""
+    cap = 2
+    settings = settings.model_copy(update={"reexport_max_in_flight": cap})
+    rng = random.Random(11)
+    worker(settings, "old-node", "1.30.0")
+    stale = [ready_export(settings, m, variant=v) for m in ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+             for v in ("attn_dynamic", "gqa")]
+    worker(settings, "new-node", "1.31.1")
+    refused_by_old = 0
+    for _ in range(20):
+        plan(settings)
+        in_flight = [e for e in reexports(settings) if e.status in (ExportStatus.QUEUED, ExportStatus.RUNNING)]
+        assert len(in_flight) <= cap
+        for export in in_flight:
+            # The old node takes the message first: it must not run a re-export meant to replace its runtime.
+            why = finish(settings, export.id, ExportStatus.READY, "1.30.0", worker="old-node")
+            assert why and "targets onnxruntime 1.31.1" in why
+            refused_by_old += 1
+            outcome = rng.choice(["quarantined", "failed", "ready", "still queued"])
+            if outcome != "still queued":
+                status = ExportStatus(outcome)
+                assert finish(settings, export.id, status, "1.31.1", worker="new-node") is None
+    done = reexports(settings)
+    assert sorted(e.predecessor_id for e in done) == sorted(stale)  # exactly one each
+    assert all(e.target_ort == "1.31.1" and e.ort_version == "1.31.1" for e in done)
+    assert refused_by_old > 0
+    assert plan(settings).queued == []
+
+
+def test_concurrent_checks_add_one_successor(settings):
+    if not settings.catalog_url.startswith("postgresql"):
+        pytest.skip("SQLite serializes writers; the unique constraint is what holds on PostgreSQL")
+    worker(settings, "new-node", "1.31.1")
+    predecessor = ready_export(settings, "tiny-phi3", ort="1.30.0")
+    barrier, errors = threading.Barrier(4), []
+
+    def check():
+        barrier.wait()
+        try:
+            plan(settings)
+        except Exception as err:  # a lost race must be a skip, not an error
+            errors.append(err)
+
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with session_scope(settings.catalog_url) as session:
+        assert session.scalar(select(func.count()).select_from(Export).where(Export.predecessor_id == predecessor)) == 1
 
 
 def test_migrations_match_the_models(tmp_path):

@@ -23,7 +23,7 @@ from s3_server import SeaweedS3, free_ports
 
 from exporter.errors import ExportError
 from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE, file_entry
-from services.publish import export_prefix, publish_export, read_published_manifest
+from services.publish import export_prefix, publish_export, read_published_manifest, unpublish
 from services.storage import LocalStore, S3Store, StorageError, verify_local_signature
 
 BUCKET = "exportfarm-test"
@@ -80,14 +80,14 @@ class RecordingStore:
     def __getattr__(self, name):
         return getattr(self.store, name)
 
-    def put_file(self, key, path, sha256):
-        info = self.store.put_file(key, path, sha256)
+    def put_file(self, key, path, sha256, guard=None):
+        info = self.store.put_file(key, path, sha256, guard)
         self.puts.append(key)
         self.after_put(key)
         return info
 
-    def put_bytes(self, key, data, content_type="application/octet-stream"):
-        info = self.store.put_bytes(key, data, content_type)
+    def put_bytes(self, key, data, content_type="application/octet-stream", guard=None):
+        info = self.store.put_bytes(key, data, content_type, guard)
         self.puts.append(key)
         self.after_put(key)
         return info
@@ -297,6 +297,50 @@ def test_local_check_refuses_a_missing_root(tmp_path):
 
 
 # --- publishing ----------------------------------------------------------------------------------
+
+
+class LeaseLost(Exception):
+    pass
+
+
+@pytest.mark.parametrize("size", [64 << 10, 3 * PART])  # one request, and a multipart upload
+def test_a_guard_that_raises_mid_upload_leaves_no_object(store, prefix, tmp_path, size):
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(size))
+    calls = []
+
+    def guard():  # the lease is lost while the bytes go out
+        calls.append(1)
+        if len(calls) > 2:
+            raise LeaseLost()
+
+    with pytest.raises(LeaseLost):
+        store.put_file(prefix + "blob", path, sha256(path.read_bytes()), guard)
+    assert store.head(prefix + "blob") is None and store.list_keys(prefix) == []
+    with pytest.raises(LeaseLost):
+        store.put_bytes(prefix + "manifest.json", b"{}", guard=guard)
+    assert store.list_keys(prefix) == []
+
+
+def test_unpublish_takes_the_manifest_away_first(store, prefix, tmp_path):
+    publish_export(store, make_export(tmp_path / "export"), prefix, status="ready")
+    order = []
+
+    class Watching:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def delete_key(self, key):
+            order.append(("key", key.removeprefix(prefix), len(store.list_keys(prefix))))
+            return store.delete_key(key)
+
+        def delete_prefix(self, p):
+            order.append(("prefix", p.removeprefix(prefix), len(store.list_keys(prefix))))
+            return store.delete_prefix(p)
+
+    assert unpublish(Watching(), prefix) == 4  # the four data files; the manifest went first
+    assert order == [("key", MANIFEST_FILE, 5), ("prefix", "", 4)]
+    assert store.list_keys(prefix) == [] and read_published_manifest(store, prefix) is None
 
 
 def test_publish_uploads_data_first_and_manifest_last(store, prefix, tmp_path):

@@ -28,11 +28,18 @@ REDIS_URL = "redis://127.0.0.1:6379/13"
 
 def runtime_venv(root: Path, version: str) -> Path:
     """A venv that sees this project and its dependencies but has its own onnxruntime."""
+    import sysconfig
+
     venv = root / f"ort-{version}"
     python = venv / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"onnxruntime=={version}"], check=True)
+        # Everything else comes from this interpreter's environment, after the venv's own packages
+        # (so its onnxruntime wins): --system-site-packages would give the base Python's instead.
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / "parent-env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
     found = subprocess.run([str(python), "-c", "import onnxruntime; print(onnxruntime.__version__)"],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert found == version, f"venv imports onnxruntime {found}, not {version}"

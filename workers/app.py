@@ -1,12 +1,10 @@
-"""The Celery application; ``make_celery`` builds it from settings (API and workers share it)."""
+"""The workers' Celery application, built from settings."""
 
 from __future__ import annotations
 
-import functools
-
 from celery import Celery
 
-from services.settings import Settings, get_settings
+from services.settings import Settings
 from workers.config import celery_config
 
 
@@ -18,8 +16,3 @@ def make_celery(settings: Settings) -> Celery:
 
     tasks.register(app)
     return app
-
-
-@functools.cache
-def default_app() -> Celery:
-    return make_celery(get_settings())

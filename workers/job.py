@@ -1,232 +1,492 @@
-"""One export job as a worker runs it: export + validate -> bench -> publish, resumable.
+"""One export job as a worker runs it: resolve -> build -> validate -> bench -> diff -> publish.
 
-Each stage checkpoints into the job's work directory, so a redelivered job (its worker died)
-skips what is already done: a finished export directory is not rebuilt, a written benchmark is not
-re-run, and publishing is idempotent (same prefix, manifest last). The catalog row is the truth:
-stage and percent go there, and a job whose row says cancelled stops at the next checkpoint.
+The worker claims the job for one attempt (services.lifecycle) and keeps its lease alive
+(``LeaseKeeper``). Each stage is a function over one in-memory ``JobRecord`` (request, source,
+manifest, reports) and is checkpointed once, after it completes, in the worker's work directory,
+so an attempt that dies resumes on the same worker from the last finished stage. The manifest is
+written once, just before publishing.
+
+Every catalog write is fenced by the attempt, and every store write is guarded by the lease: once
+the sweeper has given the job to another attempt (this worker was stopped or cut off past its
+lease), the next check raises ``Fenced`` and the job ends here without writing anything more.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import re
 import shutil
+import socket
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from exporter.bench import BENCH_FILE, run_bench
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+
+from exporter import __version__
+from exporter.bench import run_bench
 from exporter.bench_report import write_report
-from exporter.errors import ExportError, ValidationFailed
-from exporter.package import MANIFEST_FILE, add_files_to_manifest
-from exporter.pipeline import Progress, export_model, load_manifest
+from exporter.diff import ExportArtifacts
+from exporter.errors import ExportError
+from exporter.package import Manifest
+from exporter.pipeline import Progress, build_export, validate_built
 from exporter.request import ExportRequest
-from services.catalog import exports as catalog
+from exporter.resolve import ResolvedSource, resolve_source
+from exporter.versions import ort_version
+from services import lifecycle
 from services.catalog.database import session_scope
-from services.jobs import record_runtime
+from services.catalog.exports import outcome_fields, request_of
 from services.catalog.models import Export, ExportStatus
-from services.publish import export_prefix, publish_export
+from services.lifecycle import CancelRequested, Fenced, Lease
+from services.publish import export_prefix, publish_export, unpublish
 from services.regressions import diff_with_predecessor
-from services.storage import StorageError
 from services.settings import Settings
 from services.sources import source_for_worker
+from services.storage import ArtifactStore, StorageError
 from services.storage_factory import make_store
+from workers import failpoints
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Stage -> (start %, end %) of the whole job, for the API's progress figure.
 STAGE_SPAN = {
     "resolve": (0, 5), "build": (5, 20), "fold": (20, 25), "package": (25, 55), "validate": (55, 80),
-    "bench": (80, 90), "publish": (90, 100),
+    "bench": (80, 88), "diff": (88, 90), "publish": (90, 100),
 }
+RECORD_FILE = "record.json"
 
 
 class JobCancelled(Exception):
     pass
 
 
-class LeaseHeld(Exception):
-    """Another live worker is running this job; try again after its lease could expire."""
+class CatalogUnavailable(Exception):
+    """The catalog could not be reached to claim the job; the message is retried later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerIdentity:
+    """A worker's name (as its queues and reports know it) and its main process, which owns leases."""
+
+    name: str
+    pid: int
+
+
+def worker_identity() -> WorkerIdentity:
+    name = os.environ.get("EXPORTFARM_WORKER_NAME") or socket.gethostname()
+    return WorkerIdentity(name, int(os.environ.get("EXPORTFARM_WORKER_PID") or os.getpid()))
+
+
+# --- the lease --------------------------------------------------------------------------------------
+
+
+class LeaseKeeper:
+    """Renews the job's lease in a thread and answers, for the job's thread, "do I still own it?".
+
+    The sweeper takes a job away once its heartbeat is older than LEASE_S. The worker trusts its
+    lease only for ``LEASE_S - margin`` after the last renewal it *started* (monotonic time, which
+    keeps running while a process is stopped), so by the time another attempt can exist, this one
+    has stopped writing. Past that window ``check`` renews synchronously, and waits while the
+    catalog is unreachable rather than write on a lease it cannot confirm.
+    """
+
+    def __init__(self, settings: Settings, lease: Lease):
+        self.settings, self.lease = settings, lease
+        margin = max(settings.heartbeat_s, settings.lease_s / 4)
+        self.window_s = settings.lease_s - margin
+        self._renewed_at = time.monotonic()  # the claim itself set the heartbeat
+        self._lost, self._cancel, self._done = threading.Event(), threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"lease-{lease.export_id}")
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.settings.heartbeat_s + 5)
+
+    def _renew(self) -> None:
+        started = time.monotonic()
+        try:
+            with session_scope(self.settings.catalog_url) as session:
+                cancel = lifecycle.renew(session, self.lease)
+        except Fenced:
+            if not self._lost.is_set():
+                log.warning("%s: lost its lease; stopping without writing anything more", self.lease)
+            self._lost.set()
+            raise
+        self._renewed_at = max(self._renewed_at, started)
+        if cancel:
+            self._cancel.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.settings.heartbeat_s):
+            try:
+                self._renew()
+            except Fenced:
+                return
+            except Exception:  # a database blip must not end the job; check() stops writes if it lasts
+                log.warning("could not renew the lease of %s", self.lease, exc_info=True)
+
+    def note_cancel(self, cancel: bool) -> None:
+        if cancel:
+            self._cancel.set()
+
+    def check_owned(self) -> None:
+        """Raise Fenced unless this attempt still owns the job (renewing first if the window passed)."""
+        while True:
+            if self._lost.is_set():
+                raise Fenced(f"{self.lease}: the lease was taken away")
+            if time.monotonic() - self._renewed_at <= self.window_s:
+                return
+            try:
+                self._renew()
+                return
+            except Fenced:
+                raise
+            except Exception as err:
+                log.warning("%s: cannot confirm the lease (%s); waiting for the catalog", self.lease, err)
+                time.sleep(min(1.0, self.settings.heartbeat_s))
+
+    def check(self) -> None:
+        """``check_owned``, and raise JobCancelled once a cancel was requested."""
+        self.check_owned()
+        if self._cancel.is_set():
+            raise JobCancelled(self.lease.export_id)
+
+
+# --- the record and its checkpoints -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """What one export is, as it goes through the stages; ``done`` lists the stages checkpointed."""
+
+    export_id: str
+    request: dict
+    revision: str
+    predecessor_id: str | None
+    runtime: dict  # exporter + onnxruntime versions: only the same runtime resumes a checkpoint
+    done: list[str] = dataclasses.field(default_factory=list)
+    source: dict | None = None
+    manifest: dict | None = None
+    parity_report: dict | None = None
+    benchmark: dict | None = None
+    diff: dict | None = None
+
+    def save(self, work: Path) -> None:
+        tmp = work / f".{RECORD_FILE}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        tmp.replace(work / RECORD_FILE)  # a checkpoint is whole or absent
+
+    @classmethod
+    def load(cls, work: Path) -> JobRecord | None:
+        try:
+            return cls(**json.loads((work / RECORD_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def export_request(self) -> ExportRequest:
+        return ExportRequest(**self.request)
+
+    def resolved_source(self) -> ResolvedSource:
+        s = self.source
+        return ResolvedSource(Path(s["path"]), s["kind"], s["repo_id"], s["revision"])
+
+
+def current_runtime() -> dict:
+    return {"exporter": __version__, "onnxruntime": ort_version()}
+
+
+def _work_root(settings: Settings, identity: WorkerIdentity) -> Path:
+    return settings.scratch_dir / re.sub(r"[^A-Za-z0-9._-]+", "-", identity.name)
+
+
+@dataclasses.dataclass
+class Job:
+    settings: Settings
+    lease: Lease
+    keeper: LeaseKeeper
+    store: ArtifactStore
+    work: Path
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    publishing: str | None = None  # the prefix this attempt recorded before uploading
+
+    @property
+    def export_dir(self) -> Path:
+        return self.work / "export"
+
+    def catalog(self, write: Callable, *args, **kwargs):
+        """A fenced catalog write, retried while the database is unreachable (the lease permitting)."""
+        delay = 0.5
+        while True:
+            try:
+                with session_scope(self.settings.catalog_url) as session:
+                    return write(session, self.lease, *args, **kwargs)
+            except (Fenced, CancelRequested):
+                raise
+            except SQLAlchemyError as err:
+                log.warning("%s: catalog write failed (%s); retrying", self.lease, type(err).__name__)
+                self.keeper.check_owned()
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
 
 class CatalogProgress(Progress):
-    """Writes stage + percent to the catalog and stops the job once it is cancelled."""
+    """Stage and percent into the catalog (fenced); every callback is also a lease checkpoint."""
 
-    def __init__(self, settings: Settings, export_id: str, worker: str, cancelled: threading.Event):
-        self.settings, self.export_id, self.worker, self.cancelled = settings, export_id, worker, cancelled
-        self.current = "resolve"
+    def __init__(self, job: Job):
+        self.job = job
 
-    def _report(self, stage: str, fraction: float) -> None:
-        if self.cancelled.is_set():
-            raise JobCancelled(self.export_id)
+    def _record(self, stage: str, fraction: float) -> None:
         lo, hi = STAGE_SPAN[stage]
-        with session_scope(self.settings.catalog_url) as session:
-            if not catalog.record_stage(session, self.export_id, stage, int(lo + (hi - lo) * fraction), self.worker):
-                self.cancelled.set()
-        if self.cancelled.is_set():
-            raise JobCancelled(self.export_id)
+        try:
+            with session_scope(self.job.settings.catalog_url) as session:
+                self.job.keeper.note_cancel(
+                    lifecycle.record_stage(session, self.job.lease, stage, int(lo + (hi - lo) * fraction)))
+        except SQLAlchemyError as err:  # progress is not worth stopping for; the lease keeper guards writes
+            log.warning("%s: could not record stage %s (%s)", self.job.lease, stage, type(err).__name__)
 
     def stage(self, name: str) -> None:
-        self.current = name
-        self._report(name, 0.0)
+        self.job.keeper.check()
+        self._record(name, 0.0)
+        failpoints.pause(name, self.job.lease.export_id, self.job.lease.attempt, self.job.keeper.check)
 
     def layer(self, index: int, total: int) -> None:
+        self.job.keeper.check()
         if index == total or index % 8 == 0:
-            self._report("build", index / total)
+            self._record("build", index / total)
 
     def bytes_written(self, count: int, total: int) -> None:
-        if self.cancelled.is_set():
-            raise JobCancelled(self.export_id)
+        self.job.keeper.check()
 
 
-class Heartbeat(threading.Thread):
-    """Renews the job's lease; notices cancellation between progress callbacks."""
-
-    def __init__(self, settings: Settings, export_id: str, worker: str, cancelled: threading.Event):
-        super().__init__(daemon=True, name=f"heartbeat-{export_id}")
-        self.settings, self.export_id, self.worker, self.cancelled = settings, export_id, worker, cancelled
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(self.settings.heartbeat_s):
-            try:
-                with session_scope(self.settings.catalog_url) as session:
-                    if not catalog.heartbeat(session, self.export_id, self.worker):
-                        self.cancelled.set()
-            except Exception:  # a database blip must not kill the job; the next beat retries
-                log.warning("heartbeat for %s failed", self.export_id, exc_info=True)
+# --- the stages -------------------------------------------------------------------------------------
 
 
-def claim(settings: Settings, export_id: str, worker: str) -> Export | None:
-    """Mark the export running on this worker; None when there is nothing (left) to do."""
-    with session_scope(settings.catalog_url) as session:
-        export = session.get(Export, export_id, with_for_update=True)
-        if export is None or export.status.terminal:
-            return None
-        if export.cancel_requested:
-            catalog.transition(session, export, ExportStatus.CANCELLED, message="cancelled before start", worker=worker)
-            return None
-        if export.status is ExportStatus.RUNNING and export.worker != worker and not catalog.lease_expired(export, settings.lease_s):
-            raise LeaseHeld(export_id)
-        message = "started" if export.status is ExportStatus.QUEUED else f"taken over from {export.worker}"
-        catalog.transition(session, export, ExportStatus.RUNNING, stage=export.stage or "resolve", message=message, worker=worker)
-        export.worker, export.attempts = worker, export.attempts + 1
-        export.heartbeat_at = export.updated_at
-        return export
+def resolve(job: Job, record: JobRecord) -> None:
+    source = source_for_worker(job.settings, record.request["model"], record.revision)
+    record.source = resolve_source(source).to_dict()
 
 
-def _finish(settings: Settings, export_id: str, status: ExportStatus, worker: str, **fields) -> None:
-    with session_scope(settings.catalog_url) as session:
-        export = session.get(Export, export_id, with_for_update=True)
-        if export.status.terminal:
-            return
-        runtime = fields.pop("runtime", None)
-        if runtime:
-            record_runtime(export, runtime)
-        for key, value in fields.items():
-            setattr(export, key, value)
-        if status.terminal:
-            export.percent = 100 if status in (ExportStatus.READY, ExportStatus.QUARANTINED) else export.percent
-        catalog.transition(session, export, status, message=fields.get("error"), worker=worker)
+def build(job: Job, record: JobRecord) -> None:
+    shutil.rmtree(job.export_dir, ignore_errors=True)  # a build that died half way is redone whole
+    partial = job.work / f".export.partial-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    source = record.resolved_source()
+    request = dataclasses.replace(record.export_request(), model=str(source.path) if source.kind == "local"
+                                  else f"{source.repo_id}@{source.revision}")
+    manifest = build_export(request, source, partial, job.progress, record.export_id)
+    partial.rename(job.export_dir)
+    record.manifest = manifest.data
 
 
-def key_figures(manifest: dict, export_dir: Path) -> dict:
-    """The few numbers the catalog shows per export (from the parity report and benchmark)."""
-    import json
-
-    figures = {"status": manifest.get("status"), "weight_bytes": manifest.get("weight_bytes"),
-               "node_count": manifest.get("node_count"), "op_census": manifest.get("op_census")}
-    report = export_dir / "parity_report.json"
-    if report.is_file():
-        data = json.loads(report.read_text())
-        checks = {g["check"]: g for g in data["gates"]}
-        prefill = checks.get("prefill logits max abs error vs transformers")
-        figures["prefill_max_abs_error"] = prefill["measured"] if prefill else None
-        figures["failed_gates"] = data["failed_gates"]
-        if data.get("parity"):
-            figures["near_ties"] = len(data["parity"]["near_ties"])
-            figures["token_mismatches"] = len(data["parity"]["mismatches"])
-            figures["decode_steps"] = data["parity"]["steps"]
-    bench = export_dir / BENCH_FILE
-    if bench.is_file():
-        figures["decode_ms"] = {str(c["ctx"]): c["decode_ms_median"] for c in json.loads(bench.read_text())["decode"]}
-    return figures
+def validate(job: Job, record: JobRecord) -> None:
+    manifest = Manifest(record.manifest)
+    ep = job.settings.validate_ep or record.request["ep"]
+    report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress)
+    record.parity_report = json.loads(json.dumps(report.to_dict(), default=str))
 
 
-def run_export_job(settings: Settings, export_id: str, worker: str) -> ExportStatus | None:
-    """Run (or resume) one export job to a terminal state; returns it (None: nothing to do)."""
-    export = claim(settings, export_id, worker)
-    if export is None:
-        return None
-    work = settings.scratch_dir / export_id
-    export_dir = work / "export"
-    cancelled = threading.Event()
-    progress = CatalogProgress(settings, export_id, worker, cancelled)
-    heartbeat = Heartbeat(settings, export_id, worker, cancelled)
-    heartbeat.start()
+def bench(job: Job, record: JobRecord) -> None:
+    if record.manifest["status"] != "ready":
+        return  # a quarantined export is published with its report, not benchmarked
+    job.progress.stage("bench")
+    started = time.perf_counter()
+
+    def should_stop() -> bool:
+        job.keeper.check()  # raises when the job must stop
+        return False
+
+    run_bench(job.export_dir, ep=job.settings.validate_ep or record.request["ep"], contexts=job.settings.bench_contexts,
+              steps=job.settings.bench_steps, repeats=job.settings.bench_repeats, should_stop=should_stop)
+    png, md = write_report(job.export_dir / "benchmark.json")
+    manifest = Manifest(record.manifest)
+    manifest.add_files(job.export_dir, ["benchmark.json", png.name, md.name])
+    manifest.data["timings_s"]["bench"] = round(time.perf_counter() - started, 3)
+    record.benchmark = json.loads((job.export_dir / "benchmark.json").read_text())
+
+
+def diff(job: Job, record: JobRecord) -> None:
+    if record.predecessor_id is None:
+        return
+    job.progress.stage("diff")
+    with session_scope(job.settings.catalog_url) as session:
+        predecessor = session.get(Export, record.predecessor_id)
+        session.expunge(predecessor)
+    new = ExportArtifacts(manifest=record.manifest, parity_report=record.parity_report, benchmark=record.benchmark)
+    found = diff_with_predecessor(job.settings, job.store, predecessor, new, job.export_dir)
+    if found is not None:
+        result, names = found
+        Manifest(record.manifest).add_files(job.export_dir, names)
+        record.diff = result.to_dict()
+
+
+def publish(job: Job, record: JobRecord) -> ExportStatus:
+    """Write the manifest (once), record the prefix, upload data first and the manifest last, finish."""
+    job.progress.stage("publish")
+    status = ExportStatus(record.manifest["status"])
+    Manifest(record.manifest).write(job.export_dir)
+    prefix = export_prefix(record.manifest)
+    job.keeper.check()
+    earlier = job.catalog(lifecycle.begin_publish, prefix)
+    job.publishing = prefix
+    if earlier and earlier != prefix:
+        unpublish(job.store, earlier, job.keeper.check)  # what an earlier attempt left elsewhere
+    retries = max(1, job.settings.publish_retries)
+    for attempt in range(1, retries + 1):
+        try:
+            publish_export(job.store, job.export_dir, prefix, status.value, guard=job.keeper.check,
+                           on_uploaded=lambda name: failpoints.pause("upload", job.lease.export_id, job.lease.attempt,
+                                                                     job.keeper.check)
+                           if name == "model.onnx.data" else None)
+            break
+        except StorageError as err:
+            if attempt == retries:
+                raise
+            delay = min(60.0, 2.0 ** attempt)
+            log.warning("%s: publishing failed (%s); retry %d of %d in %.0f s", job.lease, err, attempt, retries - 1, delay)
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline:
+                job.keeper.check()
+                time.sleep(min(1.0, job.settings.heartbeat_s))
+    failpoints.pause("published", job.lease.export_id, job.lease.attempt, job.keeper.check_owned)
+    job.catalog(lifecycle.finish, status, runtime=record.manifest["versions"]["onnxruntime"],
+                message=None if status is ExportStatus.READY else record.manifest["validation"]["summary"],
+                **outcome_fields(prefix, record.manifest, record.parity_report, record.benchmark, record.diff))
+    return status
+
+
+STAGES: tuple[tuple[str, Callable[[Job, JobRecord], object]], ...] = (
+    ("resolve", resolve), ("build", build), ("validate", validate), ("bench", bench), ("diff", diff),
+)
+
+
+# --- one job ----------------------------------------------------------------------------------------
+
+
+def _catalog_read(settings: Settings, read: Callable[..., T], *args) -> T:
     try:
-        request = ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
-                                max_seq_len=export.max_seq_len, variant=export.variant)
-        if not (export_dir / MANIFEST_FILE).is_file():
-            source = source_for_worker(settings, export.model, export.revision)
-            work.mkdir(parents=True, exist_ok=True)
-            try:
-                export_model(dataclasses_replace(request, source), export_dir, progress, overwrite=True,
-                         validate_ep=settings.validate_ep, export_id=export_id)
-            except ValidationFailed:
-                pass  # published quarantined below; the report says why
-        manifest = load_manifest(export_dir)
-        if not (export_dir / BENCH_FILE).is_file() and manifest.get("status") == "ready":
-            progress.stage("bench")
-            run_bench(export_dir, ep=settings.validate_ep or export.ep, contexts=settings.bench_contexts,
-                      steps=settings.bench_steps, repeats=settings.bench_repeats, should_stop=cancelled.is_set)
-            png, md = write_report(export_dir / BENCH_FILE)
-            manifest = add_files_to_manifest(export_dir, [BENCH_FILE, png.name, md.name]).data
-        progress.stage("publish")
-        store = make_store(settings)
-        diff = None
-        if export.predecessor_id:
-            with session_scope(settings.catalog_url) as session:
-                predecessor = session.get(Export, export.predecessor_id)
-            diff = diff_with_predecessor(settings, store, predecessor, export_dir)
-            manifest = load_manifest(export_dir)
-        status = ExportStatus.READY if manifest["status"] == "ready" else ExportStatus.QUARANTINED
-        prefix = export_prefix(manifest)
-        publish_export(store, export_dir, prefix, status.value)
-        if cancelled.is_set():
-            raise JobCancelled(export_id)
-        _finish(settings, export_id, status, worker, storage_prefix=prefix, manifest=_slim(manifest),
-                figures=key_figures(manifest, export_dir), timings=manifest.get("timings_s"), stage="publish",
-                runtime=manifest["versions"]["onnxruntime"],  # the runtime that really built and validated it
-                diff=diff.to_dict() if diff else None, regression=bool(diff and diff.regression))
+        with session_scope(settings.catalog_url) as session:
+            return read(session, *args)
+    except SQLAlchemyError as err:
+        raise CatalogUnavailable(f"the catalog is unreachable ({type(err).__name__})") from err
+
+
+def _claim(session, export_id: str, identity: WorkerIdentity) -> tuple[lifecycle.Claim, JobRecord | None]:
+    claim = lifecycle.claim(session, export_id, identity.name, identity.pid, ort_version())
+    if claim.lease is None:
+        return claim, None
+    e = claim.export
+    return claim, JobRecord(e.id, request_of(e).to_dict(), e.revision, e.predecessor_id, current_runtime())
+
+
+def _prune(settings: Settings, root: Path, keep: str) -> None:
+    """Drop work directories of this worker's other exports once the catalog says they are over."""
+    others = [p for p in root.iterdir() if p.is_dir() and p.name != keep] if root.is_dir() else []
+    if not others:
+        return
+    with session_scope(settings.catalog_url) as session:
+        live = set(session.scalars(select(Export.id).where(
+            Export.id.in_([p.name for p in others]), Export.status.in_((ExportStatus.QUEUED, ExportStatus.RUNNING)))))
+    for path in others:
+        if path.name not in live:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
+    """Finish cancelled or failed, deleting first whatever this attempt uploaded (manifest first).
+
+    If the store cannot be cleaned now, the lease is released instead and the sweeper settles the
+    job once the store is back: a cancelled or failed export must never leave a manifest behind.
+    """
+    if job.publishing:
+        try:
+            unpublish(job.store, job.publishing, job.keeper.check_owned)
+        except StorageError as err:
+            with session_scope(job.settings.catalog_url) as session:
+                lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
+                                       f"could not remove its uploads to end {status.value} ({err})")
+            return "released"
+    try:
+        job.catalog(lifecycle.finish, status, message=message)
+    except Fenced as err:
+        log.warning("%s", err)
+        return "fenced"
+    return status.value
+
+
+def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity | None = None) -> str:
+    """Claim and run one export to its end on this worker; returns what happened, in a word."""
+    identity = identity or worker_identity()
+    claim, record = _catalog_read(settings, _claim, export_id, identity)
+    if claim.lease is None:
+        log.info("export %s: nothing to do (%s)", export_id, claim.why)
+        return f"skipped: {claim.why}"
+    lease = claim.lease
+    root = _work_root(settings, identity)
+    work = root / export_id
+    saved = JobRecord.load(work)
+    if saved is not None and saved.export_id == export_id and saved.runtime == record.runtime:
+        record = saved  # resume after the last finished stage
+        log.info("%s: resuming after %s", lease, ", ".join(record.done) or "nothing")
+    else:
         shutil.rmtree(work, ignore_errors=True)
-        return status
-    except (JobCancelled, InterruptedError):
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        _prune(settings, root, keep=export_id)
+    except SQLAlchemyError:
+        pass
+    with LeaseKeeper(settings, lease) as keeper:
+        job = Job(settings, lease, keeper, make_store(settings), work)
+        job.progress = CatalogProgress(job)
+        outcome = _run(job, record)
+    if outcome in ("ready", "quarantined", "failed", "cancelled"):
         shutil.rmtree(work, ignore_errors=True)
-        _finish(settings, export_id, ExportStatus.CANCELLED, worker, error="cancelled")
-        return ExportStatus.CANCELLED
+    log.info("%s: %s", lease, outcome)
+    return outcome
+
+
+def _run(job: Job, record: JobRecord) -> str:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    stage = "resolve"
+    try:
+        job.progress.stage("resolve")
+        for stage, run in STAGES:
+            if stage in record.done:
+                continue
+            run(job, record)
+            record.done.append(stage)
+            record.save(job.work)
+        stage = "publish"
+        return publish(job, record).value
+    except Fenced as err:
+        log.warning("%s", err)
+        return "fenced"
+    except (JobCancelled, CancelRequested):
+        return _end_unpublished(job, ExportStatus.CANCELLED, "cancelled")
+    except SoftTimeLimitExceeded:
+        return _end_unpublished(job, ExportStatus.FAILED, f"exceeded the time limit of "
+                                f"{job.settings.task_soft_time_limit_s} s during {stage}")
+    except StorageError as err:
+        # The store stayed down through every retry: this attempt is lost, not the export. Its
+        # checkpoints stay, so the next attempt on this worker resumes at publish.
+        with session_scope(job.settings.catalog_url) as session:
+            lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
+                                   f"the object store was unavailable during publish ({err})")
+        return "released"
     except ExportError as err:
-        shutil.rmtree(work, ignore_errors=True)
-        _finish(settings, export_id, ExportStatus.FAILED, worker, error=str(err))
-        return ExportStatus.FAILED
-    except StorageError:
-        raise  # the task retries publishing; the work directory is kept to resume from
-    except Exception as err:  # a bug: fail the row loudly rather than leave it running forever
-        log.exception("export %s failed", export_id)
-        _finish(settings, export_id, ExportStatus.FAILED, worker, error=f"internal error: {type(err).__name__}: {err}")
-        return ExportStatus.FAILED
-    finally:
-        heartbeat.done.set()
-
-
-def fail_export(settings: Settings, export_id: str, worker: str, error: str) -> None:
-    _finish(settings, export_id, ExportStatus.FAILED, worker, error=error)
-
-
-def _slim(manifest: dict) -> dict:
-    """The manifest without its per-initializer table (that stays in the published file)."""
-    return {k: v for k, v in manifest.items() if k != "initializers"}
-
-
-def dataclasses_replace(request: ExportRequest, model_path: str) -> ExportRequest:
-    import dataclasses
-
-    return dataclasses.replace(request, model=model_path)
+        return _end_unpublished(job, ExportStatus.FAILED, str(err))
+    except Exception as err:  # a bug: fail the export loudly, naming the stage, rather than retry it forever
+        log.exception("%s failed in %s", job.lease, stage)
+        return _end_unpublished(job, ExportStatus.FAILED, f"internal error during {stage}: {type(err).__name__}: {err}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
 from exporter import __version__
 from services.catalog.database import session_scope
 from services.catalog.models import RuntimeReport, Worker, utcnow
@@ -26,17 +24,3 @@ def report_worker(settings: Settings, hostname: str, queues: str, info: RuntimeI
         if changed:
             session.add(RuntimeReport(hostname=hostname, queues=queues, onnxruntime=info.onnxruntime,
                                       cuda=info.cuda, gpu=info.gpu))
-
-
-def live_workers(settings: Settings, session, within_s: float | None = None) -> list[Worker]:
-    import datetime
-
-    horizon = utcnow() - datetime.timedelta(seconds=within_s or 3 * settings.worker_report_s)
-    rows = session.scalars(select(Worker)).all()
-    return [w for w in rows if _aware(w.last_seen) >= horizon]
-
-
-def _aware(moment):
-    import datetime
-
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

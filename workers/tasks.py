@@ -3,53 +3,64 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, signals
+from celery.worker.request import Request
 
-from workers.config import CHECK_UPGRADES, RUN_EXPORT
+from services.queue import RUN_EXPORT
 
 log = logging.getLogger(__name__)
 
 
-def worker_name() -> str:
-    import os
+class LostJobRequest(Request):
+    """In the worker's main process: when the pool process running a job dies (killed by the
+    kernel for memory, or by the hard time limit), release the job's lease at once with the cause,
+    instead of leaving the sweeper to wait LEASE_S for a heartbeat that will never come."""
 
-    return os.environ.get("EXPORTFARM_WORKER_NAME") or socket.gethostname()
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, (WorkerLostError, TimeLimitExceeded)) and self.args:
+            if isinstance(exc, TimeLimitExceeded):
+                cause = f"its pool process was killed by the hard time limit ({exc} s)"
+            else:
+                cause = f"its pool process died ({exc}; killed for memory?)"
+            _release(self.task.app.conf.exportfarm_settings, self.args[0], cause)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+def _release(settings, export_id: str, cause: str) -> None:
+    from services import lifecycle
+    from services.catalog.database import session_scope
+    from workers.job import worker_identity
+
+    identity = worker_identity()
+    try:
+        with session_scope(settings.catalog_url) as session:
+            if lifecycle.release_lost(session, export_id, identity.name, identity.pid, cause):
+                log.warning("export %s: %s; released its lease", export_id, cause)
+    except Exception:  # the lease then expires on its own
+        log.warning("could not release the lease of export %s", export_id, exc_info=True)
 
 
 def register(app: Celery) -> None:
     settings = app.conf.exportfarm_settings
 
-    @app.task(bind=True, name=RUN_EXPORT, acks_late=True, reject_on_worker_lost=True, max_retries=None)
-    def run_export(self, export_id: str) -> str | None:
-        from services.storage import StorageError
-        from workers.job import LeaseHeld, fail_export, run_export_job
+    @app.task(bind=True, name=RUN_EXPORT, Request=LostJobRequest, max_retries=20)
+    def run_export(self, export_id: str) -> str:
+        from workers.job import CatalogUnavailable, run_export_job
 
         try:
-            status = run_export_job(settings, export_id, worker_name())
-        except LeaseHeld:
-            # Another live worker holds it; come back when its lease could have expired.
-            raise self.retry(countdown=settings.lease_s) from None
-        except StorageError as err:
-            if self.request.retries >= settings.publish_retries:
-                fail_export(settings, export_id, worker_name(), f"publishing failed: {err}")
-                return "failed"
+            return run_export_job(settings, export_id)
+        except CatalogUnavailable as err:
+            # Not claimed: the row is still queued. Ask again soon; if every retry fails, the
+            # sweeper sends the job again once the catalog is back.
+            log.warning("export %s: %s; retrying", export_id, err)
             raise self.retry(exc=err, countdown=min(60, 2 ** self.request.retries)) from None
-        return status.value if status else None
-
-    @app.task(name=CHECK_UPGRADES)
-    def check_runtime_upgrades() -> dict:
-        """The beat's periodic check: queue re-exports of exports built on an older ORT."""
-        from services.catalog.database import session_scope
-        from services.scheduler import plan_and_queue_reexports, send_queued
-
-        with session_scope(settings.catalog_url) as session:
-            plan = plan_and_queue_reexports(session, settings)
-        send_queued(app, plan)
-        log.info("runtime check: %d queued, %d skipped, %d deferred", len(plan.queued), len(plan.skipped), len(plan.deferred))
-        return plan.to_dict()
 
 
 @signals.worker_process_init.connect
@@ -62,18 +73,20 @@ def _fresh_connections(**_kwargs) -> None:
 
 @signals.worker_ready.connect
 def _report_runtime(sender=None, **_kwargs) -> None:
-    """Record this worker's runtime now and then every minute (the scheduler reads it)."""
+    """Record this worker's runtime now and then every WORKER_REPORT_S (the scheduler and the
+    sweeper read it: which runtimes exist, which queues have an idle worker)."""
+    from workers.job import worker_identity
     from workers.registry import report_worker
 
-    app = sender.app
-    settings = app.conf.exportfarm_settings
+    settings = sender.app.conf.exportfarm_settings
     queues = ",".join(sorted(q.name for q in sender.task_consumer.queues)) if sender.task_consumer else "cpu"
+    name = worker_identity().name
 
     def loop() -> None:
         stop = threading.Event()
         while True:
             try:
-                report_worker(settings, worker_name(), queues)
+                report_worker(settings, name, queues)
             except Exception:
                 log.warning("could not report worker runtime", exc_info=True)
             if stop.wait(settings.worker_report_s):

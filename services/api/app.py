@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -18,18 +21,23 @@ from services.api.schemas import (
 )
 from services.auth import allows, create_token, token_scope
 from services.catalog.database import session_factory, session_scope, upgrade_schema
+from services.catalog.exports import PUBLISHED_STATUSES
 from services.catalog.models import Export
 from services.catalog.views import latest_ready
 from services.metrics import Metrics
+from services.queue import BrokerUnavailable, CeleryQueue, JobQueue, queue_for
 from services.settings import Settings, get_settings
 from services.storage import LocalStore, StorageError, verify_local_signature
 from services.storage_factory import make_store
+from services.sweeper import SweepReport, Sweeper
 
 bearer = HTTPBearer(auto_error=False)
 EXPORT_FIELDS = tuple(name for name in ExportOut.model_fields if name not in ("links", "events"))
 
 
-def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
+def create_app(settings: Settings | None = None, job_queue: JobQueue | None = None,
+               on_shutdown: tuple[Callable[[], None], ...] = ()) -> FastAPI:
+    """The API. ``on_shutdown`` runs when the server shuts down (embedded serve stops its worker there)."""
     settings = settings or get_settings()
     upgrade_schema(settings.catalog_url)
     sessions = session_factory(settings.catalog_url)
@@ -42,17 +50,22 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
     except StorageError:
         pass  # reported by /readyz until storage is reachable; the API still serves the catalog
     metrics = Metrics()
-    if celery_app is None:
-        from workers.app import make_celery
+    job_queue = job_queue or CeleryQueue(settings)
+    sweeper = Sweeper(settings, job_queue, store)
 
-        celery_app = make_celery(settings)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        for stop in on_shutdown:
+            await asyncio.to_thread(stop)
 
     app = FastAPI(
         title="exportfarm",
         version="0.1.0",
         description="Export Hugging Face LLMs to ONNX, proven against transformers, benchmarked, published.",
+        lifespan=lifespan,
     )
-    app.state.settings, app.state.store, app.state.celery = settings, store, celery_app
+    app.state.settings, app.state.store, app.state.job_queue = settings, store, job_queue
 
     def db() -> Session:
         with session_scope(settings.catalog_url) as session:  # one transaction per request
@@ -99,7 +112,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
 
     def links(export: Export) -> Links:
         base = f"/exports/{export.id}"
-        return Links(self=base, artifacts=f"{base}/artifacts" if export.storage_prefix else None)
+        return Links(self=base, artifacts=f"{base}/artifacts" if export.status in PUBLISHED_STATUSES else None)
 
     def out(export: Export, with_events: bool = False) -> ExportOut:
         # Column fields only: touching ``events`` would lazy-load a relationship per row.
@@ -122,13 +135,11 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
             metrics.submissions.labels("duplicate").inc()
             response.status_code = 200
             return out(export)
-        try:
-            jobs.queue_export(celery_app, export)
-        except jobs.BrokerUnavailable as err:
-            jobs.cancel_export(session, export.id)
-            session.commit()
-            raise HTTPException(503, str(err)) from None
-        metrics.submissions.labels("queued").inc()
+        # The row is committed (the outbox); if the broker does not take the message now, the
+        # sweeper sends it once the broker is back, so the request is accepted either way.
+        sent = sweeper.ring(export.id, queue_for(export.ep, export.target_ort), first=True)
+        metrics.submissions.labels("queued" if sent else "queued-unsent").inc()
+        session.refresh(export)
         response.headers["Location"] = f"/exports/{export.id}"
         return out(export)
 
@@ -154,12 +165,18 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
 
     @app.delete("/exports/{export_id}", response_model=ExportOut, status_code=202, tags=["exports"])
     def cancel(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(admin)):
+        """Cancel: at once when queued or when its worker is gone; a live worker stops within HEARTBEAT_S."""
         try:
-            return out(jobs.cancel_export(session, export_id))
+            export, settle = jobs.request_cancel(session, settings, export_id)
         except jobs.NotFound as err:
             raise HTTPException(404, str(err)) from None
         except jobs.Conflict as err:
             raise HTTPException(409, str(err)) from None
+        session.commit()
+        if settle:
+            sweeper.settle_cancel(export_id)
+            session.refresh(export)
+        return out(export)
 
     @app.get("/exports/{export_id}/artifacts", response_model=Artifacts, tags=["exports"])
     def artifacts(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
@@ -167,7 +184,7 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
             export = jobs.get_export(session, export_id)
         except jobs.NotFound as err:
             raise HTTPException(404, str(err)) from None
-        if not export.storage_prefix or not export.manifest:
+        if export.status not in PUBLISHED_STATUSES or not export.manifest:
             raise HTTPException(409, f"export {export_id} is {export.status.value}: nothing is published yet")
         files = {}
         for name, entry in {**export.manifest["files"], "manifest.json": None}.items():
@@ -183,16 +200,15 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
     @app.post("/reexports", tags=["catalog"])
     def reexports(body: ReexportRequest | None = None, session: Session = Depends(db, scope="function"), _=Depends(admin)):
         """Re-export what the newest worker runtimes made stale (the beat's check, by hand)."""
-        from services.scheduler import plan_and_queue_reexports, send_queued
+        from services.scheduler import plan_and_queue_reexports
 
         body = body or ReexportRequest()
         plan = plan_and_queue_reexports(session, settings, policy=body.policy, models=body.models, limit=body.limit)
         session.commit()
-        try:
-            send_queued(celery_app, plan)
-        except Exception as err:
-            raise HTTPException(503, f"queued in the catalog but the job queue is unreachable ({type(err).__name__})") from None
-        return plan.to_dict()
+        sent = SweepReport()
+        sweeper.dispatch(sent, grace_s=0)  # users' exports first: a re-export may wait for them
+        return {**plan.to_dict(), "sent": sent.dispatched, "waiting": [q["export_id"] for q in plan.queued
+                                                                       if q["export_id"] not in sent.dispatched]}
 
     @app.get("/exports/{export_id}/diff", tags=["exports"])
     def export_diff(export_id: str, session: Session = Depends(db, scope="function"), _=Depends(reader)):
@@ -258,11 +274,10 @@ def create_app(settings: Settings | None = None, celery_app=None) -> FastAPI:
         except Exception as err:
             checks["database"] = f"error: {err}"
         try:
-            with celery_app.connection_for_write() as conn:
-                conn.ensure_connection(max_retries=1, timeout=2)
+            job_queue.check()
             checks["broker"] = "ok"
-        except Exception as err:
-            checks["broker"] = f"error: {type(err).__name__}: {err}"
+        except BrokerUnavailable as err:
+            checks["broker"] = f"error: {err}"
         try:
             store.check()
             checks["storage"] = "ok"

@@ -78,6 +78,10 @@ class ExportOut(BaseModel):
     predecessor_id: str | None
     worker: str | None
     attempts: int
+    cancel_requested: bool = False
+    target_ort: str | None = None
+    lost_reason: str | None = Field(None, description="how the last lost attempt died")
+    dispatched_at: datetime.datetime | None = Field(None, description="when its message was last sent")
     storage_prefix: str | None
     figures: dict | None
     timings: dict | None
@@ -116,4 +120,4 @@ class ReexportRequest(BaseModel):
 
     policy: Literal["all", "listed", "dry-run"] | None = Field(None, description="default: REEXPORT_POLICY")
     models: list[str] | None = Field(None, description="with policy 'listed' (default: REEXPORT_MODELS)")
-    limit: int | None = Field(None, ge=0, le=1000, description="rate cap (default: REEXPORT_MAX_PER_RUN)")
+    limit: int | None = Field(None, ge=0, le=1000, description="lower the in-flight cap for this run (REEXPORT_MAX_IN_FLIGHT)")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from exporter.request import ExportRequest, cache_key
 from services.catalog.models import LIVE_STATUSES, Export, ExportEvent, ExportStatus, utcnow
 
 # Which status may follow which. Anything else is a bug in the caller, not a user error.
@@ -21,6 +22,7 @@ TRANSITIONS = {
     ExportStatus.FAILED: set(),
     ExportStatus.CANCELLED: set(),
 }
+PUBLISHED_STATUSES = (ExportStatus.READY, ExportStatus.QUARANTINED)
 
 
 class TransitionError(RuntimeError):
@@ -31,7 +33,7 @@ def transition(
     session: Session, export: Export, to: ExportStatus, *, stage: str | None = None,
     message: str | None = None, worker: str | None = None,
 ) -> None:
-    """Move ``export`` to status ``to`` and record the event."""
+    """Move ``export`` (a row this session has locked or just read) to status ``to`` and record the event."""
     if to not in TRANSITIONS[export.status]:
         raise TransitionError(f"export {export.id}: {export.status.value} -> {to.value} is not allowed")
     now = utcnow()
@@ -49,27 +51,15 @@ def transition(
     export.updated_at = now
 
 
-def record_stage(session: Session, export_id: str, stage: str, percent: int, worker: str | None) -> bool:
-    """Update stage and percent of a running export; False if it is no longer running (cancelled)."""
-    export = session.get(Export, export_id)
-    if export is None or export.status is not ExportStatus.RUNNING or export.cancel_requested:
-        return False
-    if export.stage != stage:
-        session.add(ExportEvent(export_id=export_id, from_status="running", to_status="running", stage=stage, worker=worker))
-    export.stage, export.percent = stage, percent
-    export.heartbeat_at = export.updated_at = utcnow()
-    return True
+def request_of(export: Export) -> ExportRequest:
+    return ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
+                         max_seq_len=export.max_seq_len, variant=export.variant)
 
 
-def heartbeat(session: Session, export_id: str, worker: str) -> bool:
-    """Renew the running job's lease; False when the job was cancelled (the worker should stop)."""
-    result = session.execute(
-        update(Export)
-        .where(Export.id == export_id, Export.status == ExportStatus.RUNNING, Export.worker == worker,
-               Export.cancel_requested.is_(False))
-        .values(heartbeat_at=utcnow())
-    )
-    return result.rowcount == 1
+def runtime_fields(export: Export, ort_version: str) -> dict:
+    """The onnxruntime that really built and validated ``export``, and so its cache key."""
+    return {"ort_version": ort_version,
+            "cache_key": cache_key(request_of(export), export.revision, export.exporter_version, ort_version)}
 
 
 def find_live_duplicate(session: Session, cache_key: str) -> Export | None:
@@ -81,10 +71,41 @@ def find_live_duplicate(session: Session, cache_key: str) -> Export | None:
 
 
 def lease_expired(export: Export, lease_s: float, now: datetime.datetime | None = None) -> bool:
+    """Whether a running export's lease ran out (or was released: no heartbeat at all)."""
     now = now or utcnow()
-    beat = export.heartbeat_at or export.started_at
+    beat = export.heartbeat_at
     if beat is None:
         return True
     if beat.tzinfo is None:  # SQLite hands back naive datetimes
         beat = beat.replace(tzinfo=datetime.timezone.utc)
     return (now - beat).total_seconds() > lease_s
+
+
+def key_figures(manifest: dict, parity_report: dict | None, benchmark: dict | None) -> dict:
+    """The few numbers the catalog shows per export (from its manifest, parity report and benchmark)."""
+    figures = {"status": manifest.get("status"), "weight_bytes": manifest.get("weight_bytes"),
+               "node_count": manifest.get("node_count"), "op_census": manifest.get("op_census")}
+    if parity_report:
+        checks = {g["check"]: g for g in parity_report["gates"]}
+        prefill = checks.get("prefill logits max abs error vs transformers")
+        figures["prefill_max_abs_error"] = prefill["measured"] if prefill else None
+        figures["failed_gates"] = parity_report["failed_gates"]
+        if parity_report.get("parity"):
+            figures["near_ties"] = len(parity_report["parity"]["near_ties"])
+            figures["token_mismatches"] = len(parity_report["parity"]["mismatches"])
+            figures["decode_steps"] = parity_report["parity"]["steps"]
+    if benchmark:
+        figures["decode_ms"] = {str(c["ctx"]): c["decode_ms_median"] for c in benchmark["decode"]}
+    return figures
+
+
+def outcome_fields(prefix: str, manifest: dict, parity_report: dict | None, benchmark: dict | None,
+                   diff: dict | None) -> dict:
+    """What a published export's row records: where it is, its manifest (without the per-weight
+    table, which stays in the published file), key figures, timings and its diff."""
+    return {
+        "storage_prefix": prefix, "stage": "publish",
+        "manifest": {k: v for k, v in manifest.items() if k != "initializers"},
+        "figures": key_figures(manifest, parity_report, benchmark), "timings": manifest.get("timings_s"),
+        "diff": diff, "regression": bool(diff and diff.get("regression")),
+    }

@@ -40,7 +40,16 @@ LIVE_STATUSES = (ExportStatus.QUEUED, ExportStatus.RUNNING, ExportStatus.READY)
 
 
 class Export(Base):
+    """One export job and its outcome. This row, not the broker, is the truth about the job.
+
+    A worker owns a running job for one ``attempts`` value (its lease, renewed through
+    ``heartbeat_at``); every write a worker makes is conditional on it (services.lifecycle).
+    ``dispatched_at`` is the outbox: NULL means committed but not yet sent to the queue.
+    """
+
     __tablename__ = "exports"
+    # At most one re-export per (predecessor, target onnxruntime), whatever its outcome.
+    __table_args__ = (UniqueConstraint("predecessor_id", "target_ort", name="uq_exports_successor"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     cache_key: Mapped[str] = mapped_column(String(64), index=True)
@@ -60,7 +69,12 @@ class Export(Base):
     reason: Mapped[str] = mapped_column(String(40), default="request")
     predecessor_id: Mapped[str | None] = mapped_column(ForeignKey("exports.id"), nullable=True, index=True)
     worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    worker_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the worker's main process
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    target_ort: Mapped[str | None] = mapped_column(String(40), nullable=True)  # re-exports: the runtime to build on
+    lost_reason: Mapped[str | None] = mapped_column(Text, nullable=True)  # how the last attempt died
+    lost_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # attempts that died
+    dispatched_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     storage_prefix: Mapped[str | None] = mapped_column(String(600), nullable=True)
     manifest: Mapped[dict | None] = mapped_column(JSON, nullable=True)

@@ -1,0 +1,194 @@
+"""A worker's writes to the catalog, each fenced by the attempt it owns (DESIGN.md, Job lifecycle).
+
+A worker owns a running export for one attempt: ``claim`` turns a queued row into running with
+``attempts + 1`` and hands back a ``Lease``. Every later write (renew, stage, publish start, finish)
+is one conditional UPDATE on (id, status running, attempts == the lease's attempt). A refused write
+raises ``Fenced``: the sweeper has given the job to another attempt, and the worker must stop and
+write nothing else, to the catalog or to the object store. ``release_lost`` is the one write made
+for a worker by someone else (its own main process, or the embedded supervisor), and only marks the
+lease expired, so the sweeper settles the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from services.catalog.exports import runtime_fields
+from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
+
+
+class Fenced(Exception):
+    """This attempt no longer owns the export: stop, and write nothing more anywhere."""
+
+
+class CancelRequested(Exception):
+    """The export was cancelled while this attempt finished it: undo the publish, then finish cancelled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    export_id: str
+    attempt: int
+    worker: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"export {self.export_id} attempt {self.attempt} ({self.worker}, pid {self.pid})"
+
+
+@dataclasses.dataclass
+class Claim:
+    lease: Lease | None
+    export: Export | None
+    why: str = ""  # why nothing was claimed
+
+
+def _owned(lease: Lease) -> tuple:
+    return Export.id == lease.export_id, Export.status == ExportStatus.RUNNING, Export.attempts == lease.attempt
+
+
+def _event(session: Session, lease: Lease, to: ExportStatus, stage: str | None, message: str | None,
+           from_status: ExportStatus = ExportStatus.RUNNING) -> None:
+    session.add(ExportEvent(export_id=lease.export_id, from_status=from_status.value, to_status=to.value,
+                            stage=stage, message=message, worker=lease.worker))
+
+
+def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: str) -> Claim:
+    """Start the next attempt of a queued export on this worker; a Claim without a lease says why not.
+
+    Only a queued row can be claimed, so a duplicate or stale message finds nothing to do. A
+    re-export is only claimed by a worker running the onnxruntime it targets.
+    """
+    export = session.get(Export, export_id)
+    if export is None:
+        return Claim(None, None, "there is no such export")
+    if export.status is not ExportStatus.QUEUED:
+        return Claim(None, export, f"it is {export.status.value}")
+    if export.cancel_requested:
+        return Claim(None, export, "its cancellation is pending")
+    if export.target_ort and export.target_ort != ort_version:
+        return Claim(None, export, f"it targets onnxruntime {export.target_ort}; this worker runs {ort_version}")
+    attempt, now = export.attempts + 1, utcnow()
+    result = session.execute(
+        update(Export)
+        .where(Export.id == export_id, Export.status == ExportStatus.QUEUED, Export.attempts == export.attempts,
+               Export.cancel_requested.is_(False))
+        .values(status=ExportStatus.RUNNING, attempts=attempt, worker=worker, worker_pid=pid, heartbeat_at=now,
+                started_at=func.coalesce(Export.started_at, now), stage="resolve", percent=0, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return Claim(None, None, "another worker claimed it first")
+    lease = Lease(export_id, attempt, worker, pid)
+    previous = f" (attempt {attempt - 1}: {export.lost_reason})" if attempt > 1 and export.lost_reason else ""
+    _event(session, lease, ExportStatus.RUNNING, "resolve", f"attempt {attempt} started{previous}", ExportStatus.QUEUED)
+    session.refresh(export)
+    return Claim(lease, export)
+
+
+def renew(session: Session, lease: Lease) -> bool:
+    """Extend the lease; returns whether a cancel was requested. Raises Fenced if it is no longer ours."""
+    row = session.execute(
+        update(Export).where(*_owned(lease)).values(heartbeat_at=utcnow())
+        .returning(Export.cancel_requested).execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        raise Fenced(f"{lease}: the lease was taken away")
+    return bool(row[0])
+
+
+def record_stage(session: Session, lease: Lease, stage: str, percent: int) -> bool:
+    """Stage and percent of the running attempt (an event when the stage changes); returns cancel requested."""
+    current = session.execute(select(Export.stage).where(*_owned(lease))).first()
+    if current is None:
+        raise Fenced(f"{lease}: refused to record stage {stage}")
+    row = session.execute(
+        update(Export).where(*_owned(lease)).values(stage=stage, percent=percent, heartbeat_at=utcnow(), updated_at=utcnow())
+        .returning(Export.cancel_requested).execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        raise Fenced(f"{lease}: refused to record stage {stage}")
+    if current[0] != stage:
+        _event(session, lease, ExportStatus.RUNNING, stage, None)
+    return bool(row[0])
+
+
+def begin_publish(session: Session, lease: Lease, prefix: str) -> str | None:
+    """Record where this attempt publishes, before its first upload; returns an earlier attempt's prefix.
+
+    Every object an attempt writes is under the prefix recorded here, so whoever settles the job
+    later (a cancel, the sweeper) knows what the store may hold for it.
+    """
+    current = session.execute(select(Export.storage_prefix, Export.cancel_requested).where(*_owned(lease))).first()
+    if current is None:
+        raise Fenced(f"{lease}: refused to start publishing")
+    if current.cancel_requested:
+        raise CancelRequested(lease.export_id)
+    result = session.execute(
+        update(Export).where(*_owned(lease), Export.cancel_requested.is_(False))
+        .values(storage_prefix=prefix, heartbeat_at=utcnow(), updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        raise Fenced(f"{lease}: refused to start publishing")
+    return current.storage_prefix
+
+
+def finish(session: Session, lease: Lease, status: ExportStatus, *, message: str | None = None,
+           runtime: str | None = None, **fields) -> None:
+    """End the attempt with a terminal status and its results, if the attempt still owns the export.
+
+    Ready and quarantined are also refused once a cancel was requested (``CancelRequested``): a
+    cancelled export must not end published. ``runtime`` is the onnxruntime that built and
+    validated it, which also re-keys the export for deduplication.
+    """
+    if not status.terminal:
+        raise ValueError(f"finish needs a terminal status, not {status.value}")
+    export = session.get(Export, lease.export_id)
+    conditions = list(_owned(lease))
+    if status in (ExportStatus.READY, ExportStatus.QUARANTINED):
+        conditions.append(Export.cancel_requested.is_(False))
+        fields["percent"] = 100
+    if runtime is not None and export is not None:
+        fields |= runtime_fields(export, runtime)
+    now = utcnow()
+    result = session.execute(
+        update(Export).where(*conditions)
+        .values(status=status, finished_at=now, updated_at=now, heartbeat_at=None, error=message, **fields)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        session.expire_all()
+        export = session.get(Export, lease.export_id)
+        if export is not None and export.status is ExportStatus.RUNNING and export.attempts == lease.attempt:
+            raise CancelRequested(lease.export_id)
+        raise Fenced(f"{lease}: refused to finish {status.value}")
+    _event(session, lease, status, fields.get("stage"), message)
+
+
+def release_lost(session: Session, export_id: str, worker: str, pid: int | None, cause: str) -> bool:
+    """Expire the lease of a job whose worker process is known dead, and say how it died.
+
+    Called by the worker's main process when its pool process was killed, and by the embedded
+    supervisor when its worker exited; ``pid`` (the worker's main process) keeps it from touching
+    a job another process of the same name holds. The sweeper does the rest.
+    """
+    conditions = [Export.id == export_id, Export.status == ExportStatus.RUNNING, Export.worker == worker]
+    if pid is not None:
+        conditions.append(Export.worker_pid == pid)
+    result = session.execute(
+        update(Export).where(*conditions).values(heartbeat_at=None, lost_reason=cause)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def running_on(session: Session, worker: str, pid: int | None = None) -> list[str]:
+    """Ids of the running exports whose lease ``worker`` (main process ``pid``) holds."""
+    query = select(Export.id).where(Export.status == ExportStatus.RUNNING, Export.worker == worker)
+    if pid is not None:
+        query = query.where(Export.worker_pid == pid)
+    return list(session.scalars(query))

@@ -1,0 +1,248 @@
+"""The job lifecycle on both catalogs: claims, fenced writes, the sweeper, cancels, bounded attempts.
+
+Real parts: SQLite and PostgreSQL, the filesystem queue (message files are counted on disk), a
+local object store with a real export published into it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from exporter.request import ExportRequest
+from services import lifecycle
+from services.catalog.database import session_scope, upgrade_schema
+from services.catalog.models import Export, ExportEvent, ExportStatus
+from services.jobs import request_cancel, submit_export
+from services.lifecycle import CancelRequested, Fenced
+from services.publish import export_prefix, publish_export
+from services.queue import CeleryQueue
+from services.settings import Settings
+from services.storage_factory import make_store
+from services.sweeper import SweepReport, Sweeper
+from tests.services_fixtures import fresh_postgres_database
+from workers.registry import report_worker
+from workers.runtime_info import RuntimeInfo
+
+LEASE_S = 0.6
+ORT = "1.31.1"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(request, tmp_path, checkpoint):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    common = dict(data_dir=tmp_path / "data", models_dir=models, lease_s=LEASE_S, heartbeat_s=0.2,
+                  redispatch_s=0.5, max_attempts=2, signing_secret="lifecycle")
+    if request.param == "sqlite":
+        s = Settings(**common)
+        upgrade_schema(s.catalog_url)
+        yield s
+    else:
+        with fresh_postgres_database() as url:
+            s = Settings(database_url=url, **common)
+            upgrade_schema(s.catalog_url)
+            yield s
+
+
+@pytest.fixture
+def sweeper(settings):
+    store = make_store(settings)
+    store.ensure_bucket()
+    return Sweeper(settings, CeleryQueue(settings), store)
+
+
+def submit(settings, target_ort=None, **kw) -> str:
+    request = ExportRequest(model="tiny-llama", dtype=kw.pop("dtype", "fp32"), ep="cpu", **kw)
+    with session_scope(settings.catalog_url) as session:
+        export, created = submit_export(session, settings, request, force=True, target_ort=target_ort,
+                                        reason="ort-upgrade" if target_ort else "request")
+        assert created
+        return export.id
+
+
+def claim(settings, export_id, worker="w1", pid=100, ort=ORT):
+    with session_scope(settings.catalog_url) as session:
+        return lifecycle.claim(session, export_id, worker, pid, ort)
+
+
+def write(settings, operation, *args, **kwargs):
+    with session_scope(settings.catalog_url) as session:
+        return operation(session, *args, **kwargs)
+
+
+def row(settings, export_id) -> Export:
+    with session_scope(settings.catalog_url) as session:
+        return session.get(Export, export_id)
+
+
+def messages(settings, queue="cpu") -> list[str]:
+    """Message files the filesystem queue holds for ``queue`` (named '<time>_<uuid>.<queue>.msg')."""
+    return sorted(p.name for p in (settings.queue_dir / "in").glob(f"*.{queue}.msg"))
+
+
+def events(settings, export_id) -> list[str]:
+    with session_scope(settings.catalog_url) as session:
+        return [e.message or "" for e in session.query(ExportEvent).filter_by(export_id=export_id).order_by(ExportEvent.id)]
+
+
+def test_a_queued_export_is_claimed_once(settings):
+    export_id = submit(settings)
+    first, second = claim(settings, export_id, "w1"), claim(settings, export_id, "w2")
+    assert first.lease is not None and first.lease.attempt == 1
+    assert second.lease is None and "running" in second.why  # a duplicate message finds nothing to do
+    assert row(settings, export_id).worker == "w1"
+
+
+def test_after_the_lease_expires_every_write_of_the_old_attempt_is_refused(settings, sweeper):
+    export_id = submit(settings)
+    old = claim(settings, export_id, "w1").lease
+    write(settings, lifecycle.record_stage, old, "validate", 60)
+    time.sleep(LEASE_S + 0.1)  # w1 stops renewing (stopped, cut off, dead)
+    report = sweeper.sweep()
+    assert report.requeued == [export_id] and report.dispatched == [export_id]
+    assert len(messages(settings)) == 1  # the sweeper rang for attempt 2
+    new = claim(settings, export_id, "w2").lease
+    assert new.attempt == 2
+    for operation, args in [(lifecycle.renew, ()), (lifecycle.record_stage, ("bench", 85)),
+                            (lifecycle.begin_publish, ("some/prefix/",)),
+                            (lifecycle.finish, (ExportStatus.CANCELLED,)), (lifecycle.finish, (ExportStatus.READY,))]:
+        with pytest.raises(Fenced):
+            write(settings, operation, old, *args)
+    write(settings, lifecycle.finish, new, ExportStatus.READY, runtime=ORT)
+    done = row(settings, export_id)
+    assert done.status is ExportStatus.READY and done.attempts == 2 and done.worker == "w2"
+    assert any("attempt 1 lost" in m and "during validate" in m for m in events(settings, export_id))
+
+
+def test_a_job_whose_worker_keeps_dying_fails_after_max_attempts_naming_stage_and_cause(settings, sweeper):
+    export_id = submit(settings)
+    for attempt in (1, 2):
+        lease = claim(settings, export_id, "w1", pid=42).lease
+        assert lease.attempt == attempt
+        write(settings, lifecycle.record_stage, lease, "validate", 60)
+        # What the worker's main process does when the kernel kills its pool process:
+        assert write(settings, lifecycle.release_lost, export_id, "w1", 42, "its pool process died (signal 9)")
+        report = sweeper.sweep()
+        assert (report.requeued if attempt == 1 else report.failed) == [export_id]
+    failed = row(settings, export_id)
+    assert failed.status is ExportStatus.FAILED and failed.lost_attempts == 2
+    assert "gave up after 2 lost attempts" in failed.error
+    assert "during validate" in failed.error and "signal 9" in failed.error
+
+
+def test_release_only_touches_the_named_process(settings):
+    export_id = submit(settings)
+    claim(settings, export_id, "w1", pid=42)
+    assert not write(settings, lifecycle.release_lost, export_id, "w1", 43, "another process of that name")
+    assert not write(settings, lifecycle.release_lost, export_id, "w2", 42, "another worker")
+    assert row(settings, export_id).heartbeat_at is not None
+
+
+def test_the_outbox_sends_what_was_never_sent_users_first(settings, sweeper):
+    user = submit(settings, dtype="fp16")
+    reexport = submit(settings, target_ort=ORT, variant="gqa")
+    time.sleep(0.6)  # past the grace the API has to send its own
+    sent = SweepReport()
+    sweeper.dispatch(sent)
+    assert sent.dispatched == [user]  # the re-export waits while a user export of its EP does
+    assert len(messages(settings, "cpu")) == 1 and messages(settings, f"cpu.ort-{ORT}") == []
+    request_cancel_now(settings, sweeper, user)
+    sweeper.dispatch(sent)
+    assert sent.dispatched == [user, reexport]
+    assert len(messages(settings, f"cpu.ort-{ORT}")) == 1  # only workers on the target runtime consume it
+    assert row(settings, reexport).dispatched_at is not None
+
+
+def request_cancel_now(settings, sweeper, export_id):
+    with session_scope(settings.catalog_url) as session:
+        _, settle = request_cancel(session, settings, export_id)
+    if settle:
+        assert sweeper.settle_cancel(export_id)
+    assert row(settings, export_id).status is ExportStatus.CANCELLED
+
+
+def test_a_lost_message_is_sent_again_once_a_worker_of_its_queue_idles(settings, sweeper):
+    export_id = submit(settings)
+    assert sweeper.ring(export_id, "cpu", first=True)
+    for name in messages(settings):  # a worker took the message and died before claiming
+        (settings.queue_dir / "in" / name).unlink()
+    time.sleep(0.6)
+    assert sweeper.sweep().redispatched == []  # no live worker: ringing would not help
+    report_worker(settings, "busy-node", f"cpu,cpu.ort-{ORT}", RuntimeInfo("busy-node", ORT, None, None, ()))
+    busy_with = submit(settings, dtype="fp16")
+    claim(settings, busy_with, "busy-node")
+    assert sweeper.sweep().redispatched == []  # its one worker is busy: the message may simply wait
+    report_worker(settings, "idle-node", f"cpu,cpu.ort-{ORT}", RuntimeInfo("idle-node", ORT, None, None, ()))
+    assert sweeper.sweep().redispatched == [export_id]
+    assert len(messages(settings)) == 1
+
+
+def published_export(settings, exported, export_id, lease):
+    """Publish a real export under this attempt's prefix, as a worker does before it finishes."""
+    import json
+    import shutil
+
+    source = exported("llama", "attn_dynamic")
+    export_dir = settings.data_dir / "work" / export_id
+    shutil.copytree(source, export_dir)
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    manifest["export_id"] = export_id
+    (export_dir / "manifest.json").write_text(json.dumps(manifest))
+    prefix = export_prefix(manifest)
+    write(settings, lifecycle.begin_publish, lease, prefix)
+    publish_export(make_store(settings), export_dir, prefix, "ready")
+    return prefix
+
+
+def test_a_publish_whose_worker_died_before_recording_it_is_adopted(settings, sweeper, exported):
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1", pid=7).lease
+    prefix = published_export(settings, exported, export_id, lease)
+    write(settings, lifecycle.release_lost, export_id, "w1", 7, "killed after writing the manifest")
+    assert sweeper.sweep().adopted == [export_id]
+    done = row(settings, export_id)
+    assert done.status is ExportStatus.READY and done.storage_prefix == prefix and done.percent == 100
+    assert done.manifest["export_id"] == export_id and done.figures["node_count"] > 0
+
+
+def test_cancel_of_a_job_whose_worker_is_dead_completes_and_unpublishes(settings, sweeper, exported):
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1", pid=7).lease
+    prefix = published_export(settings, exported, export_id, lease)
+    store = make_store(settings)
+    assert store.list_keys(prefix)
+    time.sleep(LEASE_S + 0.1)  # its worker is gone
+    request_cancel_now(settings, sweeper, export_id)
+    assert store.list_keys(prefix) == []  # a cancelled export has nothing published
+
+
+def test_cancel_during_publish_refuses_ready(settings, sweeper, exported):
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1").lease
+    published_export(settings, exported, export_id, lease)
+    with session_scope(settings.catalog_url) as session:
+        _, settle = request_cancel(session, settings, export_id)
+    assert not settle  # the live worker handles it
+    with pytest.raises(CancelRequested):  # so it cannot end ready; it unpublishes and cancels
+        write(settings, lifecycle.finish, lease, ExportStatus.READY)
+    write(settings, lifecycle.finish, lease, ExportStatus.CANCELLED, message="cancelled")
+    assert row(settings, export_id).status is ExportStatus.CANCELLED
+
+
+def test_a_reexport_is_claimed_only_on_its_target_runtime(settings):
+    export_id = submit(settings, target_ort=ORT)
+    refused = claim(settings, export_id, "old", ort="1.30.0")
+    assert refused.lease is None and "targets onnxruntime 1.31.1" in refused.why
+    assert claim(settings, export_id, "new", ort=ORT).lease is not None
+
+
+def test_settings_refuse_a_redelivery_shorter_than_the_hard_time_limit(tmp_path):
+    with pytest.raises(ValidationError, match="VISIBILITY_TIMEOUT_S"):
+        Settings(data_dir=tmp_path, visibility_timeout_s=3600, task_time_limit_s=22200)
+    with pytest.raises(ValidationError, match="LEASE_S"):
+        Settings(data_dir=tmp_path, lease_s=10, heartbeat_s=10)
+    assert Settings(data_dir=tmp_path, task_time_limit_s=600, task_soft_time_limit_s=500).broker_visibility_timeout_s == 1200
