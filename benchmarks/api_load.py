@@ -39,10 +39,15 @@ With a closed loop, mean latency = clients / throughput (Little's law).
 
 Targets: load errors = 0 and p99 < 100 ms; POST to job start < 1 s.
 
+With ``--profile`` the first configuration's load is run a second time (unmeasured) with py-spy
+sampling the API process only while a thread holds the GIL: ``results.profile`` splits that CPU
+time by where the innermost frame is (uvicorn, Starlette/FastAPI, pydantic, SQLAlchemy, psycopg,
+thread hand-off, this project's code).
+
 Usage::
 
     python benchmarks/api_load.py [--clients 50] [--duration 30] [--think-ms 0] [--uvicorn-workers 1,2]
-                                  [--queue-samples 10] [--quiet-wait 300]
+                                  [--queue-samples 10] [--quiet-wait 300] [--profile]
                                   [--out benchmarks/results/api_load.json]
 """
 
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -75,7 +81,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/12"
-ADMIN_TOKEN = "api-load-admin-token"
+ADMIN_TOKEN = "api-load-admin-token-0123456789abcd"
 WORKER_NAME = "bench-w1"
 P99_TARGET_MS = 100.0
 QUEUE_TARGET_S = 1.0
@@ -94,12 +100,12 @@ QUEUE_BODY = {"model": "tiny-qwen2", "dtype": "fp32", "ep": "cpu", "force": True
 TERMINAL = ("ready", "failed", "cancelled", "quarantined")
 PREPARE_CATALOG = """
 import os
-from services.auth import create_token
+from services.auth import install_bootstrap
 from services.catalog.database import session_scope, upgrade_schema
 
 upgrade_schema(os.environ["DATABASE_URL"])
 with session_scope(os.environ["DATABASE_URL"]) as session:
-    create_token(session, "bootstrap-admin", "admin", os.environ["ADMIN_TOKEN"])
+    install_bootstrap(session, os.environ["ADMIN_TOKEN"])
 """
 
 
@@ -139,7 +145,8 @@ def farm_env(database_url: str, data_dir: Path, models_dir: Path) -> dict[str, s
     """The process environment of the API and the worker (no S3_*: the store is a local directory)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("S3_")}
     env.update(DATABASE_URL=database_url, REDIS_URL=REDIS_URL, DATA_DIR=str(data_dir), MODELS_DIR=str(models_dir),
-               ADMIN_TOKEN=ADMIN_TOKEN, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               ADMIN_TOKEN=ADMIN_TOKEN, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               SIGNING_SECRET="api-load-signing-secret-0123456789abcdef")
     return env
 
 
@@ -727,8 +734,47 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds one queue-latency job may take")
     parser.add_argument("--quiet-wait", type=float, default=300.0,
                         help="seconds to wait at most for the machine to be idle before each load phase")
+    parser.add_argument("--profile", action="store_true", help="also sample the API with py-spy during a second run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "api_load.json")
     return parser.parse_args()
+
+
+PROFILE_BUCKETS = (  # where a GIL-holding sample's innermost frame is, by path
+    ("uvicorn, h11 (HTTP, ASGI server)", ("uvicorn/", "h11/")),
+    ("asyncio event loop", ("asyncio/",)),
+    ("starlette, fastapi (middleware, routing, dependencies)", ("starlette/", "fastapi/")),
+    ("pydantic (validation, serialization)", ("pydantic", "annotated_types")),
+    ("sqlalchemy (ORM, SQL compilation, results)", ("sqlalchemy/",)),
+    ("psycopg (PostgreSQL driver)", ("psycopg",)),
+    ("threads: anyio thread pool hand-off, locks", ("anyio/", "threading.py", "queue.py", "concurrent/")),
+    ("exportfarm code", ("(services/", "(exporter/", "(workers/", "/services/", "/exporter/", "/workers/")),
+)
+
+
+def profile_api(pid: int, seconds: float, out: Path) -> dict:
+    """py-spy samples (GIL holder only, so CPU and not waiting) of the API process during a load run."""
+    import collections
+    import re
+
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        return {"error": "py-spy is not installed (pip install py-spy)"}
+    subprocess.run([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "--gil", "--nonblocking",
+                    "-f", "raw", "-o", str(out)], check=True, capture_output=True)
+    own, inclusive, total = collections.Counter(), collections.Counter(), 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, count = stack.split(";"), int(count)
+        total += count
+        leaf = frames[-1]
+        own[next((name for name, marks in PROFILE_BUCKETS if any(m in leaf for m in marks)), "other")] += count
+        for frame in {f for f in frames if re.search(r"[(/](services|exporter|workers)/", f)}:
+            inclusive[re.sub(r":\d+\)$", ")", frame)] += count
+    return {
+        "tool": "py-spy record --gil -r 200 (samples only while a thread holds the GIL)", "samples": total,
+        "self_time_pct_by_part": {k: round(100 * v / total, 1) for k, v in own.most_common()},
+        "exportfarm_functions_inclusive_pct": {k: round(100 * v / total, 1) for k, v in inclusive.most_common(15)},
+    }
 
 
 def main() -> int:
@@ -750,6 +796,14 @@ def main() -> int:
             results["load"][str(count)] = asyncio.run(
                 run_load(farm.base_url, args.clients, args.duration, args.think_ms / 1000, CpuMeter(farm.api.pid)))
             results["load"][str(count)]["machine_before_load"] = quiet
+            if args.profile and "profile" not in results:
+                # A second load run, sampled: the measured run above carries no profiler overhead.
+                print("profile: the same load again, with py-spy on the API process", flush=True)
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    sampled = pool.submit(profile_api, farm.api.pid, args.duration - 5, work / "profile.txt")
+                    asyncio.run(run_load(farm.base_url, args.clients, args.duration, args.think_ms / 1000,
+                                         CpuMeter(farm.api.pid)))
+                    results["profile"] = {"uvicorn_workers": count, **sampled.result()}
             if args.queue_samples and results["queue_latency"] is None:
                 print(f"queue latency: {args.queue_samples} jobs", flush=True)
                 results["queue_latency"] = run_queue_latency(farm, args.queue_samples, args.job_timeout)
@@ -783,6 +837,10 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(results)
+    if "profile" in results and "self_time_pct_by_part" in results["profile"]:
+        print("\nwhere the API's CPU goes (GIL-holding samples, self time):")
+        for part, pct in results["profile"]["self_time_pct_by_part"].items():
+            print(f"  {pct:5.1f}%  {part}")
     if report["code"]["changed_during_run"]:
         print("warning: the service code changed during the run; configurations may have run different code")
     print(f"\nwrote {args.out}")

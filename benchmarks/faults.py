@@ -62,7 +62,7 @@ import httpx  # noqa: E402
 from tests import farm  # noqa: E402
 from tests.s3_server import SeaweedS3, free_ports  # noqa: E402
 
-ADMIN = "faults-admin-token"
+ADMIN = "faults-admin-token-0123456789abcdef"
 LEASE_S = 3.0
 STAGES = ["resolve", "build", "validate", "bench", "upload"]
 FAULTS = {

@@ -59,11 +59,16 @@ def resolve_source(model: str) -> ResolvedSource:
             raise ExportError(f"{model} is a file: pass the checkpoint directory that holds config.json")
         directory = candidate.resolve()
         return ResolvedSource(directory, "local", None, f"local-{local_fingerprint(directory)}")
+    if model.startswith((".", "/", "~")):
+        raise ExportError(f"{model!r} is neither an existing directory nor a hub id like 'org/name[@revision]'")
+    return resolve_hub_source(model)
+
+
+def resolve_hub_source(model: str) -> ResolvedSource:
+    """A hub id ``org/name[@revision]``, downloaded (or found in the HF cache); never a local path."""
     repo_id, _, revision = model.partition("@")
-    if model.startswith((".", "/", "~")) or not _HUB_ID.match(repo_id) or ".." in repo_id:
-        raise ExportError(
-            f"{model!r} is neither an existing directory nor a hub id like 'org/name[@revision]'"
-        )
+    if not _HUB_ID.fullmatch(repo_id) or ".." in repo_id:
+        raise ExportError(f"{model!r} is not a hub id like 'org/name[@revision]'")
     return _download(repo_id, revision or None)
 
 

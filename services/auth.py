@@ -1,48 +1,166 @@
-"""Bearer tokens with ``read`` and ``admin`` scopes; only their sha256 is stored."""
+"""Bearer tokens: ``read`` and ``admin`` scopes, expiry, last use, revocation; only sha256 is stored.
+
+A token is checked against the catalog and then trusted by this process for TOKEN_CACHE_S (every
+request carries one), so a revocation takes effect at once in the process that made it and within
+TOKEN_CACHE_S everywhere else. ADMIN_TOKEN becomes the bootstrap token; changing it revokes the
+previous one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import hashlib
 import secrets
+import threading
 import time
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from services.catalog.models import ApiToken
+from exporter.errors import ExportError
+from services.catalog.models import ApiToken, utcnow
+from services.catalog.workers import aware
+from services.settings import MIN_TOKEN_LENGTH
 
 SCOPES = ("read", "admin")
-KNOWN_TOKEN_TTL_S = 30.0
-_known: dict[str, tuple[str, float]] = {}
+LAST_USED_EVERY_S = 60.0  # last_used_at is written at most this often per token
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    token_id: int
+    name: str
+    scope: str
+
+    def allows(self, needed: str) -> bool:
+        return self.scope == "admin" or self.scope == needed
+
+
+class _Known:
+    """Tokens this process checked recently: digest -> (principal, checked at, expires at)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[Principal, float, float | None]] = {}
+        self._last_used: dict[int, float] = {}
+
+    def get(self, digest: str, ttl: float) -> Principal | None:
+        with self._lock:
+            hit = self._entries.get(digest)
+        if hit is None:
+            return None
+        principal, checked, expires = hit
+        now = time.monotonic()
+        if now - checked > ttl or (expires is not None and time.time() >= expires):
+            return None
+        return principal
+
+    def put(self, digest: str, principal: Principal, expires_at: datetime.datetime | None) -> None:
+        with self._lock:
+            self._entries[digest] = (principal, time.monotonic(), expires_at.timestamp() if expires_at else None)
+
+    def forget_id(self, token_id: int) -> None:
+        with self._lock:
+            self._entries = {d: e for d, e in self._entries.items() if e[0].token_id != token_id}
+
+    def due_for_last_used(self, token_id: int) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_used.get(token_id, -1e9) < LAST_USED_EVERY_S:
+                return False
+            self._last_used[token_id] = now
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._last_used.clear()
+
+
+KNOWN = _Known()
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Session, name: str, scope: str, token: str | None = None) -> str:
-    """Store a new token (hashed) and return the plaintext, which is shown once."""
+def check_scope(scope: str) -> None:
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}")
+        raise ExportError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+
+
+def create_token(session: Session, name: str, scope: str, token: str | None = None,
+                 expires_in_s: float | None = None, bootstrap: bool = False) -> tuple[ApiToken, str]:
+    """Store a new token (hashed); returns the row and the plaintext, which is shown once."""
+    check_scope(scope)
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise ExportError(f"a token must be at least {MIN_TOKEN_LENGTH} characters")
+    if expires_in_s is not None and expires_in_s <= 0:
+        raise ExportError("expires_in_s must be positive (or left out for a token that does not expire)")
     token = token or "ef_" + secrets.token_urlsafe(32)
-    digest = hash_token(token)
-    if session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first() is None:
-        session.add(ApiToken(name=name, token_hash=digest, scope=scope))
-    return token
+    expires = utcnow() + datetime.timedelta(seconds=expires_in_s) if expires_in_s is not None else None
+    row = ApiToken(name=name, token_hash=hash_token(token), scope=scope, expires_at=expires, bootstrap=bootstrap)
+    session.add(row)
+    session.flush()
+    return row, token
 
 
-def token_scope(session: Session, token: str) -> str | None:
-    """The token's scope, or None. Known tokens are remembered briefly: every request carries one."""
+def install_bootstrap(session: Session, admin_token: str) -> None:
+    """Make ADMIN_TOKEN the one valid bootstrap token: revoke the others, add it if it is new."""
+    digest = hash_token(admin_token)
+    current = None
+    for row in session.scalars(select(ApiToken).where(ApiToken.bootstrap.is_(True), ApiToken.revoked_at.is_(None))):
+        if row.token_hash == digest:
+            current = row
+        else:
+            row.revoked_at = utcnow()
+            KNOWN.forget_id(row.id)
+    if current is None:
+        existing = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
+        if existing is not None:  # the same secret as a token created by hand, or revoked once
+            existing.bootstrap, existing.revoked_at, existing.scope = True, None, "admin"
+        else:
+            create_token(session, "bootstrap-admin", "admin", admin_token, bootstrap=True)
+
+
+def authenticate(session_factory, token: str, ttl: float) -> Principal | None:
+    """The principal a bearer token stands for, or None (unknown, revoked, expired)."""
     digest = hash_token(token)
-    hit = _known.get(digest)
-    if hit is not None and time.monotonic() - hit[1] < KNOWN_TOKEN_TTL_S:
-        return hit[0]
-    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
+    known = KNOWN.get(digest, ttl)
+    if known is not None:
+        touch = KNOWN.due_for_last_used(known.token_id)
+        if touch:
+            _touch(session_factory, known.token_id)
+        return known
+    with session_factory.begin() as session:
+        row = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
+        if row is None or row.revoked_at is not None:
+            return None
+        expires = aware(row.expires_at)
+        if expires is not None and expires <= utcnow():
+            return None
+        principal = Principal(row.id, row.name, row.scope)
+        if KNOWN.due_for_last_used(row.id):
+            row.last_used_at = utcnow()
+    KNOWN.put(digest, principal, expires)
+    return principal
+
+
+def _touch(session_factory, token_id: int) -> None:
+    with session_factory.begin() as session:
+        session.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=utcnow()))
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(session: Session, token_id: int) -> ApiToken | None:
+    row = session.get(ApiToken, token_id)
     if row is None:
         return None
-    _known[digest] = (row.scope, time.monotonic())
-    return row.scope
-
-
-def allows(scope: str, needed: str) -> bool:
-    return scope == "admin" or scope == needed
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+    KNOWN.forget_id(token_id)
+    return row

@@ -22,6 +22,7 @@ def _cmd_serve(args) -> int:
     if "public_base_url" not in settings.model_fields_set:
         # Links the API hands out (local-store downloads) point at where it actually listens.
         settings = settings.model_copy(update={"public_base_url": f"http://{args.host}:{args.port}"})
+    _ready_schema(settings)
     farm = None
     if not settings.redis_url:
         # Embedded mode: the filesystem queue needs a local worker, and someone must sweep.
@@ -43,14 +44,13 @@ def _cmd_serve(args) -> int:
 
 def _cmd_worker(args) -> int:
     from exporter.versions import ort_version
-    from services.catalog.database import upgrade_schema
     from services.queue import worker_queues
     from services.settings import get_settings
     from workers.app import make_celery
 
     _die_with_parent()
     settings = get_settings()
-    upgrade_schema(settings.catalog_url)
+    _ready_schema(settings)
     if args.name:
         os.environ["EXPORTFARM_WORKER_NAME"] = args.name
     # Leases name the worker's main process; its pool process inherits this.
@@ -85,14 +85,13 @@ def _cmd_beat(args) -> int:
     import threading
 
     from services.beat import Beat
-    from services.catalog.database import upgrade_schema
     from services.queue import CeleryQueue
     from services.settings import get_settings
     from services.storage_factory import make_store
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
-    upgrade_schema(settings.catalog_url)
+    _ready_schema(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -102,15 +101,41 @@ def _cmd_beat(args) -> int:
     return 0
 
 
+def _ready_schema(settings) -> None:
+    """Embedded mode migrates its own SQLite catalog; a deployment's is migrated by db-upgrade (its
+    Helm job, compose's migrate service) and only checked here."""
+    from services.catalog.database import check_schema, upgrade_schema
+
+    if settings.embedded:
+        upgrade_schema(settings.catalog_url)
+    else:
+        check_schema(settings.catalog_url)
+
+
 def _cmd_token(args) -> int:
-    from services.auth import create_token
-    from services.catalog.database import session_scope, upgrade_schema
+    from services import auth
+    from services.catalog.database import session_scope
     from services.settings import get_settings
 
     settings = get_settings()
-    upgrade_schema(settings.catalog_url)
+    _ready_schema(settings)
     with session_scope(settings.catalog_url) as session:
-        token = create_token(session, args.name, args.scope)
+        if args.action == "list":
+            for row in auth.list_tokens(session):
+                state = "revoked" if row.revoked_at else ("expires " + row.expires_at.isoformat() if row.expires_at else "active")
+                print(f"{row.id:>5}  {row.scope:<5}  {row.name:<30} {state:<32} last used {row.last_used_at or 'never'}")
+            return 0
+        if args.action == "revoke":
+            if args.id is None:
+                raise ExportError("token revoke needs --id N (see `exportfarm token list`)")
+            if auth.revoke_token(session, args.id) is None:
+                raise ExportError(f"no token {args.id} (see `exportfarm token list`)")
+            print(f"token {args.id} revoked")
+            return 0
+        if not args.name:
+            raise ExportError("token create needs --name (who or what will use it)")
+        expires = args.expires_in_days * 86400 if args.expires_in_days is not None else None
+        _row, token = auth.create_token(session, args.name, args.scope, expires_in_s=expires)
     print(token)
     return 0
 
@@ -140,9 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("beat", help="run the sweeper and the scheduler (re-exports after an ONNX Runtime upgrade)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=_cmd_beat)
-    p = sub.add_parser("token", help="create an API bearer token (printed once; stored hashed)")
-    p.add_argument("--name", required=True)
+    p = sub.add_parser("token", help="create (printed once; stored hashed), list or revoke API bearer tokens")
+    p.add_argument("action", nargs="?", choices=["create", "list", "revoke"], default="create")
+    p.add_argument("--name", default=None, help="create: who or what uses it")
     p.add_argument("--scope", choices=["read", "admin"], default="read")
+    p.add_argument("--expires-in-days", type=float, default=None, help="create: default never")
+    p.add_argument("--id", type=int, default=None, help="revoke: the token's id (token list)")
     p.set_defaults(func=_cmd_token)
     p = sub.add_parser("db-upgrade", help="migrate the catalog schema to the newest revision")
     p.set_defaults(func=_cmd_db_upgrade)

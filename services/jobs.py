@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from exporter import __version__
@@ -21,7 +23,7 @@ from services.catalog.models import Export, ExportStatus
 from services.catalog.workers import live_workers
 from services.queue import QUEUE_FOR_EP
 from services.settings import Settings
-from services.sources import directory_signature, local_model_dir, resolve_revision
+from services.sources import ModelSource, directory_signature, locate_model, request_revision
 
 
 class NotFound(Exception):
@@ -32,24 +34,40 @@ class Conflict(Exception):
     pass
 
 
+class Forbidden(Exception):
+    pass
+
+
+_TARGETS: dict[tuple[str, str], tuple[float, str]] = {}
+TARGET_CACHE_S = 5.0  # a newly started worker's runtime is targeted within this long
+
+
 def target_ort_version(session: Session, settings: Settings, ep: str) -> str:
-    """The newest onnxruntime among live workers of the request's queue (else the API's own)."""
+    """The newest onnxruntime among live workers of the request's queue (else the API's own).
+
+    Read at most every TARGET_CACHE_S per catalog and EP: every POST needs it, workers change rarely.
+    """
     from exporter.versions import ort_version
 
+    key, now = (settings.catalog_url, ep), time.monotonic()
+    hit = _TARGETS.get(key)
+    if hit is not None and now - hit[0] < TARGET_CACHE_S:
+        return hit[1]
     queue = QUEUE_FOR_EP[ep]
     versions = [w.onnxruntime for w in live_workers(settings, session) if queue in w.queues.split(",")]
-    return max(versions, key=_version_tuple) if versions else ort_version()
+    target = max(versions, key=_version_tuple) if versions else ort_version()
+    _TARGETS[key] = (now, target)
+    return target
 
 
 def _version_tuple(version: str) -> tuple:
     return tuple(int(p) if p.isdigit() else 0 for p in version.split("+")[0].split("."))
 
 
-def check_against_local_config(settings: Settings, request: ExportRequest) -> None:
+def check_against_local_config(source: ModelSource, request: ExportRequest) -> None:
     """Refuse what a local model cannot do (max_seq_len above its positions, ...) before queueing."""
-    directory = local_model_dir(settings, request.model)
-    if directory is not None:
-        config = _model_config(str(directory), directory_signature(directory))
+    if source.local:
+        config = _model_config(str(source.directory), directory_signature(source.directory))
         check_request_against_config(request, request.resolved_variant(), config)
 
 
@@ -65,31 +83,39 @@ def submit_export(
 ) -> tuple[Export, bool]:
     """Add an export to the catalog as queued; an identical live one is returned instead unless ``force``.
 
-    Returns (export, created). The row is the outbox entry: the caller commits it, then sends it
-    (services.sweeper.Sweeper.ring); if that send never happens, the sweeper sends it. A re-export
-    names the onnxruntime it must be built on (``target_ort``); only workers running it take it.
+    Returns (export, created). Identity is the request key (request + revision + exporter + target
+    onnxruntime); a unique constraint on the live key makes concurrent identical requests share one
+    export on SQLite and PostgreSQL alike. The row is the outbox entry: the caller commits it, then
+    sends it (Sweeper.ring); if that send never happens, the sweeper sends it. A re-export names the
+    onnxruntime it must be built on (``target_ort``); only workers running it take it.
     """
-    check_against_local_config(settings, request)
+    source = locate_model(settings, request.model)
+    check_against_local_config(source, request)
     check_validatable(request.max_seq_len)  # the farm validates every export
     variant = request.resolved_variant()
-    revision = resolve_revision(settings, request.model)
+    revision = request_revision(source)
     ort = target_ort or target_ort_version(session, settings, request.ep.value)
     key = cache_key(request, revision, __version__, ort)
-    if session.get_bind().dialect.name == "postgresql":
-        # Identical concurrent POSTs: serialize check-then-insert per cache key (until commit).
-        session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": key})
     if not force:
         existing = catalog.find_live_duplicate(session, key)
         if existing is not None:
             return existing, False
     export = Export(
-        cache_key=key, model=request.model, revision=revision, dtype=request.dtype.value, ep=request.ep.value,
-        static_cache=request.static_cache, max_seq_len=request.max_seq_len, variant=variant.value,
-        ort_version=ort, exporter_version=__version__, status=ExportStatus.QUEUED, stage=None, percent=0,
-        reason=reason, predecessor_id=predecessor_id, target_ort=target_ort,
+        cache_key=key, request_key=key, live_key=None if force else key, model=request.model, revision=revision,
+        dtype=request.dtype.value, ep=request.ep.value, static_cache=request.static_cache,
+        max_seq_len=request.max_seq_len, variant=variant.value, ort_version=ort, exporter_version=__version__,
+        status=ExportStatus.QUEUED, stage=None, percent=0, reason=reason, predecessor_id=predecessor_id,
+        target_ort=target_ort,
     )
-    session.add(export)
-    session.flush()
+    try:
+        with session.begin_nested():
+            session.add(export)
+            session.flush()
+    except IntegrityError:
+        existing = catalog.find_live_duplicate(session, key) if not force else None
+        if existing is None:
+            raise
+        return existing, False  # an identical request committed first
     session.add(catalog.ExportEvent(export_id=export.id, to_status="queued", message=reason))
     return export, True
 
@@ -134,7 +160,7 @@ def request_cancel(session: Session, settings: Settings, export_id: str) -> tupl
                                         to_status=export.status.value, stage=export.stage, message="cancel requested"))
     if export.status is ExportStatus.QUEUED and not export.storage_prefix:
         catalog.transition(session, export, ExportStatus.CANCELLED, message="cancelled while queued")
-        export.error = "cancelled"
+        export.error, export.live_key = "cancelled", None
         return export, False
     live = export.status is ExportStatus.RUNNING and not lease_expired(export, settings.lease_s)
     return export, not live

@@ -16,7 +16,8 @@ import dataclasses
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from services.catalog.exports import runtime_fields
+from services.catalog.exports import ended_fields, request_of, runtime_fields
+from exporter.request import cache_key
 from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
 
 
@@ -116,6 +117,18 @@ def record_stage(session: Session, lease: Lease, stage: str, percent: int) -> bo
     return bool(row[0])
 
 
+def record_revision(session: Session, lease: Lease, revision: str) -> None:
+    """The exact revision the attempt downloaded (a hub ref becomes its commit), and the key it makes."""
+    export = session.get(Export, lease.export_id)
+    result = session.execute(
+        update(Export).where(*_owned(lease)).values(
+            revision=revision, cache_key=cache_key(request_of(export), revision, export.exporter_version,
+                                                   export.ort_version), heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        raise Fenced(f"{lease}: refused to record revision {revision}")
+
+
 def begin_publish(session: Session, lease: Lease, prefix: str) -> str | None:
     """Record where this attempt publishes, before its first upload; returns an earlier attempt's prefix.
 
@@ -157,7 +170,8 @@ def finish(session: Session, lease: Lease, status: ExportStatus, *, message: str
     now = utcnow()
     result = session.execute(
         update(Export).where(*conditions)
-        .values(status=status, finished_at=now, updated_at=now, heartbeat_at=None, error=message, **fields)
+        .values(status=status, finished_at=now, updated_at=now, heartbeat_at=None, error=message,
+                **{**ended_fields(status), **fields})
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:

@@ -8,11 +8,14 @@ settings switch each part to the real service.
 from __future__ import annotations
 
 import functools
-import secrets
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+MIN_TOKEN_LENGTH = 24
+MIN_SECRET_LENGTH = 32
 
 
 class Settings(BaseSettings):
@@ -34,10 +37,16 @@ class Settings(BaseSettings):
     upload_backoff_s: float = 1.0
 
     public_base_url: str = Field("http://127.0.0.1:8000", description="base of links the API hands out")
-    signing_secret: str = Field(default_factory=lambda: secrets.token_hex(32), description="local link signing")
-    presign_expires_s: int = 3600
-    admin_token: str | None = Field(None, description="bootstrap admin bearer token (stored hashed)")
-    max_body_bytes: int = 16 * 1024
+    signing_secret: str | None = Field(
+        None, description="signs local-store download links; embedded mode keeps one in DATA_DIR/signing.key")
+    presign_expires_s: int = Field(3600, gt=0, description="how long a download link works")
+    admin_token: str | None = Field(
+        None, description=f"bootstrap admin bearer token, at least {MIN_TOKEN_LENGTH} characters (stored hashed); "
+        "changing it revokes the previous one")
+    max_body_bytes: int = Field(16 * 1024, gt=0, description="largest request body the API reads")
+    hub_access: bool = Field(False, description="allow hub model ids (workers download them); off: MODELS_DIR only")
+    auth_failures_per_minute: int = Field(10, ge=1, description="failed authentications per client before 429")
+    token_cache_s: float = Field(5.0, ge=0, description="how long an API process trusts a token it checked")
 
     models_dir: Path | None = Field(None, description="local checkpoints the API may export, by directory name")
     work_dir: Path | None = Field(None, description="worker scratch; default data_dir/work")
@@ -67,6 +76,22 @@ class Settings(BaseSettings):
     redispatch_s: float = Field(
         60.0, gt=0, description="re-send a queued job's message when a worker of its queue sat idle this long")
     shutdown_grace_s: float = Field(5.0, ge=0, description="embedded serve: wait this long for its worker to stop")
+
+    @field_validator("admin_token", mode="after")
+    @classmethod
+    def _long_enough_token(cls, value: str | None) -> str | None:
+        if value is not None and len(value) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"ADMIN_TOKEN must be at least {MIN_TOKEN_LENGTH} characters (got {len(value)}): "
+                             "generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        return value
+
+    @field_validator("signing_secret", mode="after")
+    @classmethod
+    def _long_enough_secret(cls, value: str | None) -> str | None:
+        if value is not None and len(value) < MIN_SECRET_LENGTH:
+            raise ValueError(f"SIGNING_SECRET must be at least {MIN_SECRET_LENGTH} characters (got {len(value)}): "
+                             "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`")
+        return value
 
     @model_validator(mode="after")
     def _lifecycle_bounds(self) -> Settings:
@@ -103,6 +128,11 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().absolute()
+
+    @property
+    def embedded(self) -> bool:
+        """Nothing external: SQLite catalog and filesystem queue under DATA_DIR (one host, one serve)."""
+        return not self.database_url and not self.redis_url
 
     @property
     def catalog_url(self) -> str:

@@ -596,6 +596,10 @@ class LocalStore(ArtifactStore):
         query = urllib.parse.urlencode({"expires": expires, "signature": local_signature(self._secret, key, expires)})
         return f"{self.base_url}/files/{urllib.parse.quote(key)}?{query}"
 
+    def verify_link(self, key: str, expires: int | str, signature: str) -> bool:
+        """Whether a download link (key, expiry, signature from its query) was made here and is still valid."""
+        return verify_local_signature(self._secret, key, expires, signature)
+
     def open_file(self, key: str) -> Path | None:
         """The file holding ``key``, for the API to stream after checking a signature; None if absent."""
         path = self._object_path(key)

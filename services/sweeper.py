@@ -27,7 +27,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from services.catalog.database import session_scope
-from services.catalog.exports import lease_expired, outcome_fields, runtime_fields
+from services.catalog.exports import ended_fields, lease_expired, outcome_fields, runtime_fields
 from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
@@ -161,7 +161,8 @@ class Sweeper:
             if export is None:
                 return False
             from_status, now = export.status, utcnow()
-            values = {"status": status, "finished_at": now, "updated_at": now, "heartbeat_at": None, **fields}
+            values = {"status": status, "finished_at": now, "updated_at": now, "heartbeat_at": None,
+                      **ended_fields(status), **fields}
             if status in (ExportStatus.FAILED, ExportStatus.CANCELLED):
                 values["error"] = message
             if runtime is not None:

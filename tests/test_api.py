@@ -7,21 +7,22 @@ from fastapi.testclient import TestClient
 
 from services.api.app import create_app
 from services.auth import create_token
-from services.catalog.database import session_scope
+from services.catalog.database import session_scope, upgrade_schema
+from exporter.request import ExportRequest
 from services.settings import Settings
 
-ADMIN, READER = "admin-token-for-tests", None
+ADMIN = "admin-token-for-tests-0123456789"
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, checkpoint):
     models = tmp_path_factory.mktemp("models")
     (models / "tiny-qwen3").symlink_to(checkpoint("qwen3"))
-    settings = Settings(data_dir=tmp_path_factory.mktemp("data"), models_dir=models, admin_token=ADMIN,
-                        signing_secret="s3cret")
+    settings = Settings(data_dir=tmp_path_factory.mktemp("data"), models_dir=models, admin_token=ADMIN)
+    upgrade_schema(settings.catalog_url)
     app = create_app(settings)
     with session_scope(settings.catalog_url) as session:
-        reader = create_token(session, "tests-reader", "read")
+        _, reader = create_token(session, "tests-reader", "read")
     client = TestClient(app)
     client.reader = {"Authorization": f"Bearer {reader}"}
     client.admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -73,7 +74,7 @@ def test_bad_requests_get_422_with_a_message(api, body, words):
 
 def test_oversized_body_is_refused(api):
     response = api.post("/exports", content=b'{"model": "' + b"x" * 20000 + b'"}', headers={**api.admin, "content-type": "application/json"})
-    assert response.status_code == 413 and "bytes" in response.json()["detail"]
+    assert response.status_code == 413
 
 
 def test_tokens_and_scopes(api):
@@ -125,3 +126,282 @@ def test_metrics_and_openapi(api):
 def test_catalog_views_404_for_unknown_model(api):
     assert api.get("/catalog/models", headers=api.reader).status_code == 200
     assert api.get("/catalog/models/no/such", headers=api.reader).status_code == 404
+
+
+# --- hostile input (issue: no 5xx, strict schemas, auth before the body) --------------------------
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"model": "q\n", "ep": "cpu"}, ["model", "not a hub id"]),
+        ({"model": "tiny\tqwen3", "ep": "cpu"}, ["model"]),
+        ({"model": "tiny-qwen3", "ep": "cpu", "static_cache": True, "max_seq_len": True}, ["max_seq_len", "integer"]),
+        ({"model": "tiny-qwen3", "ep": "cpu", "static_cache": True, "max_seq_len": "4096"}, ["max_seq_len", "integer"]),
+        ({"model": "tiny-qwen3", "ep": "cpu", "static_cache": 1, "max_seq_len": 64}, ["static_cache", "boolean"]),
+        ({"model": "tiny-qwen3", "ep": "cpu", "force": "yes"}, ["force", "boolean"]),
+        ({"model": "no-such-model", "ep": "cpu"}, ["no model directory 'no-such-model'", "HUB_ACCESS"]),
+        ({"model": "tests", "ep": "cpu"}, ["no model directory 'tests'"]),  # a directory of the API's cwd is no model
+    ],
+)
+def test_strict_requests(api, body, words):
+    response = post(api, body)
+    assert response.status_code == 422, response.text
+    for word in words:
+        assert word in response.json()["detail"], response.json()["detail"]
+
+
+@pytest.mark.parametrize("params", [{"offset": 10**20}, {"offset": -1}, {"limit": 0}, {"limit": 10**6},
+                                    {"status": "sleeping"}, {"variant": "fast"}, {"model": "x" * 400}])
+def test_paging_and_filters_are_bounded(api, params):
+    response = api.get("/exports", params=params, headers=api.reader)
+    assert response.status_code == 422, response.text
+
+
+def test_authentication_comes_before_the_body(api):
+    malformed = b'{"model": '
+    headers = {"content-type": "application/json"}
+    assert api.post("/exports", content=malformed, headers=headers).status_code == 401
+    assert api.post("/exports", content=malformed, headers={**headers, **api.reader}).status_code == 403
+    assert api.post("/exports", content=malformed, headers={**headers, **api.admin}).status_code == 422
+
+
+@pytest.fixture(scope="module")
+def live(api):
+    """The same app behind a real uvicorn server (a socket, for what TestClient buffers away)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.s3_server import free_ports
+
+    port = free_ports(1)[0]
+    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def raw_post(port: int, headers: str, chunks) -> tuple[bytes, int]:
+    """Send a POST over a plain socket chunk by chunk; returns (response head, body bytes sent)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"POST /exports HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+    sent = 0
+    try:
+        for chunk in chunks:
+            sock.sendall(chunk)
+            sent += len(chunk)
+            sock.settimeout(0.001)
+            try:
+                head = sock.recv(4096)
+                if head:
+                    return head, sent
+            except (BlockingIOError, TimeoutError, socket.timeout):
+                pass
+            finally:
+                sock.settimeout(10)
+        return sock.recv(4096), sent
+    except (BrokenPipeError, ConnectionResetError):
+        return sock.recv(4096), sent
+    finally:
+        sock.close()
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(live):
+    chunk = b"10000\r\n" + b"x" * 65536 + b"\r\n"  # 64 KiB per chunk, 1000 chunks: 64 MiB if all read
+    head, sent = raw_post(live, f"Authorization: Bearer {ADMIN}\r\nTransfer-Encoding: chunked\r\n"
+                                "Content-Type: application/json\r\n", (chunk for _ in range(1000)))
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+    assert sent < 4 << 20  # refused after the limit (16 KiB), long before the 64 MiB
+
+
+def test_an_unauthenticated_request_is_refused_before_its_body_is_read(live):
+    # 10 KB announced, 1 KB sent: the answer comes without the server waiting for the rest.
+    head, _ = raw_post(live, "Content-Length: 10000\r\nContent-Type: application/json\r\n", [b"{" * 1000])
+    assert head.startswith(b"HTTP/1.1 401"), head[:200]
+    # 70 MB announced: refused at once, authenticated or not, nothing read.
+    head, sent = raw_post(live, "Content-Length: 70000000\r\n", (b"x" * 65536 for _ in range(1000)))
+    assert head.startswith(b"HTTP/1.1 413") and sent < 4 << 20, head[:200]
+
+
+def test_tokens_can_be_created_listed_used_and_revoked(api):
+    created = api.post("/tokens", json={"name": "ci-reader", "scope": "read", "expires_in_s": 3600}, headers=api.admin)
+    assert created.status_code == 201, created.text
+    token = created.json()
+    assert token["token"].startswith("ef_") and token["expires_at"] is not None
+    mine = {"Authorization": f"Bearer {token['token']}"}
+    assert api.get("/exports", headers=mine).status_code == 200
+    listed = {t["id"]: t for t in api.get("/tokens", headers=api.admin).json()}
+    assert "token" not in listed[token["id"]] and listed[token["id"]]["last_used_at"] is not None
+    assert api.get("/tokens", headers=mine).status_code == 403  # the list needs admin, as does creating one
+    assert api.post("/tokens", json={"name": "x", "scope": "admin"}, headers=mine).status_code == 403
+    revoked = api.delete(f"/tokens/{token['id']}", headers=api.admin)
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    assert api.get("/exports", headers=mine).status_code == 401
+    assert api.delete("/tokens/999999", headers=api.admin).status_code == 404
+    bad = api.post("/tokens", json={"name": "x", "scope": "root"}, headers=api.admin)
+    assert bad.status_code == 422 and "scope" in bad.json()["detail"]
+
+
+def test_an_expired_token_is_refused(api):
+    import time
+
+    from services.auth import create_token
+
+    with session_scope(api.app.state.context.settings.catalog_url) as session:
+        _, token = create_token(session, "short-lived", "read", expires_in_s=1)
+    headers = {"Authorization": f"Bearer {token}"}
+    assert api.get("/exports", headers=headers).status_code == 200
+    time.sleep(1.2)
+    assert api.get("/exports", headers=headers).status_code == 401  # even though this process checked it
+
+
+def test_an_unexpected_error_is_a_500_with_an_id_and_no_internals(api):
+    def broken():
+        raise RuntimeError("password=hunter2 at db.internal:5432")
+
+    api.app.add_api_route("/exports-broken-for-test", broken, methods=["GET"])
+    response = TestClient(api.app, raise_server_exceptions=False).get("/exports-broken-for-test", headers=api.reader)
+    assert response.status_code == 500
+    assert response.json()["error_id"] and "hunter2" not in response.text and "5432" not in response.text
+
+
+# --- settings-dependent behaviour: each with an app of its own ------------------------------------
+
+
+def make_app(tmp_path, checkpoint=None, **overrides):
+    models = tmp_path / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    if checkpoint is not None and not (models / "tiny-llama").exists():
+        (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    settings = Settings(**{"data_dir": tmp_path / "data", "models_dir": models, "admin_token": ADMIN, **overrides})
+    upgrade_schema(settings.catalog_url)
+    client = TestClient(create_app(settings), raise_server_exceptions=False)
+    client.headers["Authorization"] = f"Bearer {settings.admin_token}"
+    client.settings = settings
+    return client
+
+
+def test_changing_admin_token_revokes_the_previous_one(tmp_path):
+    first = make_app(tmp_path)
+    assert first.get("/exports").status_code == 200
+    second = make_app(tmp_path, admin_token="a-new-admin-token-0123456789abcdef")
+    assert second.get("/exports").status_code == 200
+    old = {"Authorization": f"Bearer {ADMIN}"}
+    assert second.get("/exports", headers=old).status_code == 401
+    assert first.get("/exports", headers=old).status_code == 401  # the process that knew it, too
+    tokens = second.get("/tokens").json()
+    assert [t["revoked_at"] is not None for t in tokens if t["bootstrap"]] == [True, False]
+
+
+def test_short_admin_tokens_and_signing_secrets_are_refused(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="at least 24"):
+        Settings(data_dir=tmp_path, admin_token="short")
+    with pytest.raises(ValidationError, match="at least 32"):
+        Settings(data_dir=tmp_path, signing_secret="short")
+
+
+def test_failed_authentications_are_rate_limited_per_client(tmp_path):
+    client = make_app(tmp_path, auth_failures_per_minute=5)
+    for _ in range(5):
+        assert client.get("/exports", headers={"Authorization": "Bearer not-a-token-at-all"}).status_code == 401
+    limited = client.get("/exports", headers={"Authorization": "Bearer not-a-token-at-all"})
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) > 0
+    assert client.get("/exports").status_code == 429  # the client, not the token, is limited
+    assert client.get("/healthz").status_code == 200
+
+
+def test_download_links_survive_a_restart_in_embedded_mode(tmp_path):
+    first = make_app(tmp_path)
+    store = first.app.state.context.store
+    store.put_bytes("m/r/v/ort-1/e/hello.txt", b"hello")
+    link = store.presigned_url("m/r/v/ort-1/e/hello.txt", 60).removeprefix(first.settings.public_base_url)
+    assert first.get(link).content == b"hello"
+    restarted = make_app(tmp_path)  # the key was kept in DATA_DIR/signing.key
+    assert restarted.get(link).content == b"hello"
+    assert restarted.get(link.replace("signature=", "signature=0")).status_code == 403
+    assert oct((tmp_path / "data" / "signing.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_outside_embedded_mode_a_local_store_needs_a_signing_secret(tmp_path):
+    from exporter.errors import ExportError
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with pytest.raises(ExportError, match="SIGNING_SECRET"):
+        make_app(tmp_path, database_url=url)
+
+
+def test_the_api_refuses_an_old_schema(tmp_path):
+    from exporter.errors import ExportError
+
+    settings = Settings(data_dir=tmp_path / "data")
+    with pytest.raises(ExportError, match="db-upgrade"):
+        create_app(settings)
+
+
+def test_hub_ids_only_with_hub_access_and_never_looked_up_by_the_api(tmp_path):
+    import time
+
+    off = make_app(tmp_path / "off")
+    refused = off.post("/exports", json={"model": "org/model", "ep": "cpu"})
+    assert refused.status_code == 422 and "HUB_ACCESS" in refused.json()["detail"]
+    on = make_app(tmp_path / "on", hub_access=True)
+    started = time.monotonic()
+    accepted = on.post("/exports", json={"model": "org/model@v1.0", "ep": "cpu", "dtype": "fp32"})
+    assert accepted.status_code == 202, accepted.text
+    assert time.monotonic() - started < 2  # no hub round trip in the request
+    assert accepted.json()["revision"] == "ref-v1.0"  # the worker replaces it with the commit it downloads
+    pinned = on.post("/exports", json={"model": "org/model@" + "a" * 40, "ep": "cpu", "dtype": "fp32"}).json()
+    assert pinned["revision"] == "a" * 40
+
+
+def test_a_locked_catalog_is_a_503_within_seconds(tmp_path, checkpoint):
+    import sqlite3
+    import time
+
+    client = make_app(tmp_path, checkpoint)
+    lock = sqlite3.connect(tmp_path / "data" / "catalog.db", timeout=1)
+    lock.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+    try:
+        started = time.monotonic()
+        response = client.post("/exports", json={"model": "tiny-llama", "ep": "cpu", "dtype": "fp32"})
+        elapsed = time.monotonic() - started
+    finally:
+        lock.rollback()
+        lock.close()
+    assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
+    assert elapsed < 15 and "catalog" in response.json()["detail"]
+
+
+def test_an_unreachable_store_is_a_503_within_seconds_and_readyz_shows_no_internals(tmp_path, checkpoint):
+    import time
+
+    from services import lifecycle
+    from services.catalog.models import ExportStatus
+    from services.jobs import submit_export
+    from tests.s3_server import free_ports
+
+    port = free_ports(1)[0]  # nothing listens there: the store is down
+    client = make_app(tmp_path, checkpoint, s3_endpoint_url=f"http://127.0.0.1:{port}", s3_access_key="k",
+                      s3_secret_key="s")
+    with session_scope(client.settings.catalog_url) as session:
+        export, _ = submit_export(session, client.settings, ExportRequest(model="tiny-llama", ep="cpu"))
+        export_id = export.id
+    with session_scope(client.settings.catalog_url) as session:
+        lease = lifecycle.claim(session, export_id, "w", 1, "1.0").lease
+        lifecycle.finish(session, lease, ExportStatus.READY, storage_prefix="a/b/", manifest={"files": {}})
+    started = time.monotonic()
+    response = client.get(f"/exports/{export_id}/artifacts")
+    assert response.status_code == 503 and time.monotonic() - started < 15, response.text
+    ready = client.get("/readyz", headers={"Authorization": ""})
+    assert ready.status_code == 503 and ready.json()["checks"]["storage"] == "unavailable"
+    assert str(port) not in ready.text and "127.0.0.1" not in ready.text

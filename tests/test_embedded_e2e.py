@@ -20,7 +20,7 @@ import pytest
 from tests import farm
 from tests.s3_server import free_ports
 
-ADMIN = "embedded-admin-token"
+ADMIN = "embedded-admin-token-0123456789ab"
 LEASE_S = 3.0
 STAGES = ["resolve", "build", "validate", "bench", "upload"]
 BODIES = {  # each scenario its own request; identical requests would share one export
@@ -131,6 +131,7 @@ def assert_ready_once(embedded: Embedded, export: dict, body: dict, killed_in: s
     links = embedded.http.get(f"/exports/{export['id']}/artifacts").json()["files"]
     manifest = httpx.get(links["manifest.json"]["url"], timeout=30).json()
     assert manifest["status"] == "ready" and manifest["export_id"] == export["id"]
+    assert manifest["cache_key"] == export["cache_key"]
     assert set(links) == set(manifest["files"]) | {"manifest.json"}
     for name, entry in manifest["files"].items():
         data = httpx.get(links[name]["url"], timeout=30).content

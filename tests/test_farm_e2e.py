@@ -20,12 +20,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.api.app import create_app
+from services.catalog.database import upgrade_schema
 from services.settings import Settings
 from tests import farm
 from tests.s3_server import SeaweedS3
 from tests.services_fixtures import fresh_postgres_database
 
-ADMIN = "e2e-admin-token"
+ADMIN = "e2e-admin-token-0123456789abcdef"
 LEASE_S, SWEEP_S, MAX_ATTEMPTS = 3.0, 0.5, 3
 TERMINAL = ("ready", "failed", "cancelled", "quarantined")
 
@@ -77,6 +78,7 @@ def api(farm_env):
     for key, value in farm_env.items():
         mp.setenv(key, value)
     settings = Settings()
+    upgrade_schema(settings.catalog_url)  # what `exportfarm db-upgrade` (the Helm job) does before the API starts
     client = TestClient(create_app(settings))
     client.headers["Authorization"] = f"Bearer {ADMIN}"
     client.settings = settings
@@ -156,6 +158,7 @@ def assert_published_once(api, s3, export):
     client = s3.client()
     manifest = json.loads(client.get_object(Bucket=bucket, Key=prefix + "manifest.json")["Body"].read())
     assert manifest["status"] == "ready" and manifest["export_id"] == export["id"]
+    assert manifest["cache_key"] == export["cache_key"]  # catalog and manifest agree on what was built
     assert set(objects_under(s3, bucket, prefix)) == set(manifest["files"]) | {"manifest.json"}
     for name, entry in manifest["files"].items():
         body = client.get_object(Bucket=bucket, Key=prefix + name)["Body"].read()

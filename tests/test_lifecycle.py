@@ -36,7 +36,7 @@ def settings(request, tmp_path, checkpoint):
     models.mkdir()
     (models / "tiny-llama").symlink_to(checkpoint("llama"))
     common = dict(data_dir=tmp_path / "data", models_dir=models, lease_s=LEASE_S, heartbeat_s=0.2,
-                  redispatch_s=0.5, max_attempts=2, signing_secret="lifecycle")
+                  redispatch_s=0.5, max_attempts=2, signing_secret="lifecycle-signing-secret-0123456789abcdef")
     if request.param == "sqlite":
         s = Settings(**common)
         upgrade_schema(s.catalog_url)
@@ -246,3 +246,39 @@ def test_settings_refuse_a_redelivery_shorter_than_the_hard_time_limit(tmp_path)
     with pytest.raises(ValidationError, match="LEASE_S"):
         Settings(data_dir=tmp_path, lease_s=10, heartbeat_s=10)
     assert Settings(data_dir=tmp_path, task_time_limit_s=600, task_soft_time_limit_s=500).broker_visibility_timeout_s == 1200
+
+
+def test_a_hub_export_is_rekeyed_by_the_commit_its_worker_downloads(settings):
+    from exporter import __version__
+    from exporter.request import cache_key
+    from services.catalog.exports import request_of
+
+    hub = settings.model_copy(update={"hub_access": True})
+    request = ExportRequest(model="org/model", dtype="fp32", ep="cpu")
+    with session_scope(hub.catalog_url) as session:
+        export, _ = submit_export(session, hub, request)
+        export_id, asked = export.id, export.request_key
+    assert row(hub, export_id).revision == "ref-main"
+    lease = claim(hub, export_id).lease
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    write(hub, lifecycle.record_revision, lease, commit)
+    rekeyed = row(hub, export_id)
+    # What the manifest will say: cache_key(request, source.revision, exporter, onnxruntime).
+    assert rekeyed.revision == commit
+    assert rekeyed.cache_key == cache_key(request_of(rekeyed), commit, __version__, rekeyed.ort_version)
+    assert rekeyed.request_key == asked
+    with session_scope(hub.catalog_url) as session:  # the same request still finds it
+        again, created = submit_export(session, hub, request)
+        assert not created and again.id == export_id
+
+
+def test_a_failed_export_stops_answering_identical_requests(settings):
+    request = ExportRequest(model="tiny-llama", dtype="fp16", ep="cpu", variant="attn_dynamic")
+    with session_scope(settings.catalog_url) as session:
+        first, _ = submit_export(session, settings, request)
+        first_id = first.id
+    lease = claim(settings, first_id).lease
+    write(settings, lifecycle.finish, lease, ExportStatus.FAILED, message="boom")
+    with session_scope(settings.catalog_url) as session:
+        retry, created = submit_export(session, settings, request)
+        assert created and retry.id != first_id

@@ -19,10 +19,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.api.app import create_app
+from services.catalog.database import upgrade_schema
 from services.settings import Settings
 from tests.services_fixtures import flush_redis, fresh_postgres_database
 
-ADMIN = "upgrade-admin-token"
+ADMIN = "upgrade-admin-token-0123456789abc"
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
 
@@ -59,7 +60,7 @@ def env(tmp_path_factory, checkpoint):
             "DATABASE_URL": database_url, "REDIS_URL": REDIS_URL, "MODELS_DIR": str(models), "DATA_DIR": str(root / "data"),
             "WORK_DIR": str(root / "work"), "HEARTBEAT_S": "0.5", "LEASE_S": "5", "WORKER_REPORT_S": "1",
             "BENCH_CONTEXTS": "[16]", "BENCH_STEPS": "4", "BEAT_INTERVAL_S": "2", "ADMIN_TOKEN": ADMIN,
-            "HF_HUB_OFFLINE": "1", "SIGNING_SECRET": "upgrade-test",
+            "HF_HUB_OFFLINE": "1", "SIGNING_SECRET": "upgrade-test-signing-secret-0123456789",
             # Tiny CPU timings on a shared 2-core box are noise: judge latency only far outside it here.
             "REGRESSION_LATENCY_PCT": "1000",
         }
@@ -70,7 +71,9 @@ def api(env):
     mp = pytest.MonkeyPatch()
     for key, value in env.items():
         mp.setenv(key, value)
-    client = TestClient(create_app(Settings()))
+    settings = Settings()
+    upgrade_schema(settings.catalog_url)
+    client = TestClient(create_app(settings))
     client.headers["Authorization"] = f"Bearer {ADMIN}"
     yield client
     mp.undo()

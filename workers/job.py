@@ -38,7 +38,7 @@ from exporter.errors import ExportError
 from exporter.package import Manifest
 from exporter.pipeline import Progress, build_export, validate_built
 from exporter.request import ExportRequest
-from exporter.resolve import ResolvedSource, resolve_source
+from exporter.resolve import ResolvedSource, resolve_hub_source, resolve_source
 from exporter.versions import ort_version
 from services import lifecycle
 from services.catalog.database import session_scope
@@ -48,7 +48,7 @@ from services.lifecycle import CancelRequested, Fenced, Lease
 from services.publish import export_prefix, publish_export, unpublish
 from services.regressions import diff_with_predecessor
 from services.settings import Settings
-from services.sources import source_for_worker
+from services.sources import UNRESOLVED_PREFIX, locate_model
 from services.storage import ArtifactStore, StorageError
 from services.storage_factory import make_store
 from workers import failpoints
@@ -274,18 +274,28 @@ class CatalogProgress(Progress):
 
 
 def resolve(job: Job, record: JobRecord) -> None:
-    source = source_for_worker(job.settings, record.request["model"], record.revision)
-    record.source = resolve_source(source).to_dict()
+    """Find the checkpoint (only under MODELS_DIR, or on the hub when HUB_ACCESS allows), record its
+    exact revision: a hub ref becomes the commit downloaded, so catalog and manifest keys agree."""
+    source = locate_model(job.settings, record.request["model"])
+    resolved = resolve_source(str(source.directory)) if source.local else resolve_hub_source(
+        f"{source.repo_id}@{_commit_or_ref(record.revision, source.ref)}")
+    if resolved.revision != record.revision:
+        job.catalog(lifecycle.record_revision, resolved.revision)
+        record.revision = resolved.revision
+    record.source = resolved.to_dict()
+
+
+def _commit_or_ref(revision: str, ref: str) -> str:
+    """What to download: the commit the request was pinned to (or resolved to on an earlier
+    attempt), else the ref it asked for."""
+    return ref if revision.startswith(UNRESOLVED_PREFIX) else revision
 
 
 def build(job: Job, record: JobRecord) -> None:
     shutil.rmtree(job.export_dir, ignore_errors=True)  # a build that died half way is redone whole
     partial = job.work / f".export.partial-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
-    source = record.resolved_source()
-    request = dataclasses.replace(record.export_request(), model=str(source.path) if source.kind == "local"
-                                  else f"{source.repo_id}@{source.revision}")
-    manifest = build_export(request, source, partial, job.progress, record.export_id)
+    manifest = build_export(record.export_request(), record.resolved_source(), partial, job.progress, record.export_id)
     partial.rename(job.export_dir)
     record.manifest = manifest.data
 

@@ -1,22 +1,33 @@
-"""Request and response bodies of the API (separate from the database models)."""
+"""Request and response bodies of the API (separate from the database models).
+
+Requests are strict: a boolean is true or false (not 1, not "yes"), an integer is a JSON integer
+(not true, not "4096"), a model id has no whitespace or control characters, and unknown fields are
+refused, each with a message naming the field.
+"""
 
 from __future__ import annotations
 
 import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from exporter.errors import ExportError
 from exporter.request import ExportRequest
+from services.auth import SCOPES
+from services.catalog.exports import PUBLISHED_STATUSES
+from services.catalog.models import ApiToken, Export
 from services.sources import check_model_id
+
+Strict = ConfigDict(extra="forbid", strict=True)
+Name = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.@:-]*$")]
 
 
 class ExportCreate(BaseModel):
     """An export request. The variant follows from the rest unless given."""
 
     model_config = ConfigDict(
-        extra="forbid",
+        extra="forbid", strict=True,
         json_schema_extra={"examples": [
             {"model": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "fp16", "ep": "cuda"},
             {"model": "microsoft/Phi-3.5-mini-instruct@main", "dtype": "fp16", "ep": "cuda",
@@ -24,7 +35,8 @@ class ExportCreate(BaseModel):
         ]},
     )
 
-    model: str = Field(..., max_length=300, description="hub id 'org/name[@revision]' or a model directory name")
+    model: str = Field(..., min_length=1, max_length=300,
+                       description="a model directory name under MODELS_DIR, or a hub id 'org/name[@revision]'")
     dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     ep: Literal["cpu", "cuda"] = "cuda"
     static_cache: bool = False
@@ -68,6 +80,7 @@ class ExportOut(BaseModel):
     error: str | None
     model: str
     revision: str
+    cache_key: str = Field(description="the export's identity; equal to its published manifest's")
     variant: str
     dtype: str
     ep: str
@@ -91,6 +104,19 @@ class ExportOut(BaseModel):
     finished_at: datetime.datetime | None
     links: Links
     events: list[ExportEventOut] = []
+
+    @classmethod
+    def of(cls, export: Export, with_events: bool = False) -> ExportOut:
+        # Column fields only: touching ``events`` would lazy-load a relationship per listed row.
+        data = {c: getattr(export, c) for c in _EXPORT_FIELDS}
+        data["status"] = export.status.value
+        base = f"/exports/{export.id}"
+        links = Links(self=base, artifacts=f"{base}/artifacts" if export.status in PUBLISHED_STATUSES else None)
+        events = [ExportEventOut.model_validate(e, from_attributes=True) for e in export.events] if with_events else []
+        return cls(**data, links=links, events=events)
+
+
+_EXPORT_FIELDS = tuple(name for name in ExportOut.model_fields if name not in ("links", "events"))
 
 
 class ExportList(BaseModel):
@@ -116,8 +142,36 @@ class Artifacts(BaseModel):
 class ReexportRequest(BaseModel):
     """Re-export exports built on an older onnxruntime than the newest live worker's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = Strict
 
     policy: Literal["all", "listed", "dry-run"] | None = Field(None, description="default: REEXPORT_POLICY")
-    models: list[str] | None = Field(None, description="with policy 'listed' (default: REEXPORT_MODELS)")
+    models: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] | None = Field(
+        None, max_length=1000, description="with policy 'listed' (default: REEXPORT_MODELS)")
     limit: int | None = Field(None, ge=0, le=1000, description="lower the in-flight cap for this run (REEXPORT_MAX_IN_FLIGHT)")
+
+
+class TokenCreate(BaseModel):
+    model_config = Strict
+
+    name: Name
+    scope: Literal[SCOPES] = "read"  # type: ignore[valid-type]
+    expires_in_s: int | None = Field(None, ge=60, le=10 * 365 * 86400, description="default: never expires")
+
+
+class TokenOut(BaseModel):
+    id: int
+    name: str
+    scope: str
+    bootstrap: bool
+    created_at: datetime.datetime
+    expires_at: datetime.datetime | None
+    last_used_at: datetime.datetime | None
+    revoked_at: datetime.datetime | None
+
+    @classmethod
+    def of(cls, row: ApiToken) -> TokenOut:
+        return cls.model_validate(row, from_attributes=True)
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="the bearer token; shown only here, stored hashed")

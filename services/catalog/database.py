@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+BUSY_TIMEOUT_S = 5.0
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -26,7 +27,8 @@ def engine_for(url: str) -> Engine:
 
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # A writer waits at most BUSY_TIMEOUT_S for another's lock, then the API answers 503.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_S})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):
@@ -37,8 +39,16 @@ def _make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    # More connections than the API's 40 worker threads: a request never waits for one while holding another.
-    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=30)
+    # More connections than the API's 40 worker threads: a request never waits for one while holding
+    # another. Waits are bounded (connect, pool, row locks), so an unavailable or locked catalog is an
+    # error within seconds, not a hung request.
+    connect_args = {"connect_timeout": int(BUSY_TIMEOUT_S)} if url.startswith("postgresql") else {}
+    if url.startswith("postgresql"):
+        connect_args["options"] = f"-c lock_timeout={int(BUSY_TIMEOUT_S * 1000)}"
+    # pool_size covers the 40 threads of the API's pool: overflow connections are opened and closed per
+    # checkout, which under load is a PostgreSQL connection setup per request.
+    return create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10, pool_timeout=BUSY_TIMEOUT_S,
+                         connect_args=connect_args)
 
 
 @functools.cache
@@ -63,13 +73,10 @@ def session_scope(url: str) -> Iterator[Session]:
 def upgrade_schema(url: str) -> None:
     """Bring the catalog schema to the newest Alembic revision (idempotent)."""
     from alembic import command
-    from alembic.config import Config
 
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config = _alembic_config(url)
     if not url.startswith("postgresql"):
         command.upgrade(config, "head")
         return
@@ -85,6 +92,40 @@ def upgrade_schema(url: str) -> None:
                 conn.execute(text("SELECT pg_advisory_unlock(hashtext('exportfarm-migrations'))"))
     finally:
         engine.dispose()
+
+
+def _alembic_config(url: str):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def check_schema(url: str) -> None:
+    """Refuse to run on a catalog whose schema is not the newest revision (say what to run)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from exporter.errors import ExportError
+
+    head = ScriptDirectory.from_config(_alembic_config(url)).get_current_head()
+    from sqlalchemy.exc import OperationalError
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except OperationalError as err:
+        raise ExportError(f"cannot open the catalog ({str(err.orig).splitlines()[0]}): check DATABASE_URL; a new "
+                          "catalog is created by `exportfarm db-upgrade`") from None
+    finally:
+        engine.dispose()
+    if current != head:
+        raise ExportError(
+            f"the catalog schema is at revision {current or 'none (empty database)'}, this exportfarm needs {head}: "
+            "run `exportfarm db-upgrade` (the Helm chart's migration job and docker compose's migrate service do)")
 
 
 def forget_engines() -> None:

@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from exporter.request import ExportRequest, cache_key
-from services.catalog.models import LIVE_STATUSES, Export, ExportEvent, ExportStatus, utcnow
+from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
 
 # Which status may follow which. Anything else is a bug in the caller, not a user error.
 TRANSITIONS = {
@@ -57,17 +57,24 @@ def request_of(export: Export) -> ExportRequest:
 
 
 def runtime_fields(export: Export, ort_version: str) -> dict:
-    """The onnxruntime that really built and validated ``export``, and so its cache key."""
-    return {"ort_version": ort_version,
-            "cache_key": cache_key(request_of(export), export.revision, export.exporter_version, ort_version)}
+    """The onnxruntime that really built and validated ``export``, and so its cache key. Built on
+    another runtime than the one its request targeted, it stops answering that request."""
+    fields = {"ort_version": ort_version,
+              "cache_key": cache_key(request_of(export), export.revision, export.exporter_version, ort_version)}
+    if ort_version != export.ort_version:
+        fields["live_key"] = None
+    return fields
 
 
-def find_live_duplicate(session: Session, cache_key: str) -> Export | None:
-    """The newest queued / running / ready export with this cache key, if any."""
-    return session.scalars(
-        select(Export).where(Export.cache_key == cache_key, Export.status.in_(LIVE_STATUSES))
-        .order_by(Export.created_at.desc()).limit(1)
-    ).first()
+def find_live_duplicate(session: Session, request_key: str) -> Export | None:
+    """The queued / running / ready export that answers requests with this key, if any."""
+    return session.scalars(select(Export).where(Export.live_key == request_key)).first()
+
+
+def ended_fields(status: ExportStatus) -> dict:
+    """What a terminal status changes beyond itself: only a ready export keeps answering identical
+    requests; a failed, cancelled or quarantined one lets the next identical request try again."""
+    return {} if status is ExportStatus.READY else {"live_key": None}
 
 
 def lease_expired(export: Export, lease_s: float, now: datetime.datetime | None = None) -> bool:

@@ -48,11 +48,17 @@ class Export(Base):
     """
 
     __tablename__ = "exports"
-    # At most one re-export per (predecessor, target onnxruntime), whatever its outcome.
-    __table_args__ = (UniqueConstraint("predecessor_id", "target_ort", name="uq_exports_successor"),)
+    __table_args__ = (
+        # At most one re-export per (predecessor, target onnxruntime), whatever its outcome.
+        UniqueConstraint("predecessor_id", "target_ort", name="uq_exports_successor"),
+        # One live export per distinct request: a concurrent identical request gets this one.
+        UniqueConstraint("live_key", name="uq_exports_live_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    cache_key: Mapped[str] = mapped_column(String(64), index=True)
+    cache_key: Mapped[str] = mapped_column(String(64), index=True)  # what was built (manifest's key)
+    request_key: Mapped[str] = mapped_column(String(64), index=True)  # what was asked, before resolution
+    live_key: Mapped[str | None] = mapped_column(String(64), nullable=True)  # request_key while it dedupes
     model: Mapped[str] = mapped_column(String(300), index=True)
     revision: Mapped[str] = mapped_column(String(100))
     dtype: Mapped[str] = mapped_column(String(8))
@@ -144,3 +150,7 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex; the token itself is never stored
     scope: Mapped[str] = mapped_column(String(10))  # read | admin
     created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+    last_used_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
+    bootstrap: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # from ADMIN_TOKEN

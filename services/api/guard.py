@@ -1,0 +1,116 @@
+"""The API's front door, as ASGI middleware: authentication before anything reads the body.
+
+The body limit is Starlette's RequestBodyLimitMiddleware (``FastAPI(max_body_size=...)``): a
+Content-Length over MAX_BODY_BYTES, or a body without one that grows past it as it streams in, is
+a 413 the moment it is seen; it only runs once a route reads the body, so after this guard.
+
+- Public: health, the OpenAPI documents and signed download links (they carry their own signature).
+- Everything else needs a bearer token; reading (GET, HEAD) needs ``read``, every other method
+  ``admin``. A missing, unknown, revoked or expired token is a 401, a token without the scope a
+  403, in both cases before a byte of the body is read. A client with AUTH_FAILURES_PER_MINUTE
+  failed authentications in the last minute gets 429 with Retry-After until they age out.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+
+import anyio
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.responses import JSONResponse
+
+from services.api.context import ApiContext
+from services.auth import authenticate
+
+PUBLIC_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+PUBLIC_PREFIXES = ("/files/",)
+READ_METHODS = {"GET", "HEAD"}
+WINDOW_S = 60.0
+
+
+class FailureLimiter:
+    """Failed authentications per client address over the last minute."""
+
+    def __init__(self, per_minute: int):
+        self.per_minute = per_minute
+        self._lock = threading.Lock()
+        self._failures: dict[str, collections.deque] = {}
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds until ``client`` may try again, or None if it may now."""
+        now = time.monotonic()
+        with self._lock:
+            failures = self._failures.get(client)
+            if not failures:
+                return None
+            while failures and now - failures[0] > WINDOW_S:
+                failures.popleft()
+            if len(failures) < self.per_minute:
+                return None
+            return max(1, math.ceil(WINDOW_S - (now - failures[0])))
+
+    def failed(self, client: str) -> None:
+        with self._lock:
+            failures = self._failures.setdefault(client, collections.deque())
+            failures.append(time.monotonic())
+            if len(self._failures) > 10_000:  # bounded memory under a scan from many addresses
+                self._failures.pop(next(iter(self._failures)))
+
+
+def _error(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            token = token.strip()
+            return token if scheme.lower() == "bearer" and token else None
+    return None
+
+
+class Guard:
+    def __init__(self, app, context: ApiContext):
+        self.app, self.context = app, context
+        self.limiter = FailureLimiter(context.settings.auth_failures_per_minute)
+
+    def _public(self, path: str) -> bool:
+        return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self._public(scope["path"]):
+            refused = await self._authenticate(scope)
+            if refused is not None:
+                return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def _authenticate(self, scope) -> JSONResponse | None:
+        client = (scope.get("client") or ("unknown", 0))[0]
+        wait = self.limiter.retry_after(client)
+        if wait is not None:
+            return _error(429, f"too many failed authentications from {client}: try again in {wait} s",
+                          {"Retry-After": str(wait)})
+        token = _bearer(scope["headers"])
+        if token is None:
+            self.limiter.failed(client)
+            return _error(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+                          {"WWW-Authenticate": "Bearer"})
+        try:
+            principal = await anyio.to_thread.run_sync(
+                authenticate, self.context.sessions, token, self.context.settings.token_cache_s)
+        except SQLAlchemyError:
+            return _error(503, "the catalog is unavailable: try again shortly", {"Retry-After": "5"})
+        if principal is None:
+            self.limiter.failed(client)
+            return _error(401, "unknown, revoked or expired token", {"WWW-Authenticate": "Bearer"})
+        needed = "read" if scope["method"] in READ_METHODS else "admin"
+        if not principal.allows(needed):
+            return _error(403, f"this token has the {principal.scope} scope; {scope['method']} needs {needed}")
+        scope.setdefault("state", {})["principal"] = principal
+        return None
