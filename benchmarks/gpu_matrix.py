@@ -7,7 +7,7 @@ Run on the GPU machine (see ../shared/gpu/README.md), one model per call::
         [--genai-builder /tmp/site/onnxruntime_genai/models/builder.py]
 
 Random weights are built on the device from the model's config (nothing that large travels).
-Every ORT configuration runs through ``exporter.bench.DecodeHarness`` (IO binding; CUDA graphs
+Every ORT configuration runs through ``exporter.runtime.session.Decoder`` (IO binding; CUDA graphs
 where the contract allows) and writes into one JSON, saved after every step so a partial run
 still reports. ``--tiny --ep cpu`` runs the same code on a small model on the CPU (CI smoke).
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_check
 
 STATIC_OVERSIZED = 8320
 MODELS = {
@@ -210,46 +211,63 @@ def bench_hf(model, contexts, steps: int, warmup: int, device: str, vocab: int) 
 
 
 def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, steps: int, warmup: int, vocab: int,
-              harness=None) -> tuple[dict, dict, object]:
-    """Decode + prefill per context for one configuration; returns (figures, last logits, harness)."""
-    from exporter.bench import DecodeHarness
+              gqa_mask: str = "buffer", repeats: int = 1) -> tuple[dict, dict]:
+    """Decode + prefill per context for one configuration, each repeat in a session of its own (a
+    session made for CUDA graphs is not the one a runtime without graphs would use; and a figure
+    is only as good as its spread over sessions); returns (figures, last logits). The median per
+    context is the median of the sessions' medians; each session's median is kept."""
+    from exporter.runtime.session import Decoder
 
-    before = process_gpu_memory() if harness is None else None
-    harness = harness or DecodeHarness(model_path, ep, cuda_graph=graph)
-    rng = np.random.default_rng(0)
-    figures, logits = {}, {}
+    figures: dict = {}
+    logits: dict = {}
+    for repeat in range(repeats):
+        before = process_gpu_memory()
+        harness = Decoder(model_path, ep, cuda_graph=graph, gqa_mask=gqa_mask)
+        rng = np.random.default_rng(0)
+        for ctx in contexts:
+            buffer = buffer_for(ctx)
+            prompt = rng.integers(3, vocab, size=(1, ctx))
+            harness.prefill_bound(prompt, harness.new_caches(buffer), buffer)  # warm: allocations, kernel choice
+            caches = harness.new_caches(buffer)
+            prefill_s, _ = harness.prefill_bound(prompt, caches, buffer)
+            times, last = harness.decode_bound(caches, ctx, buffer, steps, warmup, capture=graph)
+            row = figures.setdefault(str(ctx), {"session_medians_ms": [], "session_p90s_ms": [], "prefill_ms": [],
+                                                "steps": len(times), "buffer": buffer})
+            row["session_medians_ms"].append(float(np.median(times)))
+            row["session_p90s_ms"].append(float(np.percentile(times, 90)))
+            row["prefill_ms"].append(prefill_s * 1000.0)
+            logits[str(ctx)] = last.astype(np.float32).ravel()
+            del caches
+        if repeat == 0:
+            after = process_gpu_memory()
+            # What the first session added (weights, caches, arena).
+            figures["device_memory_bytes"] = after - before if after is not None and before is not None else None
+        del harness
+        gc.collect()
     for ctx in contexts:
-        buffer = buffer_for(ctx)
-        prompt = rng.integers(3, vocab, size=(1, ctx))
-        harness.prefill(prompt, harness.new_caches(buffer), buffer)  # warm: allocations, kernel choice
-        caches = harness.new_caches(buffer)
-        prefill_s, _ = harness.prefill(prompt, caches, buffer)
-        times, last = harness.decode(caches, ctx, buffer, steps, warmup, capture=graph)
-        figures[str(ctx)] = {"decode_ms_median": float(np.median(times)), "decode_ms_p90": float(np.percentile(times, 90)),
-                             "steps": len(times), "buffer": buffer, "prefill_ms": prefill_s * 1000.0,
-                             "prefill_tokens_per_s": ctx / prefill_s}
-        logits[str(ctx)] = last.astype(np.float32).ravel()
-        del caches
-    after = process_gpu_memory()
-    # What this session added (weights, caches, arena), when it was created here.
-    figures["device_memory_bytes"] = after - before if after is not None and before is not None else None
-    return figures, logits, harness
+        row = figures[str(ctx)]
+        row["decode_ms_median"] = float(np.median(row["session_medians_ms"]))
+        row["decode_ms_p90"] = float(np.median(row["session_p90s_ms"]))
+        row["prefill_ms"] = float(np.median(row["prefill_ms"]))
+        row["prefill_tokens_per_s"] = ctx / (row["prefill_ms"] / 1000.0)
+        row["session_spread"] = max(row["session_medians_ms"]) / min(row["session_medians_ms"]) - 1.0
+    return figures, logits
 
 
 def profile_decode(model_path: Path, ep: str, ctx: int, steps: int, vocab: int, out_dir: Path) -> dict:
     """ORT's own profile of ``steps`` uncaptured decode steps: time per op type, largest first."""
     import onnxruntime as ort
 
-    from exporter.bench import DecodeHarness
+    from exporter.runtime.session import Decoder
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_profiling = True
     options.profile_file_prefix = str(out_dir / f"profile_{model_path.parent.name}")
-    harness = DecodeHarness(model_path, ep, session_options=options)
+    harness = Decoder(model_path, ep, session_options=options)
     caches = harness.new_caches(ctx + steps + 2)
-    harness.prefill(np.random.default_rng(0).integers(3, vocab, size=(1, ctx)), caches, ctx + steps + 2)
-    harness.decode(caches, ctx, ctx + steps + 2, steps, 0)
+    harness.prefill_bound(np.random.default_rng(0).integers(3, vocab, size=(1, ctx)), caches, ctx + steps + 2)
+    harness.decode_bound(caches, ctx, ctx + steps + 2, steps, 0)
     trace = json.loads(Path(harness.session.end_profiling()).read_text())
     runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
     decode_start = runs[1] if len(runs) > 1 else 0
@@ -261,6 +279,72 @@ def profile_decode(model_path: Path, ep: str, ctx: int, steps: int, vocab: int, 
     total = sum(by_op.values()) or 1.0
     return {"ctx": ctx, "steps": steps, "op_us_per_step": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
             "op_share": {k: round(v / total, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])}}
+
+
+def independent_check(rec: Recorder, plan: list, contexts: list[int], span: int, args) -> None:
+    """benchmarks/decode_check.py (a second harness sharing no code with exporter/) re-measures the
+    configurations a recommendation can rest on, in this run; a configuration counts as reproduced
+    when every re-measured context agrees within decode_check.TOLERANCE. Each side is the median
+    over --repeats fresh sessions."""
+    import decode_check
+
+    checked = sorted({contexts[0], contexts[len(contexts) // 2], contexts[-1]})
+    rec.data["independent_check"] = {"tool": "benchmarks/decode_check.py", "tolerance": decode_check.TOLERANCE,
+                                     "contexts": checked, "configs": {}}
+    for name, export_dir, use_graph, buffer_for, mask in plan:
+        if name not in rec.data["configs"] or (mask == "buffer" and not use_graph and "gqa" in name):
+            continue
+        if "attn_dynamic" in name or ("static" in name and "no graph" in name):
+            continue  # not what a recommendation picks between
+        log(f"independent check {name}")
+        rows = {}
+        try:
+            for ctx in checked:
+                sessions = [decode_check.measure(export_dir, graph=use_graph, buffer=buffer_for(ctx), ctx=ctx,
+                                                 steps=args.steps, warmup=args.warmup, ep=args.ep)
+                            for _ in range(args.repeats)]
+                check_ms = float(np.median(sessions))
+                matrix_ms = rec.data["configs"][name]["decode"][str(ctx)]["decode_ms_median"]
+                rows[str(ctx)] = {"matrix_ms": matrix_ms, "check_ms": check_ms, "ratio": matrix_ms / check_ms,
+                                  "check_session_ms": sessions}
+        except Exception as err:
+            rec.error(f"check {name}", err)
+            continue
+        rec.data["independent_check"]["configs"][name] = {
+            "contexts": rows, "reproduced": all(decode_check.agree(r["matrix_ms"], r["check_ms"]) for r in rows.values())}
+        rec.save()
+
+
+def driving_diagnosis(rec: Recorder, targets: dict[str, Path], ctx: int, span: int, args, vocab: int) -> None:
+    """Why the matrix once measured genai's export slower than its runtime runs it: each GQA export
+    at one context driven three ways, each in this run. The matrix before this fix reused the
+    session made for CUDA graphs for the uncaptured run and fed a mask as wide as the buffer."""
+    from exporter.runtime.session import Decoder
+
+    ways = {"graph-enabled session, steps not captured, buffer-wide mask (the old matrix)": (True, "buffer", False),
+            "own session, buffer-wide mask": (False, "buffer", None),
+            "own session, growing mask (onnxruntime-genai without a graph)": (False, "grow", None)}
+    out = rec.data.setdefault("driving_diagnosis", {"ctx": ctx, "buffer": ctx + span, "rounds": args.repeats,
+                                                    "decode_ms_median": {}, "session_ms": {}})
+    for name, export_dir in targets.items():
+        sessions: dict[str, list[float]] = {}
+        for _ in range(args.repeats):  # the ways interleaved, so a drift of the machine hits each alike
+            for way, (graph, mask, capture) in ways.items():
+                log(f"diagnosis {name}: {way}")
+                try:
+                    harness = Decoder(export_dir, args.ep, cuda_graph=graph, gqa_mask=mask)
+                    prompt = np.random.default_rng(0).integers(3, vocab, size=(1, ctx))
+                    caches = harness.new_caches(ctx + span)
+                    harness.prefill_bound(prompt, caches, ctx + span)
+                    times, _ = harness.decode_bound(caches, ctx, ctx + span, args.steps, args.warmup, capture=capture)
+                    sessions.setdefault(way, []).append(float(np.median(times)))
+                    del harness, caches
+                    gc.collect()
+                except Exception as err:
+                    rec.error(f"diagnosis {name} {way}", err)
+        out["session_ms"][name] = sessions
+        out["decode_ms_median"][name] = {way: float(np.median(v)) for way, v in sessions.items()}
+        rec.save()
 
 
 def agreement(logits: dict[str, dict], reference: str) -> dict:
@@ -285,9 +369,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--hf-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh sessions per configuration (medians pooled)")
     parser.add_argument("--genai-builder", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: hf,genai,profile,kernels")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: hf,genai,check,diagnosis,profile,kernels")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     contexts = [int(c) for c in args.ctx.split(",")]
@@ -308,7 +393,8 @@ def main() -> int:
                      "cuda": torch.version.cuda, "python": platform.python_version()},
         "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
         "settings": {"contexts": contexts, "steps": args.steps, "warmup": args.warmup, "hf_steps": args.hf_steps,
-                     "static_oversized_buffer": STATIC_OVERSIZED, "dtype": "fp16", "batch": 1},
+                     "static_oversized_buffer": STATIC_OVERSIZED, "dtype": "fp16", "batch": 1,
+                     "repeats": args.repeats},
         "configs": {},
     })
     checkpoint = work / "checkpoint"
@@ -352,43 +438,49 @@ def main() -> int:
 
     graph = device == "cuda"
     sized = lambda c: c + span  # noqa: E731  (a buffer that just fits the run)
+    oversized = (lambda c: max(STATIC_OVERSIZED, c + span)) if not args.tiny else (lambda c: max_seq_len)
+    # Each peer driven as its own runtime drives it. Ours and genai's GQA exports alike, as
+    # onnxruntime-genai runs them: past and present on one max-length buffer; under a CUDA graph a
+    # mask as wide as that buffer (genai's static mask), without one a mask as wide as the tokens.
     plan = [
-        ("ours attn_static + CUDA graph, buffer = context", exports["attn_static"], graph, sized, "static"),
-        (f"ours attn_static + CUDA graph, buffer = {STATIC_OVERSIZED}", exports["attn_static"], graph,
-         lambda c: max(STATIC_OVERSIZED, c + span) if not args.tiny else max_seq_len, "static"),
-        ("ours attn_static, no graph, buffer = context", exports["attn_static"], False, sized, "static"),
-        ("ours gqa + CUDA graph, shared buffer", exports["gqa"], graph, sized, "gqa"),
-        ("ours gqa, no graph, shared buffer", exports["gqa"], False, sized, "gqa"),
-        ("ours attn_dynamic", exports["attn_dynamic"], False, sized, None),
+        ("ours attn_static + CUDA graph, buffer = context", exports["attn_static"], graph, sized, "buffer"),
+        (f"ours attn_static + CUDA graph, buffer = {STATIC_OVERSIZED}", exports["attn_static"], graph, oversized, "buffer"),
+        ("ours attn_static, no graph, buffer = context", exports["attn_static"], False, sized, "buffer"),
+        ("ours gqa + CUDA graph, shared buffer", exports["gqa"], graph, sized, "buffer"),
+        ("ours gqa, no graph, shared buffer, growing mask", exports["gqa"], False, sized, "grow"),
+        ("ours attn_dynamic", exports["attn_dynamic"], False, sized, "buffer"),
     ]
     if genai_dir is not None:
-        plan += [("onnxruntime-genai builder gqa + CUDA graph, shared buffer", genai_dir, graph, sized, "genai"),
-                 ("onnxruntime-genai builder gqa, no graph, shared buffer", genai_dir, False, sized, "genai")]
-    harnesses: dict[str, object] = {}
+        plan += [("onnxruntime-genai builder gqa + CUDA graph, shared buffer", genai_dir, graph, sized, "buffer"),
+                 ("onnxruntime-genai builder gqa, no graph, shared buffer, growing mask", genai_dir, False, sized, "grow")]
     logits: dict[str, dict] = {}
-    for name, export_dir, use_graph, buffer_for, share in plan:
+    for name, export_dir, use_graph, buffer_for, mask in plan:
         log(name)
         try:
-            key = f"{export_dir}:{use_graph or (share and harnesses.get(f'{export_dir}:True') is not None)}"
-            harness = harnesses.get(f"{export_dir}:True") if share else None
-            figures, last, harness = bench_ort(export_dir / "model.onnx", args.ep, use_graph, buffer_for, contexts,
-                                               args.steps, args.warmup, vocab, harness)
-            if use_graph:
-                harnesses[f"{export_dir}:True"] = harness
+            figures, last = bench_ort(export_dir / "model.onnx", args.ep, use_graph, buffer_for, contexts, args.steps,
+                                      args.warmup, vocab, mask, args.repeats)
             rec.data["configs"][name] = {"decode": {k: v for k, v in figures.items() if k != "device_memory_bytes"},
-                                         "device_memory_bytes": figures["device_memory_bytes"], "cuda_graph": use_graph}
+                                         "device_memory_bytes": figures["device_memory_bytes"], "cuda_graph": use_graph,
+                                         "gqa_mask": mask}
             logits[name] = last
             rec.save()
         except Exception as err:
             rec.error(name, err)
-        del key
     rec.data["agreement_vs_attn_dynamic"] = agreement(logits, "ours attn_dynamic") if "ours attn_dynamic" in logits else {}
     rec.save()
-    harnesses.clear()
     gc.collect()
 
+    if "check" not in skip:
+        independent_check(rec, plan, contexts, span, args)
+
+    if "diagnosis" not in skip:
+        targets = {"ours gqa": exports["gqa"]}
+        if genai_dir is not None:
+            targets["onnxruntime-genai builder gqa"] = genai_dir
+        driving_diagnosis(rec, targets, contexts[len(contexts) // 2], span, args, vocab)
+
     if "kernels" not in skip:
-        from exporter.kernel_log import probe
+        from exporter.runtime.kernel_log import probe
 
         targets = {"ours attn_static": exports["attn_static"], "ours gqa": exports["gqa"], "ours attn_dynamic": exports["attn_dynamic"]}
         if genai_dir is not None:

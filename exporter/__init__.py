@@ -1,8 +1,15 @@
 """Hugging Face decoder-only checkpoint -> ONNX, as a pure library.
 
-Stages, each one module with one entry function: ``resolve`` (source -> local checkpoint),
-``build`` (config + weights -> onnx-ir model), ``fold`` (initializer folds), ``package``
-(streamed model.onnx + model.onnx.data + manifest). ``pipeline.export_model`` runs them in order.
+- ``contract``: the graph contract (I/O names, dims, cache layouts, metadata, files, dtypes).
+- ``graph``: config -> components -> architectures -> task -> onnx-ir model, and its folds.
+- ``packaging``: checkpoint reading, source resolution, the streamed model files, the manifest,
+  the onnxruntime-genai package.
+- ``validation``: the gates (structure, weights by value, parity against transformers, the runtime
+  probe) and the parity report.
+- ``runtime``: the one ONNX Runtime driver, the decode benchmark, attention-kernel logs.
+- ``reports``: the benchmark plot and summary, the diff between two exports.
+
+``pipeline`` runs the stages (``build_export``, ``validate_built``; ``export_model`` for the CLI).
 This package imports no celery, fastapi, boto3 or sqlalchemy.
 """
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from exporter.contract import BENCH_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.errors import ExportError, ValidationFailed
 from exporter.pipeline import Progress
 
@@ -71,35 +72,37 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--ctx", default="128,512,2048,4096,8192", help="comma-separated context lengths")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args) -> int:
-    from exporter.bench import BENCH_FILE, run_bench
-    from exporter.bench_report import write_report
-    from exporter.package import MANIFEST_FILE, add_files_to_manifest
+    from exporter.packaging.package import add_files_to_manifest
+    from exporter.reports.bench_report import write_report
+    from exporter.runtime.bench import run_bench
 
     if args.ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
     try:
         contexts = [int(c) for c in args.ctx.split(",") if c.strip()]
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:
-        raise ExportError(f"--ctx takes comma-separated integers, got {args.ctx!r}") from None
-    if not contexts or min(contexts) < 1 or args.steps < 1 or args.warmup < 0:
-        raise ExportError("--ctx needs positive lengths, --steps at least 1, --warmup at least 0")
-    if not (args.dir / "model.onnx").is_file():
+        raise ExportError(f"--ctx and --batch take comma-separated integers, got {args.ctx!r} and {args.batch!r}") from None
+    if not contexts or min(contexts) < 1 or not batches or min(batches) < 1 or args.steps < 1 or args.warmup < 0:
+        raise ExportError("--ctx and --batch need positive integers, --steps at least 1, --warmup at least 0")
+    if not (args.dir / MODEL_FILE).is_file():
         raise ExportError(f"{args.dir} has no model.onnx: pass an export directory")
     if args.ep == "cuda":
         import onnxruntime as ort
 
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise ExportError("this onnxruntime has no CUDAExecutionProvider: install onnxruntime-gpu or use --ep cpu")
-    result = run_bench(args.dir, args.ep, contexts, args.steps, args.warmup)
+    result = run_bench(args.dir, args.ep, contexts, args.steps, args.warmup, batches=batches)
     png, md = write_report(args.dir / BENCH_FILE)
     if (args.dir / MANIFEST_FILE).is_file():
         add_files_to_manifest(args.dir, [BENCH_FILE, png.name, md.name])
     for c in result.contexts:
-        print(f"  ctx {c.ctx:>6}: {c.decode_ms_median:8.3f} ms/token (p90 {c.decode_ms_p90:.3f}), prefill {c.prefill_ms:.1f} ms")
+        print(f"  ctx {c.ctx:>6} batch {c.batch:>3}: {c.decode_ms_median:8.3f} ms/token (p90 {c.decode_ms_p90:.3f}), prefill {c.prefill_ms:.1f} ms")
     skipped = [c for c in contexts if c not in {r.ctx for r in result.contexts}]
     if skipped:
         print(f"  skipped contexts {skipped}: longer than the export's max_seq_len / context length")
@@ -115,7 +118,7 @@ def _print_report(report) -> None:
 
 def _cmd_validate(args) -> int:
     from exporter.errors import ExportError
-    from exporter.validate import validate_export
+    from exporter.validation.validate import validate_export
 
     if args.ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
@@ -186,7 +189,7 @@ def add_diff_parser(sub) -> None:
 
 
 def _cmd_diff(args) -> int:
-    from exporter.diff import ExportArtifacts, Thresholds, diff_exports, write_diff
+    from exporter.reports.diff import ExportArtifacts, Thresholds, diff_exports, write_diff
 
     for name in ("latency_pct", "node_count_pct", "size_pct"):
         if getattr(args, name) < 0:

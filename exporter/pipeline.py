@@ -15,14 +15,14 @@ import time
 import uuid
 from pathlib import Path
 
-from exporter.build import build_model
+from exporter.graph.build import build_model
 from exporter.errors import ExportError, ValidationFailed
-from exporter.fold import fold_model
-from exporter.genai import write_genai_package
-from exporter.package import MANIFEST_FILE, Manifest, build_manifest, write_model
+from exporter.graph.fold import fold_model
+from exporter.packaging.genai import write_genai_package
+from exporter.packaging.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
-from exporter.resolve import ResolvedSource, resolve_source
-from exporter.validate import REPORT_JSON, ValidationReport, check_validatable, validate_export
+from exporter.packaging.resolve import ResolvedSource, resolve_source
+from exporter.validation.validate import REPORT_JSON, ValidationReport, check_validatable, validate_export
 
 
 class Progress:
@@ -33,8 +33,6 @@ class Progress:
     def layer(self, index: int, total: int) -> None: ...
 
     def bytes_written(self, count: int, total: int) -> None: ...
-
-    def validated(self, report) -> None: ...
 
 
 @dataclasses.dataclass
@@ -131,7 +129,6 @@ def validate_built(
         "report": REPORT_JSON,
     }
     manifest.data["status"] = "ready" if report.passed else "quarantined"
-    progress.validated(report)
     return report
 
 

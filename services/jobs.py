@@ -11,12 +11,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from exporter import __version__
-from exporter.build import check_request_against_config
-from exporter.config import load_model_config
-from exporter.architectures import ARCHITECTURES
+from exporter.graph.build import check_request_against_config
+from exporter.graph.config import load_model_config
+from exporter.graph.architectures import ARCHITECTURES
 from exporter.errors import ExportError
 from exporter.request import ExportRequest, cache_key
-from exporter.validate import check_validatable
+from exporter.validation.validate import check_validatable
 from services.catalog import exports as catalog
 from services.catalog.exports import lease_expired, request_of
 from services.catalog.models import Export, ExportStatus

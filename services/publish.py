@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from exporter.errors import ExportError
-from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE
+from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.pipeline import load_manifest
 from services.storage import ArtifactStore, Guard, ObjectInfo, StorageError, check_key
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from exporter.diff import ExportArtifacts, ExportDiff, Thresholds, diff_exports, write_diff
+from exporter.contract import BENCH_FILE, REPORT_JSON
+from exporter.reports.diff import ExportArtifacts, ExportDiff, Thresholds, diff_exports, write_diff
 from services.catalog.models import Export
 from services.publish import read_published, read_published_manifest
 from services.settings import Settings
@@ -23,8 +24,8 @@ def predecessor_artifacts(store: ArtifactStore, predecessor: Export) -> ExportAr
         return None
     return ExportArtifacts(
         manifest=manifest,
-        parity_report=read_published(store, predecessor.storage_prefix, "parity_report.json"),
-        benchmark=read_published(store, predecessor.storage_prefix, "benchmark.json"),
+        parity_report=read_published(store, predecessor.storage_prefix, REPORT_JSON),
+        benchmark=read_published(store, predecessor.storage_prefix, BENCH_FILE),
         label=f"{predecessor.id} (onnxruntime {predecessor.ort_version})",
     )
 

@@ -57,7 +57,8 @@ class Settings(BaseSettings):
         None, description="Redis redelivery of an unacknowledged job; default and minimum: TASK_TIME_LIMIT_S + 600")
     validate_ep: str | None = Field(None, description="EP to validate and bench on; default the request's")
     bench_contexts: list[int] = Field([128, 512], description="decode context lengths the worker benchmarks")
-    bench_steps: int = Field(32, description="timed decode steps per context")
+    bench_batches: list[int] = Field([1], description="batch sizes the worker benchmarks (rows decoded at once)")
+    bench_steps: int = Field(32, gt=0, description="timed decode steps per context")
     bench_repeats: int = Field(1, description="benchmark runs per context (step times pooled)")
     publish_retries: int = Field(5, description="publish attempts while the object store fails, backing off")
     reexport_policy: str = Field("all", description="all | listed | dry-run: what an ORT upgrade re-exports")
@@ -76,6 +77,14 @@ class Settings(BaseSettings):
     redispatch_s: float = Field(
         60.0, gt=0, description="re-send a queued job's message when a worker of its queue sat idle this long")
     shutdown_grace_s: float = Field(5.0, ge=0, description="embedded serve: wait this long for its worker to stop")
+
+    @field_validator("bench_contexts", "bench_batches", mode="after")
+    @classmethod
+    def _positive_sizes(cls, value: list[int], info) -> list[int]:
+        if not value or any(v < 1 for v in value):
+            raise ValueError(f"{info.field_name.upper()} must be a non-empty list of positive integers, e.g. [1, 8]; "
+                             f"got {value}")
+        return value
 
     @field_validator("admin_token", mode="after")
     @classmethod

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from exporter.errors import ExportError
-from exporter.resolve import local_fingerprint
+from exporter.packaging.resolve import local_fingerprint
 from services.settings import Settings
 
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(@[A-Za-z0-9][A-Za-z0-9_./-]{0,99})?")

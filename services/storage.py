@@ -32,7 +32,7 @@ import botocore.exceptions
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 
-from exporter.package import sha256_file
+from exporter.packaging.package import sha256_file
 
 T = TypeVar("T")
 Guard = Callable[[], None]

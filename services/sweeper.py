@@ -26,6 +26,7 @@ import logging
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from exporter.contract import BENCH_FILE, DIFF_JSON, REPORT_JSON
 from services.catalog.database import session_scope
 from services.catalog.exports import ended_fields, lease_expired, outcome_fields, runtime_fields
 from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
@@ -120,9 +121,9 @@ class Sweeper:
                 or_(Export.heartbeat_at.is_(None),
                     Export.heartbeat_at < utcnow() - datetime.timedelta(seconds=self.settings.lease_s)))
         if manifest is not None and not cancel and manifest.get("status") in ("ready", "quarantined"):
-            fields = outcome_fields(prefix, manifest, read_published(self.store, prefix, "parity_report.json"),
-                                    read_published(self.store, prefix, "benchmark.json"),
-                                    read_published(self.store, prefix, "diff.json"))
+            fields = outcome_fields(prefix, manifest, read_published(self.store, prefix, REPORT_JSON),
+                                    read_published(self.store, prefix, BENCH_FILE),
+                                    read_published(self.store, prefix, DIFF_JSON))
             status = ExportStatus(manifest["status"])
             if self._end(lost, status, f"published by attempt {attempt}, which was lost before it recorded that ({cause})",
                          stage, fields | {"percent": 100}, runtime=manifest["versions"]["onnxruntime"]):

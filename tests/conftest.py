@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from exporter.pipeline import export_model  # noqa: E402
-from exporter.reference import load_reference, reference_greedy  # noqa: E402
+from exporter.validation.reference import load_reference, reference_greedy  # noqa: E402
 from exporter.request import ExportRequest  # noqa: E402
 from exporter.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 

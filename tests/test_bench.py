@@ -11,9 +11,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from exporter.bench import DecodeHarness, run_bench
-from exporter.bench_report import markdown, write_report
-from exporter.kernel_log import PHASE_MARK, parse_kernel_lines
+from exporter.runtime.bench import run_bench
+from exporter.runtime.session import Decoder
+from exporter.reports.bench_report import markdown, write_report
+from exporter.runtime.kernel_log import PHASE_MARK, parse_kernel_lines
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with a CUDA device (CUDAExecutionProvider)")
@@ -64,10 +65,10 @@ def test_every_cache_contract_gives_the_same_logits(arch, exported):
     """Static in place, GQA shared buffer (mask as wide as the buffer), dynamic past/present."""
     logits = {}
     for variant in ("attn_static", "gqa", "attn_dynamic"):
-        harness = DecodeHarness(exported(arch, variant) / "model.onnx", "cpu")
+        harness = Decoder(exported(arch, variant), "cpu")
         caches = harness.new_caches(100)
-        harness.prefill(np.random.default_rng(0).integers(3, 250, size=(1, 70)), caches, 100)
-        _, last = harness.decode(caches, 70, 100, steps=4, warmup=1)
+        harness.prefill_bound(np.random.default_rng(0).integers(3, 250, size=(1, 70)), caches, 100)
+        _, last = harness.decode_bound(caches, 70, 100, steps=4, warmup=1)
         logits[variant] = last.ravel()
     assert np.abs(logits["attn_static"] - logits["attn_dynamic"]).max() < 1e-4
     assert np.abs(logits["gqa"] - logits["attn_dynamic"]).max() < 1e-4
@@ -85,11 +86,40 @@ def test_gpu_matrix_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert "errors" not in data
-    assert {"transformers eager", "ours attn_static + CUDA graph, buffer = context", "ours gqa, no graph, shared buffer",
+    assert {"transformers eager", "ours attn_static + CUDA graph, buffer = context", "ours gqa, no graph, shared buffer, growing mask",
             "ours attn_dynamic"} <= set(data["configs"])
     for name, per_ctx in data["agreement_vs_attn_dynamic"].items():
         assert all(v["max_abs_diff"] < 1e-2 and v["same_argmax"] for v in per_ctx.values()), name
-    assert "Recommended variant" in markdown(data)
+    checked = data["independent_check"]["configs"]
+    assert {"ours attn_static + CUDA graph, buffer = context", "ours gqa, no graph, shared buffer, growing mask"} <= set(checked)
+    assert all(len(row["contexts"]) == 2 and all(r["check_ms"] > 0 for r in row["contexts"].values())
+               for row in checked.values())
+    assert set(data["driving_diagnosis"]["decode_ms_median"]["ours gqa"]) == {
+        "graph-enabled session, steps not captured, buffer-wide mask (the old matrix)",
+        "own session, buffer-wide mask", "own session, growing mask (onnxruntime-genai without a graph)"}
+    text = markdown(data)
+    assert "Independent check" in text and ("Recommended variant" in text or "No recommendation" in text)
+
+
+def test_recommendation_rests_only_on_reproduced_figures():
+    """A faster figure the independent harness did not reproduce is not recommended; within 3% is a tie."""
+    def config(ms):
+        return {"decode": {"128": {"decode_ms_median": ms[0]}, "4096": {"decode_ms_median": ms[1]}}}
+
+    result = {"configs": {"ours gqa + CUDA graph, shared buffer": config([1.00, 1.30]),
+                          "ours attn_static + CUDA graph, buffer = context": config([0.90, 1.29]),
+                          "onnxruntime-genai builder gqa + CUDA graph, shared buffer": config([1.01, 1.40])},
+              "independent_check": {"tool": "decode_check", "contexts": [128, 4096], "configs": {
+                  "ours gqa + CUDA graph, shared buffer": {"reproduced": True, "contexts": {}},
+                  "ours attn_static + CUDA graph, buffer = context": {"reproduced": False, "contexts": {}},
+                  "onnxruntime-genai builder gqa + CUDA graph, shared buffer": {"reproduced": True, "contexts": {}}}}}
+    text = markdown(result)
+    assert "- 128-4096 tokens: **ours gqa + CUDA graph, shared buffer**" in text
+    assert "128: tie (+1.0%)" in text and "4096: 7.1% faster" in text
+    result["independent_check"]["configs"]["onnxruntime-genai builder gqa + CUDA graph, shared buffer"]["reproduced"] = False
+    assert "none of its figures was reproduced" in markdown(result) and "7.1% faster" not in markdown(result)
+    result["independent_check"]["configs"]["ours gqa + CUDA graph, shared buffer"]["reproduced"] = False
+    assert "No recommendation" in markdown(result)
 
 
 def test_bench_cli_refuses_bad_arguments(exported):
@@ -97,23 +127,139 @@ def test_bench_cli_refuses_bad_arguments(exported):
 
     assert main(["bench", str(exported("llama", "gqa")), "--ctx", "16,abc"]) == 2
     assert main(["bench", str(exported("llama", "gqa")), "--steps", "0"]) == 2
+    assert main(["bench", str(exported("llama", "gqa")), "--batch", "0"]) == 2
 
 
 @needs_cuda
 def test_cuda_graph_replay_matches_uncaptured_steps(exported):
     export_dir = exported("llama", "attn_static", "fp16")
-    graph = DecodeHarness(export_dir / "model.onnx", "cuda", cuda_graph=True)
+    graph = Decoder(export_dir, "cuda", cuda_graph=True)
     results = []
     for capture in (True, False):
         caches = graph.new_caches(64)
-        graph.prefill(np.random.default_rng(0).integers(3, 250, size=(1, 20)), caches, 64)
-        results.append(graph.decode(caches, 20, 64, steps=6, warmup=2, capture=capture)[1].ravel())
+        graph.prefill_bound(np.random.default_rng(0).integers(3, 250, size=(1, 20)), caches, 64)
+        results.append(graph.decode_bound(caches, 20, 64, steps=6, warmup=2, capture=capture)[1].ravel())
     assert np.abs(results[0] - results[1]).max() < 1e-2
 
 
 @needs_cuda
 def test_cuda_kernel_probe_names_a_kernel(exported):
-    from exporter.kernel_log import probe
+    from exporter.runtime.kernel_log import probe
 
     result = probe(exported("llama", "attn_static", "fp16") / "model.onnx", "cuda", ctx=32)
     assert result["returncode"] == 0 and result["kernels"]["decode"]["Attention"]
+
+
+def fake_bf16_decoder(directory):
+    """A bf16 model with attn_static's graph contract and ops the CPU runs in bf16 (no attention):
+    logits[b, s, j] = input_ids[b, s] * j, each cache passed through. It drives the bf16 paths of
+    the driver and the bench on the CPU, which has no bf16 attention kernels for a real export."""
+    import json as json_
+
+    import onnx_ir as ir
+
+    from exporter import contract
+
+    vocab, layers, slots, kv = 16, 2, 32, 8
+    bf16, i64 = ir.DataType.BFLOAT16, ir.DataType.INT64
+
+    def value(name, dtype, dims):
+        return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+    ids = value(contract.INPUT_IDS, i64, ["batch_size", "sequence_length"])
+    inputs = [ids, value(contract.POSITION_IDS, i64, ["batch_size", "sequence_length"])]
+    nodes, outputs = [], []
+    ramp = ir.Value(name="ramp", const_value=ir.tensor(np.arange(vocab, dtype=np.float32)))
+    as_float = ir.node("Cast", [ids], {"to": ir.DataType.FLOAT})
+    column = ir.node("Unsqueeze", [as_float.outputs[0], ir.Value(name="axes", const_value=ir.tensor(np.array([2])))])
+    product = ir.node("Mul", [column.outputs[0], ramp])
+    logits_node = ir.node("Cast", [product.outputs[0]], {"to": bf16})
+    logits = logits_node.outputs[0]
+    logits.name, logits.type, logits.shape = contract.LOGITS, ir.TensorType(bf16), ir.Shape(["batch_size", "sequence_length", vocab])
+    nodes += [as_float, column, product, logits_node]
+    outputs.append(logits)
+    for layer in range(layers):
+        k_in, v_in, k_out, v_out = contract.cache_names("attn_static", layer)
+        for name_in, name_out in ((k_in, k_out), (v_in, v_out)):
+            cache = value(name_in, bf16, ["batch_size", "max_seq_len", kv])
+            inputs.append(cache)
+            node = ir.node("Identity", [cache])
+            node.outputs[0].name, node.outputs[0].type = name_out, ir.TensorType(bf16)
+            node.outputs[0].shape = ir.Shape(["batch_size", "max_seq_len", kv])
+            nodes.append(node)
+            outputs.append(node.outputs[0])
+    inputs += [value(contract.WRITE_INDICES, i64, ["batch_size"]), value(contract.NONPAD_KV_SEQLEN, i64, ["batch_size"])]
+    graph = ir.Graph(inputs, outputs, nodes=nodes, initializers=[ramp, nodes[1].inputs[1]], opset_imports={"": 24})
+    model = ir.Model(graph, ir_version=11)
+    model.metadata_props.update({
+        contract.META_VARIANT: "attn_static", contract.META_DTYPE: "bf16", contract.META_EP: "cpu",
+        contract.META_CONFIG: json_.dumps({"num_layers": layers, "num_heads": 1, "num_kv_heads": 1, "head_dim": kv,
+                                           "vocab_size": vocab, "max_seq_len": slots, "context_length": slots}),
+    })
+    directory.mkdir(parents=True)
+    ir.save(model, directory / contract.MODEL_FILE)
+    return directory
+
+
+def test_bf16_runs_through_the_host_and_device_paths_and_the_bench(tmp_path):
+    """What `exportfarm bench` of a bf16 export used to die on (no bf16 in the dtype table)."""
+    export_dir = fake_bf16_decoder(tmp_path / "bf16")
+    decoder = Decoder(export_dir, "cpu")
+    assert decoder.dtype.name == "bf16"
+    state = decoder.new_state(batch=2)
+    logits = decoder.forward(np.array([[3, 4], [5, 6]]), state)
+    assert logits.dtype.name == "bfloat16" and logits.astype(np.float32)[1, 1, 2] == 12.0  # 6 * 2
+    caches = decoder.new_caches(16, batch=2)
+    decoder.prefill_bound(np.full((2, 4), 2), caches, 16)
+    _, last = decoder.decode_bound(caches, 4, 16, steps=3, warmup=1)
+    assert last.dtype == np.float32 and list(last[0, 0]) == list(range(16))  # decode feeds token 1
+    result = run_bench(export_dir, "cpu", contexts=[4], steps=3, warmup=1, prefill_lengths=[8], batches=[1, 2])
+    assert [(c.ctx, c.batch) for c in result.contexts] == [(4, 1), (4, 2)] and result.dtype == "bf16"
+
+
+def test_a_growing_gqa_mask_over_the_shared_buffer_gives_the_same_logits(exported):
+    """onnxruntime-genai without a CUDA graph: the KV buffer is max-length, the mask grows."""
+    logits = {}
+    for policy in ("buffer", "grow"):
+        decoder = Decoder(exported("llama", "gqa"), "cpu", gqa_mask=policy)
+        caches = decoder.new_caches(100)
+        decoder.prefill_bound(np.random.default_rng(0).integers(3, 250, size=(1, 40)), caches, 100)
+        logits[policy] = decoder.decode_bound(caches, 40, 100, steps=5, warmup=1)[1].ravel()
+    assert np.abs(logits["buffer"] - logits["grow"]).max() < 1e-4
+    with pytest.raises(ValueError, match="captured"):
+        Decoder(exported("llama", "gqa"), "cpu", gqa_mask="grow", cuda_graph=True)
+
+
+@pytest.mark.parametrize("variant", ["attn_static", "gqa", "attn_dynamic"])
+def test_bound_batch_rows_match_their_batch_1_runs(variant, exported):
+    """The bench's batch > 1 (device binding): each row's logits equal the same prompt run alone.
+    GroupQueryAttention's first prompt took batch 1 only while its mask was as wide as the buffer."""
+    decoder = Decoder(exported("qwen3", variant), "cpu")
+    prompts = np.random.default_rng(1).integers(3, 250, size=(2, 30))
+    caches = decoder.new_caches(60, batch=2)
+    decoder.prefill_bound(prompts, caches, 60)
+    batched = decoder.decode_bound(caches, 30, 60, steps=4, warmup=1)[1]
+    for r in range(2):
+        alone = decoder.new_caches(60)
+        decoder.prefill_bound(prompts[r:r + 1], alone, 60)
+        single = decoder.decode_bound(alone, 30, 60, steps=4, warmup=1)[1]
+        assert np.abs(batched[r] - single[0]).max() < 1e-4
+    result = run_bench(exported("qwen3", variant), "cpu", contexts=[16], steps=3, warmup=1, prefill_lengths=[8],
+                       batches=[1, 4])
+    assert [(c.ctx, c.batch) for c in result.contexts] == [(16, 1), (16, 4)]
+
+
+def test_gpu_worker_e2e_script_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_worker_e2e.py (the worker's job function over every variant) on the CPU."""
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_worker_e2e.py", "--ep", "cpu", "--dtypes", "fp16", "--archs", "qwen3",
+         "--batches", "1,2", "--steps", "4", "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["summary"] == {"jobs": 3, "ready_with_benchmark": 3}
+    for job in data["jobs"]:
+        assert job["parity"]["status"] == "passed" and {"manifest.json", "model.onnx", "benchmark.json"} <= set(job["published"])
+        assert sorted({(row["ctx"], row["batch"]) for row in job["decode"]}) == [(64, 1), (64, 2), (128, 1), (128, 2)]

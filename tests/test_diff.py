@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.bench import run_bench
+from exporter.runtime.bench import run_bench
 from exporter.cli import main
-from exporter.diff import DIFF_JSON, DIFF_MD, ExportArtifacts, Thresholds, diff_exports, write_diff
-from exporter.validate import validate_export
+from exporter.reports.diff import DIFF_JSON, DIFF_MD, ExportArtifacts, Thresholds, diff_exports, write_diff
+from exporter.validation.validate import validate_export
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,15 @@ import onnx
 import onnxruntime_genai as og
 import pytest
 
-from exporter.genai import (
+from exporter.packaging.genai import (
     GENAI_CONFIG_FILE,
     GENAI_RUNTIME,
     search_defaults,
     special_token_ids,
 )
-from exporter.package import MANIFEST_FILE, MODEL_FILE, sha256_file
+from exporter.packaging.package import MANIFEST_FILE, MODEL_FILE, sha256_file
 from exporter.pipeline import export_model
-from exporter.reference import load_reference, reference_greedy
+from exporter.validation.reference import load_reference, reference_greedy
 from exporter.request import ExportRequest, Variant
 from exporter.tiny_checkpoint import (
     TINY_TOKENIZER_VOCAB,

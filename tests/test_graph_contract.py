@@ -102,7 +102,7 @@ def test_manifest_records_what_the_issue_asks(exported):
     assert manifest["request"]["max_seq_len"] == MAX_SEQ_LEN
     assert manifest["source"]["kind"] == "local" and manifest["source"]["revision"].startswith("local-")
     for name in ("model.onnx", "model.onnx.data"):
-        from exporter.package import sha256_file
+        from exporter.packaging.package import sha256_file
 
         entry = manifest["files"][name]
         assert entry["sha256"] == sha256_file(export_dir / name)
@@ -130,3 +130,19 @@ def test_packed_weights_hold_the_checkpoint_values(exported, checkpoint):
     np.testing.assert_array_equal(packed, np.concatenate([q, k, v]).T)
     bias = inits["model.layers.1.self_attn.q_k_v_proj.bias"]
     np.testing.assert_array_equal(bias, np.concatenate([source[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]))
+
+
+def test_the_dtype_table_matches_onnx_onnx_ir_and_onnxruntime():
+    import ml_dtypes
+    import onnx_ir as ir
+
+    from exporter.contract import DTYPES, numpy_of_ort
+
+    for name, onnx_type, ir_type, np_type in [("fp32", onnx.TensorProto.FLOAT, ir.DataType.FLOAT, np.float32),
+                                                ("fp16", onnx.TensorProto.FLOAT16, ir.DataType.FLOAT16, np.float16),
+                                                ("bf16", onnx.TensorProto.BFLOAT16, ir.DataType.BFLOAT16, ml_dtypes.bfloat16)]:
+        entry = DTYPES[name]
+        assert entry.onnx == onnx_type and entry.ir == ir_type and entry.numpy == np_type
+        assert numpy_of_ort(entry.ort) == np_type
+    with pytest.raises(ValueError, match="tensor"):
+        numpy_of_ort("tensor(float8e4m3fn)")

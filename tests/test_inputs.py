@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from exporter.package import sha256_file
-from exporter.parity import run_parity
-from exporter.runtime import OnnxCausalLM
+from exporter.packaging.package import sha256_file
+from exporter.validation.parity import run_parity
+from exporter.runtime.session import Decoder
 from tests.conftest import MAX_SEQ_LEN
 
 
@@ -42,7 +42,7 @@ def test_bf16_checkpoint_exported_to_fp16(exported, reference):
     kw = (("dtype", "bfloat16"),)
     ref = reference("qwen2", ckpt_kwargs=kw)
     for variant in ("attn_dynamic", "gqa", "attn_static"):
-        result = run_parity(OnnxCausalLM(exported("qwen2", variant, "fp16", kw)), ref, near_tie_margin=0.1)
+        result = run_parity(Decoder(exported("qwen2", variant, "fp16", kw)), ref, near_tie_margin=0.1)
         assert result.mismatches == [], variant
         assert result.prefill_max_abs_error <= 5e-2 * result.logit_range, variant
 
@@ -52,7 +52,7 @@ def test_tied_embeddings(checkpoint, exported, reference):
     assert "lm_head.weight" not in _tensor_names(checkpoint("llama", tie_word_embeddings=True))
     ref = reference("llama", ckpt_kwargs=kw)
     for variant in ("attn_dynamic", "gqa", "attn_static"):
-        result = run_parity(OnnxCausalLM(exported("llama", variant, "fp32", kw)), ref, near_tie_margin=0.0)
+        result = run_parity(Decoder(exported("llama", variant, "fp32", kw)), ref, near_tie_margin=0.0)
         assert result.prefill_max_abs_error <= 1e-4 and result.tokens == ref.tokens, variant
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.parity import run_parity
-from exporter.runtime import OnnxCausalLM
-from tests.conftest import ARCHITECTURES, VARIANTS
+from exporter.validation.parity import run_batch_parity, run_parity
+from exporter.runtime.session import Decoder
+from tests.conftest import ARCHITECTURES, DECODE_STEPS, VARIANTS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_fp32_matches_transformers(arch, variant, exported, reference):
     ref = reference(arch)
-    result = run_parity(OnnxCausalLM(exported(arch, variant)), ref, near_tie_margin=0.0)
+    result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0)
     assert result.prefill_max_abs_error <= 1e-4, result
     assert result.tokens == ref.tokens, f"greedy tokens differ at steps {result.mismatches}"
 
@@ -23,7 +23,7 @@ def test_fp32_matches_transformers(arch, variant, exported, reference):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_fp16_matches_transformers_except_near_ties(arch, variant, exported, reference, record_property):
     ref = reference(arch)
-    result = run_parity(OnnxCausalLM(exported(arch, variant, "fp16")), ref, near_tie_margin=0.1)
+    result = run_parity(Decoder(exported(arch, variant, "fp16")), ref, near_tie_margin=0.1)
     record_property("near_ties", len(result.near_ties))
     print(f"{arch}/{variant} fp16: prefill err {result.prefill_max_abs_error:.3g}, near ties {result.near_ties}, "
           f"tie flips {result.tie_mismatches}")
@@ -35,7 +35,7 @@ def test_fp16_matches_transformers_except_near_ties(arch, variant, exported, ref
 
 def test_attn_static_chunked_prefill_matches(exported, reference):
     ref = reference("qwen2", prompt_len=15)
-    result = run_parity(OnnxCausalLM(exported("qwen2", "attn_static")), ref, near_tie_margin=0.0, prefill_chunks=2)
+    result = run_parity(Decoder(exported("qwen2", "attn_static")), ref, near_tie_margin=0.0, prefill_chunks=2)
     assert result.prefill_max_abs_error <= 1e-4
     assert result.tokens == ref.tokens
 
@@ -44,17 +44,17 @@ def test_attn_static_chunked_prefill_matches(exported, reference):
 def test_attn_static_in_place_io_binding_matches(arch, exported, reference):
     """Cache input and updated output bound to one buffer: the scatter updates it in place."""
     ref = reference(arch)
-    lm = OnnxCausalLM(exported(arch, "attn_static"), io_binding=True)
+    lm = Decoder(exported(arch, "attn_static"), in_place=True)
     result = run_parity(lm, ref, near_tie_margin=0.0, prefill_chunks=2)
     assert result.prefill_max_abs_error <= 1e-4
     assert result.tokens == ref.tokens
 
 
 def test_in_place_binding_really_writes_the_bound_buffer(exported, reference):
-    lm = OnnxCausalLM(exported("llama", "attn_static"), io_binding=True)
+    lm = Decoder(exported("llama", "attn_static"), in_place=True)
     state = lm.new_state()
     lm.forward(np.array([reference("llama").prompt], dtype=np.int64), state)
-    cache = state.keys[0].numpy()
+    cache = state.caches[0]
     n = len(reference("llama").prompt)
     assert np.abs(cache[:, :n]).sum() > 0  # written by the graph, through the shared buffer ([b, pos, kv])
     assert np.all(cache[:, n:] == 0)  # nothing past the tokens cached
@@ -64,6 +64,30 @@ def test_phi3_longrope_switches_to_long_factors_like_transformers(exported, refe
     """A prompt that crosses original_max_position_embeddings (64 in the tiny config)."""
     ref = reference("phi3", prompt_len=56)
     for variant in ("attn_dynamic", "gqa", "attn_static"):
-        result = run_parity(OnnxCausalLM(exported("phi3", variant)), ref, near_tie_margin=0.0)
+        result = run_parity(Decoder(exported("phi3", variant)), ref, near_tie_margin=0.0)
         assert result.prefill_max_abs_error <= 1e-4, variant
         assert result.tokens == ref.tokens, variant
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_a_batch_of_ragged_prompts_matches_each_prompt_alone(arch, variant, exported, reference):
+    """Batch 2, prompts of 12 and 7 tokens, each row checked against its own transformers run:
+    attn_dynamic left-padded, gqa right-padded, attn_static ragged (per-row write_indices and
+    nonpad_kv_seqlen), then teacher-forced decode of both rows at once."""
+    refs = [reference(arch, prompt_len=12), reference(arch, prompt_len=7)]
+    results = run_batch_parity(Decoder(exported(arch, variant)), refs, near_tie_margin=0.0)
+    for ref, result in zip(refs, results):
+        assert result.steps == len(ref.tokens) == DECODE_STEPS
+        assert result.prefill_max_abs_error <= 1e-4, (variant, len(ref.prompt))
+        assert result.tokens == ref.tokens, (variant, len(ref.prompt))
+
+
+def test_static_rows_prefilled_one_by_one_leave_the_other_rows_untouched(exported, reference):
+    lm = Decoder(exported("llama", "attn_static"))
+    state = lm.new_state(batch=2)
+    lm.prefill([reference("llama", prompt_len=12).prompt, reference("llama", prompt_len=7).prompt], state)
+    assert list(state.lengths) == [12, 7]
+    for cache in state.caches:  # [batch, positions, kv]: each row written up to its own length only
+        assert np.abs(cache[0, :12]).sum() > 0 and np.all(cache[0, 12:] == 0)
+        assert np.abs(cache[1, :7]).sum() > 0 and np.all(cache[1, 7:] == 0)

@@ -20,3 +20,14 @@ def test_embedded_defaults(tmp_path, monkeypatch):
     assert settings.catalog_url == f"sqlite:///{tmp_path / 'catalog.db'}"
     assert settings.broker_url == "filesystem://"
     assert settings.store_dir == tmp_path / "store"
+
+
+def test_bench_sizes_must_be_positive(tmp_path):
+    import pytest
+    from pydantic import ValidationError
+
+    assert Settings(data_dir=tmp_path, bench_batches=[1, 8]).bench_batches == [1, 8]
+    with pytest.raises(ValidationError, match="BENCH_BATCHES must be a non-empty list of positive integers"):
+        Settings(data_dir=tmp_path, bench_batches=[0])
+    with pytest.raises(ValidationError, match="BENCH_CONTEXTS"):
+        Settings(data_dir=tmp_path, bench_contexts=[])

@@ -22,7 +22,7 @@ import pytest
 from s3_server import SeaweedS3, free_ports
 
 from exporter.errors import ExportError
-from exporter.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE, file_entry
+from exporter.packaging.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE, file_entry
 from services.publish import export_prefix, publish_export, read_published_manifest, unpublish
 from services.storage import LocalStore, S3Store, StorageError, verify_local_signature
 

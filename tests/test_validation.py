@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.gates import runtime_probe
-from exporter.gates.runtime_probe import ProbeOutcome, classify_probe_output, probe_static_cache
-from exporter.runtime import OnnxCausalLM
-from exporter.validate import REPORT_JSON, REPORT_MD, validate_export
+from exporter.validation.gates import runtime_probe
+from exporter.validation.gates.runtime_probe import ProbeOutcome, classify_probe_output, probe
+from exporter.runtime.session import Decoder
+from exporter.validation.validate import REPORT_JSON, REPORT_MD, validate_export
 from tests.conftest import ARCHITECTURES, VARIANTS
 
 
@@ -145,11 +145,11 @@ def test_if_node_around_attention_is_caught_by_structure_gate(exported, tmp_path
     assert not _failed(report, "parity")
 
 
-class NonpadBeforeScatter(OnnxCausalLM):
+class NonpadBeforeScatter(Decoder):
     """A runtime that feeds nonpad_kv_seqlen = tokens cached *before* this step's scatter."""
 
-    def static_cache_counts(self, batch, past, seq):
-        counts = super().static_cache_counts(batch, past, seq)
+    def counts(self, cached, new_tokens):
+        counts = super().counts(cached, new_tokens)
         counts["nonpad_kv_seqlen"] = counts["write_indices"].copy()
         return counts
 
@@ -185,9 +185,13 @@ def test_peer_gate_compares_variants(exported, checkpoint):
 # --- runtime probe --------------------------------------------------------------------------------
 
 
-def test_probe_supports_cpu():
-    assert probe_static_cache("cpu", "fp32")[0] is ProbeOutcome.SUPPORTED
-    assert probe_static_cache("cpu", "fp16")[0] is ProbeOutcome.SUPPORTED
+VARIANTS_FORMS = [("attn_static", False), ("attn_dynamic", False), ("gqa", False), ("gqa", True)]
+
+
+@pytest.mark.parametrize("variant, packed", VARIANTS_FORMS)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_probe_supports_cpu(variant, packed, dtype):
+    assert probe(variant, "cpu", dtype, packed)[0] is ProbeOutcome.SUPPORTED
 
 
 def test_probe_reports_missing_cuda_ep():
@@ -195,28 +199,78 @@ def test_probe_reports_missing_cuda_ep():
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has CUDA; the missing-EP path cannot be shown here")
-    outcome, message = probe_static_cache("cuda", "fp16")
+    outcome, message = probe("attn_static", "cuda", "fp16")
     assert outcome is ProbeOutcome.MISSING and "CUDAExecutionProvider" in message
 
 
 def test_probe_catches_a_wrong_count(monkeypatch):
     """Real ORT fed the count before the scatter computes 2.0 (mean of slots 0, 1): wrong-result."""
-    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
-    outcome, message = probe_static_cache("cpu", "fp32")
+    monkeypatch.setattr(runtime_probe, "NONPAD_AFTER_SCATTER", 2)
+    outcome, message = probe("attn_static", "cpu", "fp32")
     assert outcome is ProbeOutcome.WRONG_RESULT and "2" in message
 
 
 def test_probe_names_top_left_alignment():
-    outcome, message = classify_probe_output(np.full((1, 2, 1, 8), 1.0, np.float32))
+    outcome, message = classify_probe_output(np.full((1, 1, 32), 1.0, np.float32))
     assert outcome is ProbeOutcome.WRONG_RESULT and "top-left" in message
 
 
+def _attention_nodes(model) -> list:
+    wanted = {"Attention", "TensorScatter", "GroupQueryAttention"}
+    return [n for n in model.graph.node if n.op_type in wanted]
+
+
+def _pattern(model, node_count: int) -> list[tuple]:
+    """(op, domain, attributes but head counts, rank of each input or None) of the first attention nodes."""
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*model.graph.input, *model.graph.value_info]}
+    import onnx.shape_inference
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    ranks.update({v.name: len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info})
+    for node in inferred.graph.node:  # a scatter's output is its cache, whatever inference knew
+        if node.op_type == "TensorScatter" and node.input[0] in ranks:
+            ranks[node.output[0]] = ranks[node.input[0]]
+    out = []
+    for node in _attention_nodes(inferred)[:node_count]:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                 if a.name not in ("q_num_heads", "kv_num_heads", "num_heads")}
+        heads = sorted(a.name for a in node.attribute if a.name in ("q_num_heads", "kv_num_heads", "num_heads"))
+        out.append((node.op_type, node.domain, attrs, heads, [ranks.get(i) if i else None for i in node.input[:7]]))
+    return out
+
+
+@pytest.mark.parametrize("arch, variant", [("llama", "attn_static"), ("llama", "attn_dynamic"), ("llama", "gqa"),
+                                           ("qwen3", "gqa")])
+def test_probe_runs_the_pattern_an_export_ships(arch, variant, exported):
+    """Same ops, attributes (head counts aside) and input layouts as the export's first layer."""
+    import onnx_ir as ir
+
+    from exporter.validation.validate import _packed_gqa
+
+    export_dir = exported(arch, variant)
+    export = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    nodes = {"attn_static": 3, "attn_dynamic": 1, "gqa": 1}[variant]
+    probe_model, _ = runtime_probe.probe_graph(variant, "fp32", _packed_gqa(export_dir / "model.onnx"))
+    shipped, probed = _pattern(export, nodes), _pattern(ir.to_proto(probe_model), nodes)
+    assert len(probed) == nodes and probed == shipped
+    assert _packed_gqa(export_dir / "model.onnx") is (variant == "gqa" and arch == "llama")
+
+
 def test_attn_static_fails_validation_when_probe_fails(exported, monkeypatch):
-    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
+    monkeypatch.setattr(runtime_probe, "NONPAD_AFTER_SCATTER", 2)
     report = validate_export(exported("llama", "attn_static"))
     assert [g.gate for g in report.failed] == ["runtime"]
-    # For other variants the probe is reported but does not gate.
+    # attn_dynamic's probe runs its own pattern (no scatter counts): unaffected.
     assert validate_export(exported("llama", "attn_dynamic")).passed
+
+
+def test_checks_that_cannot_fail_for_a_variant_are_info_not_passed(exported):
+    report = validate_export(exported("llama", "gqa"))
+    flow = next(g for g in report.gates if "If/Loop/Scan" in g.check)
+    assert flow.status == "info" and report.to_dict()["gates"][[g.check for g in report.gates].index(flow.check)]["status"] == "info"
+    assert "informational" in report.summary()
+    static = validate_export(exported("llama", "attn_static"))
+    assert next(g for g in static.gates if "If/Loop/Scan" in g.check).status == "pass"
 
 
 # --- validation as a pipeline stage ---------------------------------------------------------------
@@ -236,7 +290,7 @@ def test_export_validates_by_default_and_records_it(checkpoint, tmp_path):
 def test_failed_gate_publishes_quarantined_and_exits_non_zero(checkpoint, tmp_path, monkeypatch, capsys):
     from exporter.cli import main
 
-    monkeypatch.setattr(runtime_probe, "PROBE_NONPAD_KV_SEQLEN", 2)
+    monkeypatch.setattr(runtime_probe, "NONPAD_AFTER_SCATTER", 2)
     out = tmp_path / "q"
     code = main(["export", "--model", str(checkpoint("llama")), "--static-cache", "--max-seq-len", "64", "--out", str(out)])
     assert code != 0

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from exporter import checkpoint as ckpt
-from exporter.checkpoint import Checkpoint, CheckpointTensor, WeightPart
-from exporter.passes.dtype import initializer_dtype
+from exporter.packaging import checkpoint as ckpt
+from exporter.packaging.checkpoint import Checkpoint, CheckpointTensor, WeightPart
+from exporter.graph.passes.dtype import initializer_dtype
 
 
 @pytest.fixture

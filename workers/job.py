@@ -31,14 +31,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from exporter import __version__
-from exporter.bench import run_bench
-from exporter.bench_report import write_report
-from exporter.diff import ExportArtifacts
+from exporter.runtime.bench import run_bench
+from exporter.reports.bench_report import write_report
+from exporter.contract import BENCH_FILE, DATA_FILE
+from exporter.reports.diff import ExportArtifacts
 from exporter.errors import ExportError
-from exporter.package import Manifest
+from exporter.packaging.package import Manifest
 from exporter.pipeline import Progress, build_export, validate_built
 from exporter.request import ExportRequest
-from exporter.resolve import ResolvedSource, resolve_hub_source, resolve_source
+from exporter.packaging.resolve import ResolvedSource, resolve_hub_source, resolve_source
 from exporter.versions import ort_version
 from services import lifecycle
 from services.catalog.database import session_scope
@@ -317,13 +318,15 @@ def bench(job: Job, record: JobRecord) -> None:
         job.keeper.check()  # raises when the job must stop
         return False
 
-    run_bench(job.export_dir, ep=job.settings.validate_ep or record.request["ep"], contexts=job.settings.bench_contexts,
-              steps=job.settings.bench_steps, repeats=job.settings.bench_repeats, should_stop=should_stop)
-    png, md = write_report(job.export_dir / "benchmark.json")
+    settings = job.settings
+    run_bench(job.export_dir, ep=settings.validate_ep or record.request["ep"], contexts=settings.bench_contexts,
+              batches=settings.bench_batches, steps=settings.bench_steps, repeats=settings.bench_repeats,
+              should_stop=should_stop)
+    png, md = write_report(job.export_dir / BENCH_FILE)
     manifest = Manifest(record.manifest)
-    manifest.add_files(job.export_dir, ["benchmark.json", png.name, md.name])
+    manifest.add_files(job.export_dir, [BENCH_FILE, png.name, md.name])
     manifest.data["timings_s"]["bench"] = round(time.perf_counter() - started, 3)
-    record.benchmark = json.loads((job.export_dir / "benchmark.json").read_text())
+    record.benchmark = json.loads((job.export_dir / BENCH_FILE).read_text())
 
 
 def diff(job: Job, record: JobRecord) -> None:
@@ -358,7 +361,7 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
             publish_export(job.store, job.export_dir, prefix, status.value, guard=job.keeper.check,
                            on_uploaded=lambda name: failpoints.pause("upload", job.lease.export_id, job.lease.attempt,
                                                                      job.keeper.check)
-                           if name == "model.onnx.data" else None)
+                           if name == DATA_FILE else None)
             break
         except StorageError as err:
             if attempt == retries:

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Response
 
+from exporter.contract import MANIFEST_FILE
 from services import jobs
 from services.api.deps import AdminDep, ContextDep, ReaderDep, SessionDep
 from services.api.schemas import Artifact, Artifacts, ExportCreate, ExportList, ExportOut
@@ -83,10 +84,10 @@ def export_artifacts(export_id: ExportId, session: SessionDep, context: ContextD
     store, expires = context.store, context.settings.presign_expires_s
     files = {name: Artifact(url=store.presigned_url(export.storage_prefix + name, expires), size=entry["size"],
                             sha256=entry["sha256"]) for name, entry in export.manifest["files"].items()}
-    manifest = store.head(export.storage_prefix + "manifest.json")  # its own sha256 is only in the store
+    manifest = store.head(export.storage_prefix + MANIFEST_FILE)  # its own sha256 is only in the store
     if manifest is None:
         raise jobs.Conflict(f"export {export_id} has no manifest in the store (it was removed): export it again")
-    files["manifest.json"] = Artifact(url=store.presigned_url(export.storage_prefix + "manifest.json", expires),
+    files[MANIFEST_FILE] = Artifact(url=store.presigned_url(export.storage_prefix + MANIFEST_FILE, expires),
                                       size=manifest.size, sha256=manifest.sha256 or "")
     return Artifacts(export_id=export.id, prefix=export.storage_prefix, expires_in_s=expires, files=files)
 

@@ -1,5 +1,0 @@
-"""Qwen3: per-head RMSNorm on queries and keys before rotary (q_norm, k_norm)."""
-
-from exporter.architectures.base import Architecture
-
-ARCHITECTURE = Architecture(model_type="qwen3", qk_norm=True)

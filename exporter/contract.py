@@ -1,0 +1,161 @@
+"""The graph contract in one place: what an export's model.onnx takes and gives, and what its folder holds.
+
+docs/graph-contracts.md explains it; everything that builds, drives, checks, packages or compares
+an export (task, runtime, bench, genai, gates, diff, workers, services) takes names, dims, cache
+shapes, metadata keys, the static-cache counts, file names and the dtype table from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from exporter.request import Variant
+
+# --- graph inputs and outputs ---------------------------------------------------------------------
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+WRITE_INDICES = "write_indices"  # attn_static: tokens already cached, per row
+NONPAD_KV_SEQLEN = "nonpad_kv_seqlen"  # attn_static: tokens cached after this step's scatter, per row
+LOGITS = "logits"
+
+# Symbolic dimensions.
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+MAX_SEQ_LEN_DIM = "max_seq_len"
+
+
+def cache_names(variant: Variant, layer: int) -> tuple[str, str, str, str]:
+    """(key in, value in, key out, value out) of one layer's cache."""
+    if Variant(variant) is Variant.ATTN_STATIC:
+        return f"key_cache.{layer}", f"value_cache.{layer}", f"updated_key_cache.{layer}", f"updated_value_cache.{layer}"
+    return (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", f"present.{layer}.key",
+            f"present.{layer}.value")
+
+
+def cache_pairs(variant: Variant, num_layers: int) -> list[tuple[str, str]]:
+    """(cache input, the output it becomes) for every layer, keys then values."""
+    pairs = []
+    for layer in range(num_layers):
+        k_in, v_in, k_out, v_out = cache_names(variant, layer)
+        pairs += [(k_in, k_out), (v_in, v_out)]
+    return pairs
+
+
+def input_for_output(name: str) -> str | None:
+    """The cache input an output updates (present.0.key -> past_key_values.0.key), else None."""
+    if name.startswith("present."):
+        _, layer, kind = name.split(".")
+        return f"past_key_values.{layer}.{kind}"
+    if name.startswith("updated_"):
+        return name.removeprefix("updated_")
+    return None
+
+
+def step_inputs(variant: Variant) -> tuple[str, ...]:
+    """The non-cache inputs of a variant, in graph order."""
+    variant = Variant(variant)
+    if variant is Variant.GQA:
+        return INPUT_IDS, ATTENTION_MASK
+    if variant is Variant.ATTN_DYNAMIC:
+        return INPUT_IDS, ATTENTION_MASK, POSITION_IDS
+    return INPUT_IDS, POSITION_IDS
+
+
+# --- cache layouts --------------------------------------------------------------------------------
+
+
+def cache_dims(variant: Variant, num_kv_heads: int, head_dim: int, *, output: bool = False) -> list:
+    """Declared dims of a cache input (or output): attn_static [batch, max_seq_len, kv_heads*head_dim]
+    (BSNH, what the kernels read natively), the others [batch, kv_heads, past|total, head_dim]."""
+    if Variant(variant) is Variant.ATTN_STATIC:
+        return [BATCH, MAX_SEQ_LEN_DIM, num_kv_heads * head_dim]
+    return [BATCH, num_kv_heads, TOTAL if output else PAST, head_dim]
+
+
+def cache_shape(variant: Variant, batch: int, positions: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """A concrete cache buffer: ``positions`` slots (the static buffer, or the past length)."""
+    if Variant(variant) is Variant.ATTN_STATIC:
+        return batch, positions, num_kv_heads * head_dim
+    return batch, num_kv_heads, positions, head_dim
+
+
+def static_cache_counts(cached: np.ndarray | list[int], new_tokens: int) -> dict[str, np.ndarray]:
+    """attn_static per-row counters: write_indices = tokens already cached (where this step writes),
+    nonpad_kv_seqlen = the count *after* this step's scatter. Counting before the scatter is the
+    classic bug: the logits come out silently wrong."""
+    cached = np.asarray(cached, dtype=np.int64)
+    return {WRITE_INDICES: cached, NONPAD_KV_SEQLEN: cached + new_tokens}
+
+
+# --- model metadata -------------------------------------------------------------------------------
+
+META_PREFIX = "exportfarm."
+META_VARIANT, META_DTYPE, META_EP, META_CONFIG = (f"{META_PREFIX}{k}" for k in ("variant", "dtype", "ep", "config"))
+# Keys of the JSON under META_CONFIG.
+CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
+               "context_length")
+
+
+# --- files of an export folder --------------------------------------------------------------------
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+MANIFEST_FILE = "manifest.json"
+REPORT_JSON = "parity_report.json"
+REPORT_MD = "parity_report.md"
+BENCH_FILE = "benchmark.json"
+BENCH_PLOT = "benchmark.png"
+BENCH_MD = "benchmark.md"
+DIFF_JSON = "diff.json"
+DIFF_MD = "diff.md"
+GENAI_CONFIG_FILE = "genai_config.json"
+MODEL_FILES = (MODEL_FILE, DATA_FILE)
+
+
+# --- dtypes ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """One element type as every layer names it."""
+
+    name: str  # the request's: fp32 | fp16 | bf16 (or an index type)
+    onnx: int  # onnx.TensorProto's enum value (onnx_ir's DataType has the same values)
+    ort: str  # onnxruntime's type string, e.g. "tensor(float16)"
+    numpy: type  # numpy dtype; bfloat16 is ml_dtypes'
+
+    @property
+    def ir(self):
+        import onnx_ir
+
+        return onnx_ir.DataType(self.onnx)
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+# The TensorProto values are spelled out so that importing the contract stays cheap (no onnx).
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("fp32", 1, "tensor(float)", np.float32),
+    DType("fp16", 10, "tensor(float16)", np.float16),
+    DType("bf16", 16, "tensor(bfloat16)", _bfloat16()),
+    DType("int64", 7, "tensor(int64)", np.int64),
+    DType("int32", 6, "tensor(int32)", np.int32),
+)}
+BY_ORT = {d.ort: d for d in DTYPES.values()}
+BY_ONNX = {d.onnx: d for d in DTYPES.values()}
+REDUCED_PRECISION = ("fp16", "bf16")
+
+
+def numpy_of_ort(type_string: str) -> type:
+    """numpy dtype of an ORT input/output type string, bfloat16 included."""
+    try:
+        return BY_ORT[type_string].numpy
+    except KeyError:
+        raise ValueError(f"no numpy dtype for onnxruntime type {type_string}") from None

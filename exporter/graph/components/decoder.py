@@ -1,0 +1,78 @@
+"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused into norms."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from exporter.graph.architectures.base import Architecture
+from exporter.graph.components.attention import (
+    AttentionWeights,
+    StepInputs,
+    attention_dynamic,
+    attention_gqa,
+    attention_static,
+)
+from exporter.graph.components.graph import GraphBuilder, packed
+from exporter.graph.components.mlp import gated_mlp
+from exporter.graph.components.norm import residual_rms_norm
+from exporter.graph.config import ModelConfig
+from exporter.request import Variant
+
+ATTENTION = {
+    Variant.ATTN_DYNAMIC: attention_dynamic,
+    Variant.ATTN_STATIC: attention_static,
+    Variant.GQA: attention_gqa,
+}
+
+
+def _packed_weight(b: GraphBuilder, parts) -> ir.Value:
+    return packed(b, [b.weight(p.name, p) for p in parts])
+
+
+def _optional(b: GraphBuilder, name: str) -> ir.Value | None:
+    return b.weight(name) if b.has_weight(name) else None
+
+
+def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int) -> AttentionWeights:
+    names = arch.names(i)
+    qkv_bias = None
+    if arch.qkv_bias or cfg.attention_bias:
+        bias_parts = arch.qkv_parts(i, "bias")
+        if all(b.has_weight(p.name) for p in bias_parts):
+            qkv_bias = _packed_weight(b, bias_parts)
+    return AttentionWeights(
+        qkv=_packed_weight(b, arch.qkv_parts(i)),
+        o=b.weight(f"{names['o']}.weight"),
+        qkv_bias=qkv_bias,
+        o_bias=_optional(b, f"{names['o']}.bias") if cfg.attention_bias else None,
+        q_norm=b.weight(names["q_norm"]) if arch.qk_norm else None,
+        k_norm=b.weight(names["k_norm"]) if arch.qk_norm else None,
+    )
+
+
+def decoder_layer(
+    b: GraphBuilder,
+    h: ir.Value,
+    x: ir.Value,
+    arch: Architecture,
+    cfg: ModelConfig,
+    i: int,
+    variant: Variant,
+    step: StepInputs,
+    cache: tuple[ir.Value, ir.Value],
+) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+    """One layer on the normed input ``h`` and residual stream ``x``.
+
+    Returns (mlp output, residual after attention, caches out). The last residual add is left to
+    the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
+    """
+    names = arch.names(i)
+    attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
+    h, x = residual_rms_norm(b, x, attn_out, b.weight(names["post_attention_norm"]), cfg.rms_norm_eps)
+    gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
+    down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
+    mlp_out = gated_mlp(
+        b, h, _packed_weight(b, arch.gate_up_parts(i)), b.weight(f"{names['down']}.weight"),
+        cfg.intermediate_size, gate_up_bias, down_bias,
+    )
+    return mlp_out, x, (key_out, value_out)

@@ -1,0 +1,62 @@
+"""A thin layer over onnx-ir's Tape: ops, checkpoint initializers and constants for one model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir import tape
+
+from exporter.packaging.checkpoint import Checkpoint, CheckpointTensor, WeightPart
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; weights are lazy ``CheckpointTensor``s, never read here."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType):
+        self.tape = tape.Tape()
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self._weights: dict[str, ir.Value] = {}
+        self._consts: dict[tuple, ir.Value] = {}
+
+    def op(self, op_type: str, inputs, attributes=None, *, domain: str = "") -> ir.Value:
+        return self.tape.op(op_type, inputs, attributes, domain=domain)
+
+    def op_multi(self, op_type: str, inputs, attributes=None, *, num_outputs: int, domain: str = ""):
+        return self.tape.op_multi_out(op_type, inputs, attributes, num_outputs=num_outputs, domain=domain)
+
+    def weight(self, name: str, part: WeightPart | None = None) -> ir.Value:
+        """A checkpoint tensor (or a row slice of one) as an initializer in the model dtype."""
+        part = part or WeightPart(name)
+        if name not in self._weights:
+            tensor = CheckpointTensor(self.checkpoint, (part,), self.dtype, name=name)
+            self._weights[name] = self.tape.initializer(tensor, name=name)
+        return self._weights[name]
+
+    def has_weight(self, name: str) -> bool:
+        return name in self.checkpoint
+
+    def constant(self, array: np.ndarray, name: str) -> ir.Value:
+        """A small computed initializer (rope tables, shape vectors); reused when asked again."""
+        key = (name, array.dtype.str, array.shape)
+        if key not in self._consts:
+            self._consts[key] = self.tape.initializer(ir.tensor(array, name=name), name=name)
+        return self._consts[key]
+
+    def ints(self, *values: int) -> ir.Value:
+        name = "const_i64_" + "_".join(str(v).replace("-", "m") for v in values)
+        return self.constant(np.array(values, dtype=np.int64), name)
+
+    def scalar_i64(self, value: int) -> ir.Value:
+        return self.constant(np.array(value, dtype=np.int64), f"const_scalar_i64_{value}".replace("-", "m"))
+
+
+def linear(b: GraphBuilder, x: ir.Value, weight: ir.Value, bias: ir.Value | None = None) -> ir.Value:
+    """``x @ W.T (+ bias)`` on a checkpoint-layout [out, in] weight; the fold pre-transposes W."""
+    y = b.op("MatMul", [x, b.op("Transpose", [weight], {"perm": [1, 0]})])
+    return b.op("Add", [y, bias]) if bias is not None else y
+
+
+def packed(b: GraphBuilder, parts: list[ir.Value]) -> ir.Value:
+    """Row-concatenate weights (Q/K/V, gate/up); the fold turns this into one initializer."""
+    return parts[0] if len(parts) == 1 else b.op("Concat", parts, {"axis": 0})

@@ -1,0 +1,27 @@
+"""RMSNorm as the opset-23 RMSNormalization op (fp32 statistics, like transformers)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from exporter.graph.components.graph import GraphBuilder
+
+
+def rms_norm(b: GraphBuilder, x: ir.Value, weight: ir.Value, eps: float) -> ir.Value:
+    # stash_type=1 keeps mean/rsqrt in fp32 for fp16/bf16 inputs, as the reference does.
+    return b.op("RMSNormalization", [x, weight], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
+
+
+def residual_rms_norm(
+    b: GraphBuilder, residual: ir.Value, update: ir.Value, weight: ir.Value, eps: float
+) -> tuple[ir.Value, ir.Value]:
+    """``s = residual + update`` and ``rms_norm(s)`` in one kernel; returns (normed, s).
+
+    com.microsoft SkipSimplifiedLayerNormalization fuses the residual add into the norm: one
+    kernel instead of two per norm, which matters when decode is launch-bound (it runs on CPU too).
+    """
+    normed, _mean, _inv_std, summed = b.op_multi(
+        "SkipSimplifiedLayerNormalization", [update, residual, weight], {"epsilon": float(eps)},
+        num_outputs=4, domain="com.microsoft",
+    )
+    return normed, summed

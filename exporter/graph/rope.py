@@ -1,0 +1,72 @@
+"""Rotary cos/sin tables, computed by transformers' own rope functions so they match the reference.
+
+The tables are baked into the graph as initializers indexed by position. longrope switches from
+short to long factors once ``max(position_ids) + 1`` exceeds the pretraining length; instead of an
+``If`` node (which blocks CUDA graph capture) both tables are stacked, short then long, and the
+graph offsets its position indices by ``table_len`` to select the long half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from exporter.graph.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeTables:
+    cos: np.ndarray  # [rows, rotary_dim / 2] float32
+    sin: np.ndarray
+    table_len: int  # positions per half; rows == 2 * table_len when ``switch_at`` is set
+    switch_at: int | None  # longrope: total length above which the long half applies
+
+
+def _inv_freq(config: ModelConfig, seq_len: int | None) -> tuple[np.ndarray, float]:
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if config.rope.rope_type == "default":
+        fn = _default_inv_freq
+    else:
+        fn = ROPE_INIT_FUNCTIONS[config.rope.rope_type]
+    with torch.no_grad():
+        inv_freq, scaling = fn(config.hf_config, "cpu", seq_len=seq_len)
+    return inv_freq.float(), float(scaling)
+
+
+def _default_inv_freq(hf_config, device, seq_len=None):
+    import torch
+
+    params = hf_config.rope_parameters
+    base = params["rope_theta"]
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, 1.0
+
+
+def _table(inv_freq, scaling: float, length: int) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    # Same arithmetic as the transformers rotary module: fp32 outer product, then cos/sin, then scale.
+    positions = torch.arange(length, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
+
+
+def rope_tables(config: ModelConfig, table_len: int) -> RopeTables:
+    """cos/sin for positions [0, table_len), both halves for longrope."""
+    if config.rope.rope_type != "longrope":
+        inv_freq, scaling = _inv_freq(config, None)
+        cos, sin = _table(inv_freq, scaling, table_len)
+        return RopeTables(cos, sin, table_len, None)
+    original = config.rope.original_max_position_embeddings
+    short_freq, scaling = _inv_freq(config, None)
+    long_freq, _ = _inv_freq(config, original + 1)
+    short_cos, short_sin = _table(short_freq, scaling, table_len)
+    long_cos, long_sin = _table(long_freq, scaling, table_len)
+    return RopeTables(
+        np.concatenate([short_cos, long_cos]), np.concatenate([short_sin, long_sin]), table_len, original
+    )

@@ -1,0 +1,157 @@
+"""The causal-LM task: graph inputs and outputs per variant, and the model around the layers.
+
+Names, dims and cache layouts come from exporter.contract (docs/graph-contracts.md).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from exporter import contract as io
+from exporter.graph.architectures.base import Architecture
+from exporter.graph.components.attention import StepInputs
+from exporter.graph.components.decoder import decoder_layer
+from exporter.graph.components.graph import GraphBuilder, linear
+from exporter.graph.components.norm import residual_rms_norm, rms_norm
+from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
+from exporter.graph.config import ModelConfig
+from exporter.request import Variant
+from exporter.graph.rope import RopeTables
+
+BATCH, SEQ, TOTAL = io.BATCH, io.SEQ, io.TOTAL
+I64 = ir.DataType.INT64
+
+
+def _input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+
+def _name_output(value: ir.Value, name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    """Name a graph output and stamp its type and shape (never trust op shape inference here)."""
+    value.name = name
+    value.type = ir.TensorType(dtype)
+    value.shape = ir.Shape(dims)
+    return value
+
+
+def _dim_scalar(b: GraphBuilder, x: ir.Value, axis: int) -> ir.Value:
+    return b.op("Squeeze", [b.op("Shape", [x], {"start": axis, "end": axis + 1}), b.ints(0)])
+
+
+def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value) -> ir.Value:
+    """bool [batch, 1, seq, total]: key j visible to query i iff j <= its position and not padding.
+
+    The diagonal stays visible even for padding queries so no softmax row is empty (no NaN).
+    """
+    seq, total = _dim_scalar(b, input_ids, 1), _dim_scalar(b, attention_mask, 1)
+    one = b.scalar_i64(1)
+    q_pos = b.op("Range", [b.op("Sub", [total, seq]), total, one])
+    k_pos = b.op("Range", [b.scalar_i64(0), total, one])
+    q_col, k_row = b.op("Unsqueeze", [q_pos, b.ints(1)]), b.op("Unsqueeze", [k_pos, b.ints(0)])
+    causal = b.op("LessOrEqual", [k_row, q_col])
+    diagonal = b.op("Equal", [k_row, q_col])
+    keys = b.op("Unsqueeze", [b.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), b.ints(1, 2)])
+    return b.op("Or", [b.op("And", [causal, keys]), diagonal])
+
+
+def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> ir.Value:
+    """GroupQueryAttention's per-row ``seqlens_k`` (real tokens - 1, int32) and ``total_sequence_length``
+    (the mask's width, int32 scalar), from the attention mask; returns the per-row lengths (int64)."""
+    lengths = b.op("ReduceSum", [attention_mask, b.ints(1)], {"keepdims": 0})
+    step.seqlens_k = b.op("Cast", [b.op("Sub", [lengths, b.scalar_i64(1)])], {"to": ir.DataType.INT32})
+    step.total_seq_len = b.op("Cast", [_dim_scalar(b, attention_mask, 1)], {"to": ir.DataType.INT32})
+    return lengths
+
+
+def build_graph(
+    b: GraphBuilder,
+    arch: Architecture,
+    cfg: ModelConfig,
+    variant: Variant,
+    tables: RopeTables,
+    max_seq_len: int | None,
+    on_layer=None,
+) -> ir.Graph:
+    dtype = b.dtype
+    input_ids = _input(io.INPUT_IDS, I64, [BATCH, SEQ])
+    inputs = [input_ids]
+    cos, sin = rope_constants(b, tables)
+    rotary = Rotary(cos, sin, cfg.rope.rotary_dim, cfg.head_dim)
+    step = StepInputs(rotary=rotary)
+
+    if variant is Variant.GQA:
+        attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
+        inputs.append(attention_mask)
+        lengths = gqa_lengths(b, attention_mask, step)
+        if tables.switch_at is not None:
+            # The longest real sequence, not the mask width: with a shared max-length buffer the mask
+            # is as wide as the buffer while the tokens seen are far fewer. Where (not Slice: its
+            # starts would pull the index math onto the CPU and block CUDA graph capture).
+            longest = b.op("ReduceMax", [lengths], {"keepdims": 0})
+            use_long = b.op("Greater", [longest, b.scalar_i64(tables.switch_at)])
+            half = tables.table_len
+            short = [b.op("Slice", [t, b.ints(0), b.ints(half), b.ints(0)]) for t in (cos, sin)]
+            long_ = [b.op("Slice", [t, b.ints(half), b.ints(2 * half), b.ints(0)]) for t in (cos, sin)]
+            rotary.cos = b.op("Where", [use_long, long_[0], short[0]])
+            rotary.sin = b.op("Where", [use_long, long_[1], short[1]])
+    else:
+        position_ids = _input(io.POSITION_IDS, I64, [BATCH, SEQ])
+        if variant is Variant.ATTN_DYNAMIC:
+            attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
+            inputs += [attention_mask, position_ids]
+            step.attn_mask = causal_padding_mask(b, input_ids, attention_mask)
+        else:
+            inputs.append(position_ids)
+        rotary.position_ids = position_ids
+        if tables.switch_at is not None:
+            longest = b.op("Add", [b.op("ReduceMax", [position_ids], {"keepdims": 0}), b.scalar_i64(1)])
+            rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
+
+    # attn_static: [batch, positions, kv_heads*head_dim] (BSNH), the layout the attention kernels read
+    # natively; the runtime picks the buffer length (at most max_seq_len: the rope table covers that).
+    cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim)
+    out_cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim, output=True)
+    caches_in = []
+    for i in range(cfg.num_layers):
+        names = io.cache_names(variant, i)
+        caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
+        inputs += caches_in[-1]
+    if variant is Variant.ATTN_STATIC:
+        step.write_indices = _input(io.WRITE_INDICES, I64, [BATCH])
+        step.nonpad_kv_seqlen = _input(io.NONPAD_KV_SEQLEN, I64, [BATCH])
+        inputs += [step.write_indices, step.nonpad_kv_seqlen]
+
+    embed = b.weight(arch.embed_tokens)
+    if cfg.tie_word_embeddings:
+        # One [hidden, vocab] copy serves both ends: the LM head's MatMul reads it as is and the
+        # embedding gathers its columns, instead of storing the table twice (file and device memory).
+        embed_t = b.op("Transpose", [embed], {"perm": [1, 0]})
+        x = b.op("Transpose", [b.op("Gather", [embed_t, input_ids], {"axis": 1})], {"perm": [1, 2, 0]})
+    else:
+        x = b.op("Gather", [embed, input_ids], {"axis": 0})
+    outputs = []
+    h = rms_norm(b, x, b.weight(arch.names(0)["input_norm"]), cfg.rms_norm_eps)
+    for i in range(cfg.num_layers):
+        mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step, caches_in[i])
+        next_norm = arch.names(i + 1)["input_norm"] if i + 1 < cfg.num_layers else arch.final_norm
+        h, x = residual_rms_norm(b, x, mlp_out, b.weight(next_norm), cfg.rms_norm_eps)
+        names = io.cache_names(variant, i)
+        outputs += [
+            _name_output(key_out, names[2], dtype, out_cache_dims),
+            _name_output(value_out, names[3], dtype, out_cache_dims),
+        ]
+        if on_layer:
+            on_layer(i + 1, cfg.num_layers)
+    if cfg.tie_word_embeddings:
+        head = b.op("MatMul", [h, embed_t])
+    else:
+        head = linear(b, h, b.weight(arch.lm_head))
+    logits = _name_output(head, io.LOGITS, dtype, [BATCH, SEQ, cfg.vocab_size])
+    return ir.Graph(
+        inputs,
+        [logits, *outputs],
+        nodes=b.tape.nodes,
+        initializers=b.tape.initializers,
+        opset_imports={"": 24, "com.microsoft": 1},
+        name=f"{cfg.architecture}_{variant.value}",
+    )

@@ -1,0 +1,273 @@
+"""Package stage, onnxruntime-genai part: genai_config.json and the tokenizer files beside model.onnx.
+
+onnxruntime-genai loads a folder, not a model file: genai_config.json names the decoder's inputs and
+outputs, its head geometry, the special token ids and the search defaults, and the tokenizer files
+sit next to it. A folder with a missing or wrong config (or without a tokenizer) is the most common
+reason an export "does not run in genai", so the config is written from the same graph contract the
+exporter built (docs/graph-contracts.md) and checked against the graph's real input/output names.
+
+Only ``gqa`` and ``attn_dynamic`` are genai packages: genai feeds ``input_ids``, ``attention_mask``,
+``position_ids`` and the past/present caches, nothing else, so ``attn_static`` (which needs
+``write_indices`` and ``nonpad_kv_seqlen``) gets its tokenizer files but no genai_config.json, and the
+manifest says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from exporter.graph.config import ModelConfig
+from exporter.packaging.package import MODEL_FILE
+from exporter.request import EP, ExportRequest, Variant
+from exporter.contract import ATTENTION_MASK, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, cache_names
+
+# The release CI loads these packages with (tests/test_genai.py); its PyPI wheel runs on the separately
+# installed onnxruntime package (>= 1.31), the one that must run our opset-24 graphs.
+GENAI_MIN_VERSION = "0.18"
+GENAI_RUNTIME = f"onnxruntime-genai >= {GENAI_MIN_VERSION}"
+# Hugging Face model_type -> genai model.type; all are in genai's plain decoder list (ModelType::IsLLM).
+GENAI_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Tokenizer files a checkpoint may carry; copied verbatim (their sha256 lands in the manifest).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+TOKENIZER_GLOBS = ("*.tiktoken",)
+GENERATION_CONFIG_FILE = "generation_config.json"
+# genai's own graph inputs: the ones its decoder state knows how to feed.
+_GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
+_LAYER_MARK = 987654321  # an index no model has, replaced by %d to turn a cache name into genai's template
+_STATIC_CACHE_REASON = (
+    "attn_static reads write_indices and nonpad_kv_seqlen (int64 [batch]), which onnxruntime-genai never feeds: "
+    "its decoder feeds input_ids, attention_mask, position_ids and the past/present caches only, also in its "
+    "fixed-length cache mode; use the gqa or attn_dynamic variant to run in onnxruntime-genai"
+)
+
+
+@dataclasses.dataclass
+class GenaiPackage:
+    """What the genai part of packaging wrote, and whether onnxruntime-genai can load the folder."""
+
+    files: list[str]  # written into the export directory: genai_config.json (when a package) + tokenizer files
+    package: bool  # onnxruntime_genai.Model can load the folder and generate
+    reason: str | None  # why it is not a package, or what a package lacks (no tokenizer); None when complete
+    tokenizer_files: list[str]
+    config: dict | None = None  # the genai_config.json written, if any
+
+    @property
+    def tokenizer(self) -> str:
+        return "copied" if self.tokenizer_files else "missing"
+
+    def manifest_entry(self) -> dict:
+        return {
+            "package": self.package,
+            "runtime": GENAI_RUNTIME if self.package else None,
+            "reason": self.reason,
+            "config": GENAI_CONFIG_FILE if self.config is not None else None,
+            "files": list(self.files),
+            "tokenizer": self.tokenizer,
+        }
+
+
+def write_genai_package(
+    out_dir: Path,
+    source_dir: Path,
+    config: ModelConfig,
+    variant: Variant,
+    request: ExportRequest,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+) -> GenaiPackage:
+    """Copy the checkpoint's tokenizer files and, where genai can drive the graph, write genai_config.json.
+
+    ``input_names`` / ``output_names`` are the built graph's: the config is checked against them, so a
+    contract change can never leave a config that names inputs the model does not have.
+    """
+    out_dir, source_dir = Path(out_dir), Path(source_dir)
+    tokenizer_files = copy_tokenizer_files(source_dir, out_dir)
+    reason = genai_unsupported_reason(config, variant, input_names)
+    if reason is not None:
+        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
+    genai_config = build_genai_config(config, variant, request, input_names, output_names, source_dir)
+    (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
+    note = None
+    if not tokenizer_files:
+        note = (
+            "the source checkpoint has no tokenizer files: onnxruntime_genai.Model loads and generates from "
+            "token ids, but onnxruntime_genai.Tokenizer needs tokenizer.json (or tokenizer.model) and "
+            "tokenizer_config.json in the folder"
+        )
+    elif "tokenizer_config.json" not in tokenizer_files or not {"tokenizer.json", "tokenizer.model"} & set(
+        tokenizer_files
+    ):
+        note = "onnxruntime_genai.Tokenizer needs tokenizer_config.json and tokenizer.json (or tokenizer.model)"
+    return GenaiPackage([GENAI_CONFIG_FILE, *tokenizer_files], True, note, tokenizer_files, genai_config)
+
+
+def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer files present in ``source_dir``; returns their names (sorted)."""
+    names = {name for name in TOKENIZER_FILES if (source_dir / name).is_file()}
+    for pattern in TOKENIZER_GLOBS:
+        names.update(p.name for p in source_dir.glob(pattern) if p.is_file())
+    for name in sorted(names):
+        shutil.copyfile(source_dir / name, out_dir / name)
+    return sorted(names)
+
+
+def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names: Sequence[str]) -> str | None:
+    """Why onnxruntime-genai cannot run this graph, or None when it can."""
+    if variant is Variant.ATTN_STATIC:
+        return _STATIC_CACHE_REASON
+    if config.architecture not in GENAI_MODEL_TYPES:
+        return f"onnxruntime-genai has no decoder model type for {config.architecture!r}"
+    past_key, past_value, _, _ = _cache_templates(variant)
+    fed = set(_GENAI_FED_INPUTS)
+    fed.update(t % i for t in (past_key, past_value) for i in range(config.num_layers))
+    unfed = [name for name in input_names if name not in fed]
+    if unfed:
+        return f"graph inputs {', '.join(unfed)} are not ones onnxruntime-genai feeds"
+    return None
+
+
+def build_genai_config(
+    config: ModelConfig,
+    variant: Variant,
+    request: ExportRequest,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source_dir: Path,
+) -> dict:
+    """The genai_config.json of a ``gqa`` / ``attn_dynamic`` export (keys as onnxruntime-genai's config.cpp reads)."""
+    past_key, past_value, present_key, present_value = _cache_templates(variant)
+    for template, names in ((past_key, input_names), (past_value, input_names),
+                            (present_key, output_names), (present_value, output_names)):
+        missing = [template % i for i in range(config.num_layers) if template % i not in names]
+        if missing:
+            raise AssertionError(f"graph contract and genai config disagree: {missing} not in the graph")
+    inputs = {name: name for name in _GENAI_FED_INPUTS if name in input_names}
+    inputs.update(past_key_names=past_key, past_value_names=past_value)
+    outputs = {"logits": LOGITS, "present_key_names": present_key, "present_value_names": present_value}
+    # The rotary tables are baked for this many positions: genai must not run past them.
+    context_length = request.max_seq_len or config.max_position_embeddings
+    generation = _read_json(source_dir / GENERATION_CONFIG_FILE)
+    bos, eos, pad = special_token_ids(source_dir, generation)
+    provider_options = []
+    if request.ep is EP.CUDA:
+        # CUDA graph capture stays off: genai then feeds a max_length-wide mask, which only a graph
+        # built for it handles, and attn_dynamic's growing caches cannot be captured at all.
+        provider_options.append({"cuda": {"enable_cuda_graph": "0"}})
+    model = {
+        "type": GENAI_MODEL_TYPES[config.architecture],
+        "context_length": context_length,
+        "vocab_size": config.vocab_size,
+    }
+    if bos is not None:
+        model["bos_token_id"] = bos
+    if eos:
+        model["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if pad is not None:
+        model["pad_token_id"] = pad
+    model["decoder"] = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": provider_options},
+        "filename": MODEL_FILE,
+        "head_size": config.head_dim,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "num_key_value_heads": config.num_kv_heads,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
+    return {"model": model, "search": search_defaults(generation, variant, context_length)}
+
+
+def search_defaults(generation: dict, variant: Variant, context_length: int) -> dict:
+    """genai's search section: the checkpoint's generation_config.json where it says, genai's defaults elsewhere."""
+
+    def pick(key, default, kind):
+        value = generation.get(key)
+        return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+    early_stopping = generation.get("early_stopping")
+    return {
+        "do_sample": bool(generation.get("do_sample", False)),
+        "num_beams": pick("num_beams", 1, int),
+        "num_return_sequences": pick("num_return_sequences", 1, int),
+        "temperature": pick("temperature", 1.0, float),
+        "top_k": pick("top_k", 50, int),
+        "top_p": pick("top_p", 1.0, float),
+        "repetition_penalty": pick("repetition_penalty", 1.0, float),
+        "no_repeat_ngram_size": pick("no_repeat_ngram_size", 0, int),
+        "length_penalty": pick("length_penalty", 1.0, float),
+        "diversity_penalty": pick("diversity_penalty", 0.0, float),
+        "early_stopping": early_stopping if isinstance(early_stopping, bool) else True,
+        "min_length": pick("min_length", 0, int),
+        # generation_config's max_length (often a default 20) is not the model's limit; the context is.
+        "max_length": context_length,
+        # GroupQueryAttention reads and writes one max_length buffer in place; attn_dynamic's present
+        # is past concatenated with the new keys, so it needs a fresh, longer buffer every step.
+        "past_present_share_buffer": variant is Variant.GQA,
+    }
+
+
+def special_token_ids(source_dir: Path, generation: dict | None = None) -> tuple[int | None, list[int], int | None]:
+    """(bos, eos list, pad) as transformers' generate would use them.
+
+    generation_config.json first, then config.json, then the tokenizer's own tokens. Where
+    generation_config.json names no eos, the tokenizer's eos_token is added: chat models end a turn
+    with it while config.json often names only the pretraining end-of-text token.
+    """
+    generation = _read_json(source_dir / GENERATION_CONFIG_FILE) if generation is None else generation
+    config = _read_json(source_dir / "config.json")
+    config = {**config.get("text_config", {}), **config}
+
+    def first(key):
+        for source in (generation, config):
+            if source.get(key) is not None:
+                return source[key]
+        return _tokenizer_token_id(source_dir, key.removesuffix("_id"))
+
+    eos = first("eos_token_id")
+    eos = [int(e) for e in eos] if isinstance(eos, list) else [] if eos is None else [int(eos)]
+    if generation.get("eos_token_id") is None:
+        turn_end = _tokenizer_token_id(source_dir, "eos_token")
+        if turn_end is not None and turn_end not in eos:
+            eos.append(turn_end)
+    bos, pad = first("bos_token_id"), first("pad_token_id")
+    if pad is None and eos:
+        pad = eos[0]  # genai pads batches with it; any id works under the attention mask
+    return (None if bos is None else int(bos)), eos, (None if pad is None else int(pad))
+
+
+def _tokenizer_token_id(source_dir: Path, name: str) -> int | None:
+    """The id of tokenizer_config.json's ``name`` (bos_token, eos_token, ...) in tokenizer.json, if both say."""
+    token = _read_json(source_dir / "tokenizer_config.json").get(name)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    tokenizer = _read_json(source_dir / "tokenizer.json")
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = tokenizer.get("model", {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    return None
+
+
+def _cache_templates(variant: Variant) -> tuple[str, str, str, str]:
+    """The cache names of docs/graph-contracts.md as genai's %d templates (past key, past value, present ...)."""
+    return tuple(name.replace(str(_LAYER_MARK), "%d") for name in cache_names(variant, _LAYER_MARK))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

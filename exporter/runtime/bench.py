@@ -1,0 +1,115 @@
+"""Stage: decode benchmark of an export, with IO binding, on CPU or CUDA.
+
+Per context length and batch size the caches are filled with ``ctx`` tokens per row (that prefill
+is timed too), then one-token decode steps of every row are timed: median and p90 ms per step after
+warm-up. Every run goes through ``exporter.runtime.session.Decoder``'s device binding, following
+the variant's own cache contract:
+
+- ``static`` (attn_static): each ``key_cache.{i}`` input and its ``updated_key_cache.{i}`` output
+  are bound to one buffer, so the scatter updates it in place; the per-step inputs (token,
+  position, write index, count after the scatter) live in fixed device buffers updated in place, so
+  the decode step can be captured once as a CUDA graph and replayed.
+- ``gqa`` (GroupQueryAttention, ours or onnxruntime-genai's): past and present bound to one
+  max-length buffer (ORT's shared-buffer mode); the attention mask is as wide as the buffer and its
+  sum gives ``seqlens_k``; also CUDA-graph capturable.
+- ``dynamic`` (attn_dynamic): past -> present grows every step; no capture possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+
+from exporter.contract import BENCH_FILE, MODEL_FILE
+from exporter.runtime.session import Decoder, read_metadata
+
+
+@dataclasses.dataclass
+class ContextResult:
+    ctx: int
+    decode_ms_median: float
+    decode_ms_p90: float
+    steps: int
+    prefill_ms: float | None = None
+    buffer: int | None = None
+    batch: int = 1
+
+
+@dataclasses.dataclass
+class BenchResult:
+    variant: str
+    dtype: str
+    ep: str
+    contexts: list[ContextResult]
+    prefill_tokens_per_s: dict[int, float]
+    settings: dict
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": 2,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "variant": self.variant, "dtype": self.dtype, "ep": self.ep,
+            "decode": [dataclasses.asdict(c) for c in self.contexts],
+            "prefill_tokens_per_s": {str(k): v for k, v in self.prefill_tokens_per_s.items()},
+            "settings": self.settings,
+        }
+
+
+def bench_contexts(decoder: Decoder, contexts, steps: int, warmup: int, buffer_for, should_stop=lambda: False,
+                   vocab: int = 1000, seed: int = 0, batch: int = 1) -> list[ContextResult]:
+    """Measure each context with a buffer of ``buffer_for(ctx)`` positions, ``batch`` rows."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for ctx in contexts:
+        buffer = buffer_for(ctx)
+        caches = decoder.new_caches(buffer, batch)
+        prefill_s, _ = decoder.prefill_bound(rng.integers(3, vocab, size=(batch, ctx)), caches, buffer)
+        times, _ = decoder.decode_bound(caches, ctx, buffer, steps, warmup, should_stop)
+        results.append(ContextResult(ctx, float(np.median(times)), float(np.percentile(times, 90)), len(times),
+                                     prefill_s * 1000.0, buffer, batch))
+    return results
+
+
+def run_bench(
+    export_dir: Path, ep: str | None = None, contexts: list[int] = (16, 64), steps: int = 16, warmup: int = 3,
+    prefill_lengths: list[int] = (64,), repeats: int = 1, should_stop=lambda: False, cuda_graph: bool | None = None,
+    batches: list[int] = (1,),
+) -> BenchResult:
+    """The pipeline's bench stage: measure ``export_dir`` and write benchmark.json next to it.
+
+    Each (context, batch) is measured ``repeats`` times (fresh caches each time), the medians pooled.
+    """
+    export_dir = Path(export_dir)
+    meta = read_metadata(export_dir / MODEL_FILE)
+    ep = ep or meta["ep"]
+    graph = (ep == "cuda" and meta["variant"] != "attn_dynamic") if cuda_graph is None else cuda_graph
+    decoder = Decoder(export_dir, ep, cuda_graph=graph)
+    limit = meta["config"]["max_seq_len"] or meta["config"]["context_length"]
+    vocab = meta["config"]["vocab_size"]
+    results = []
+    for batch in batches:
+        for ctx in contexts:
+            if ctx + warmup + steps > limit:
+                continue
+            runs = [bench_contexts(decoder, [ctx], steps, warmup, lambda c: c + warmup + steps, should_stop, vocab,
+                                   batch=batch)[0] for _ in range(repeats)]
+            results.append(ContextResult(
+                ctx, float(np.median([r.decode_ms_median for r in runs])), float(np.median([r.decode_ms_p90 for r in runs])),
+                sum(r.steps for r in runs), float(np.median([r.prefill_ms for r in runs])), runs[0].buffer, batch))
+    prefill = {}
+    rng = np.random.default_rng(1)
+    for length in prefill_lengths:
+        if length > limit:
+            continue
+        caches = decoder.new_caches(length)
+        elapsed, _ = decoder.prefill_bound(rng.integers(3, vocab, size=(1, length)), caches, length)
+        prefill[length] = length / elapsed
+    result = BenchResult(meta["variant"], meta["dtype"], ep, results, prefill,
+                         {"steps": steps, "warmup": warmup, "repeats": repeats, "cuda_graph": graph,
+                          "io_binding": True, "cache_mode": decoder.mode, "batches": list(batches)})
+    (export_dir / BENCH_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return result

@@ -1,0 +1,392 @@
+"""The one ONNX Runtime driver: an exported decoder run through its variant's own cache contract.
+
+``Decoder`` serves validation, the tests and the benchmark alike, with two ways of binding:
+
+- host arrays (``new_state`` / ``forward`` / ``prefill`` / ``step``): numpy in, numpy out, the cache
+  state kept between calls as a serving runtime keeps it; batch > 1 with ragged prompts; bfloat16
+  through bound host buffers (ORT's numpy bridge has none); ``in_place`` binds each attn_static
+  cache input and its updated output to the same host buffer.
+- device buffers (``new_caches`` / ``prefill_bound`` / ``decode_bound``): IO binding on the EP's
+  device, static caches updated in place, GroupQueryAttention past and present on one shared
+  max-length buffer, the per-step inputs in fixed buffers so a decode step can be captured once
+  as a CUDA graph and replayed.
+
+How a batch of ragged prompts is laid out follows what each variant's attention can express:
+attn_dynamic is left-padded (its in-graph mask hides the padding; positions count real tokens),
+gqa is right-padded (GroupQueryAttention's contract: per-row ``seqlens_k``, new tokens written at
+each row's length), attn_static keeps rows ragged with per-row ``write_indices`` /
+``nonpad_kv_seqlen``. A maskless static-cache prefill cannot hide padding inside one step, so its
+rows are prefilled one by one (in place, on views of the batch's caches) and decoded together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from exporter.request import Variant
+from exporter.contract import (
+    ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, META_CONFIG, META_PREFIX,
+    META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, numpy_of_ort,
+    static_cache_counts,
+)
+
+PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+STATIC, GQA, DYNAMIC = "static", "gqa", "dynamic"  # cache modes, read off a model's inputs
+
+
+def read_metadata(model_path: Path) -> dict:
+    """What an export says of itself (variant, dtype, ep, config), from model.onnx's metadata."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    meta = {p.key[len(META_PREFIX):]: p.value for p in proto.metadata_props if p.key.startswith(META_PREFIX)}
+    if META_CONFIG.removeprefix(META_PREFIX) in meta:
+        meta["config"] = json.loads(meta["config"])
+    return meta
+
+
+def cache_mode(input_names: set[str]) -> str:
+    """Which cache contract a model's inputs describe (ours or another builder's)."""
+    if WRITE_INDICES in input_names:
+        return STATIC
+    if POSITION_IDS in input_names and ATTENTION_MASK in input_names:
+        return DYNAMIC
+    return GQA
+
+
+def host_ortvalue(array: np.ndarray):
+    """numpy -> CPU OrtValue sharing its memory; bfloat16 (which ORT's numpy bridge lacks) via uint16."""
+    import onnxruntime as ort
+
+    if array.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), DTYPES["bf16"].onnx)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def run_bound(session, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """session.run with every input and output bound to host arrays (which ORT fills in place): the
+    way to run bfloat16 graphs, and to update buffers in place."""
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, host_ortvalue(np.ascontiguousarray(array)))
+    for name, array in outputs.items():
+        binding.bind_ortvalue_output(name, host_ortvalue(array))
+    session.run_with_iobinding(binding)
+    return outputs
+
+
+@dataclasses.dataclass
+class CacheState:
+    """What a runtime carries between steps, per batch row.
+
+    ``caches`` follows ``Decoder.pairs`` (one array per cache input); ``lengths`` counts the real
+    tokens each row holds; ``width`` is the cache's extent along its positions axis (the static
+    buffer, or the past length); ``pads`` is attn_dynamic's left padding per row.
+    """
+
+    caches: list
+    lengths: np.ndarray
+    width: int
+    pads: np.ndarray
+
+
+class Decoder:
+    def __init__(self, model: Path, ep: str = "cpu", *, session_options=None, cuda_graph: bool = False,
+                 in_place: bool = False, mode: str | None = None, gqa_mask: str = "buffer"):
+        """``gqa_mask`` (device binding, GroupQueryAttention): ``buffer`` feeds a mask as wide as the
+        shared KV buffer (what onnxruntime-genai does under CUDA graph capture, and the only way to
+        capture); ``grow`` one as wide as the tokens so far (what genai does without a graph)."""
+        import onnxruntime as ort
+
+        self.ort = ort
+        model = Path(model)
+        self.model_path = model / MODEL_FILE if model.is_dir() else model
+        if ep not in PROVIDER_NAMES:
+            raise ValueError(f"ep must be one of {sorted(PROVIDER_NAMES)}, not {ep!r}")
+        if ep == "cuda":
+            if PROVIDER_NAMES["cuda"] not in ort.get_available_providers():
+                # ORT would quietly run on the CPU instead; a CUDA run that is not on CUDA proves nothing.
+                raise RuntimeError(f"CUDAExecutionProvider is not available in this onnxruntime ({ort.__version__})")
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()
+            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
+        else:
+            providers = ["CPUExecutionProvider"]
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            # TensorScatter warns on every copy when caches are not bound in place; keep errors only.
+            session_options.log_severity_level = 3
+        self.ep, self.device, self.cuda_graph = ep, "cuda" if ep == "cuda" else "cpu", cuda_graph
+        self.session = ort.InferenceSession(str(self.model_path), session_options, providers=providers)
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.mode = mode or cache_mode(set(self.inputs))
+        if cuda_graph and self.mode == DYNAMIC:
+            raise ValueError("a growing past/present cache cannot be captured in a CUDA graph")
+        if in_place and self.mode != STATIC:
+            raise ValueError("in-place cache binding is the attn_static contract")
+        self.in_place = in_place
+        if gqa_mask not in ("buffer", "grow") or (gqa_mask == "grow" and cuda_graph):
+            raise ValueError("gqa_mask is 'buffer' or 'grow', and a growing mask cannot be captured in a CUDA graph")
+        self.grow_mask = gqa_mask == "grow" and self.mode == GQA
+        self.meta = read_metadata(self.model_path)
+        self.pairs = [(name, "updated_" + name if self.mode == STATIC else name.replace("past_key_values.", "present."))
+                      for name in self.inputs if name.startswith(("key_cache.", "value_cache.", "past_key_values."))]
+        first = self.inputs[self.pairs[0][0]]
+        self.dtype: DType = BY_ORT[first.type]
+        self.cache_dims = list(first.shape)
+        if not isinstance(self.cache_dims[-1], int):
+            # onnxruntime-genai's builder leaves head_dim symbolic; its genai_config.json has it.
+            genai = json.loads((self.model_path.parent / GENAI_CONFIG_FILE).read_text())["model"]["decoder"]
+            self.cache_dims[-1] = genai["head_size"]
+        self.mask_dtype = numpy_of_ort(self.inputs[ATTENTION_MASK].type) if ATTENTION_MASK in self.inputs else np.int64
+        self.logits_dtype = numpy_of_ort(self.session.get_outputs()[0].type)
+        self.vocab = self.session.get_outputs()[0].shape[2]
+        config = self.meta.get("config", {})
+        variant = self.meta.get(META_VARIANT.removeprefix(META_PREFIX))
+        self.variant = Variant(variant) if variant else None  # None: another builder's export
+        self.max_seq_len = config.get("max_seq_len")
+        self._graph_ids = 0
+        self._cast = None  # bfloat16 -> float32 on the device, for reading logits back
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pairs) // 2
+
+    # --- the per-step inputs, for every binding ---------------------------------------------------
+
+    def counts(self, cached: np.ndarray, new_tokens: int) -> dict[str, np.ndarray]:
+        """attn_static's counters (a test overrides this to plant the before-scatter bug)."""
+        return static_cache_counts(cached, new_tokens)
+
+    def step_feeds(self, input_ids: np.ndarray, cached: np.ndarray, new: np.ndarray, width: int,
+                   pads: np.ndarray | None = None, buffer: int | None = None) -> dict[str, np.ndarray]:
+        """Inputs of one step: ``input_ids`` [batch, seq] holding ``new[r]`` real tokens of row r after
+        the ``cached[r]`` it holds; ``width`` positions along the cache before the step; ``buffer``
+        the shared GroupQueryAttention buffer's width (device binding)."""
+        batch, seq = input_ids.shape
+        feeds = {INPUT_IDS: input_ids.astype(np.int64)}
+        if self.mode == STATIC:
+            feeds[POSITION_IDS] = cached[:, None] + np.arange(seq, dtype=np.int64)[None]
+            feeds.update(self.counts(cached, seq))
+        elif self.mode == GQA:  # right padding: row r's real tokens fill positions [0, cached + new)
+            mask = np.zeros((batch, buffer if buffer is not None else width + seq), self.mask_dtype)
+            for r in range(batch):
+                mask[r, : cached[r] + new[r]] = 1
+            feeds[ATTENTION_MASK] = mask
+        else:  # left padding: pads first, positions count real tokens only
+            pads = np.zeros(batch, np.int64) if pads is None else pads
+            mask = np.ones((batch, width + seq), self.mask_dtype)
+            step_pads = seq - new
+            for r in range(batch):
+                mask[r, : pads[r]] = 0
+                mask[r, width: width + step_pads[r]] = 0
+            positions = cached[:, None] + np.arange(seq, dtype=np.int64)[None] - step_pads[:, None]
+            feeds[POSITION_IDS] = np.maximum(positions, 0)
+            feeds[ATTENTION_MASK] = mask
+        return feeds
+
+    # --- host arrays --------------------------------------------------------------------------------
+
+    def new_state(self, batch: int = 1, buffer: int | None = None) -> CacheState:
+        """Empty caches: attn_static's whole buffer (default: the exported max_seq_len), else an empty past."""
+        width = (buffer or self.max_seq_len) if self.mode == STATIC else 0
+        shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
+        caches = [np.zeros(shape, self.dtype.numpy) for _ in self.pairs]
+        return CacheState(caches, np.zeros(batch, np.int64), width, np.zeros(batch, np.int64))
+
+    def forward(self, input_ids: np.ndarray, state: CacheState) -> np.ndarray:
+        """Every row takes ``input_ids.shape[1]`` more tokens (a prompt, a chunk, one decode token);
+        returns the logits [batch, seq, vocab] and advances ``state``."""
+        batch, seq = input_ids.shape
+        new = np.full(batch, seq, np.int64)
+        return self._run_host(self.step_feeds(input_ids, state.lengths, new, state.width, state.pads), state, new)
+
+    def prefill(self, prompts: list[list[int]], state: CacheState) -> np.ndarray:
+        """Prompts of any lengths into an empty ``state``; returns each row's last-token logits [batch, vocab]."""
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        if len(prompts) != len(state.lengths) or state.lengths.any() or lengths.min() < 1:
+            raise ValueError("prefill takes one non-empty prompt per row of an empty state")
+        longest = int(lengths.max())
+        if self.mode == STATIC:
+            return np.stack([self._prefill_row(r, prompt, state) for r, prompt in enumerate(prompts)])
+        ids = np.zeros((len(prompts), longest), np.int64)
+        for r, prompt in enumerate(prompts):
+            if self.mode == GQA:
+                ids[r, : len(prompt)] = prompt
+            else:
+                ids[r, longest - len(prompt):] = prompt
+        logits = self._run_host(self.step_feeds(ids, state.lengths, lengths, state.width, state.pads), state, lengths)
+        if self.mode == DYNAMIC:
+            state.pads = longest - lengths
+            return logits[:, -1]
+        return logits[np.arange(len(prompts)), lengths - 1]
+
+    def step(self, tokens, state: CacheState) -> np.ndarray:
+        """One more token per row; returns the logits [batch, vocab]."""
+        return self.forward(np.asarray(tokens, np.int64).reshape(-1, 1), state)[:, -1]
+
+    def _prefill_row(self, r: int, prompt: list[int], state: CacheState) -> np.ndarray:
+        """One row of a static-cache batch, on views of its caches: written in place, the rest untouched."""
+        row = CacheState([c[r:r + 1] for c in state.caches], state.lengths[r:r + 1].copy(), state.width,
+                         state.pads[r:r + 1])
+        logits = self._run_host(self.step_feeds(np.array([prompt], np.int64), row.lengths, row.lengths + len(prompt),
+                                                row.width), row, np.array([len(prompt)]), in_place=True)
+        state.lengths[r] = row.lengths[0]
+        return logits[0, -1]
+
+    def _run_host(self, feeds: dict, state: CacheState, new: np.ndarray, in_place: bool | None = None) -> np.ndarray:
+        batch, seq = feeds[INPUT_IDS].shape
+        in_place = self.in_place if in_place is None else in_place
+        if self.mode == STATIC and self.max_seq_len and int((state.lengths + seq).max()) > state.width:
+            raise ValueError(f"{int((state.lengths + seq).max())} tokens do not fit a {state.width}-token static cache")
+        for (name_in, _), cache in zip(self.pairs, state.caches):
+            feeds[name_in] = cache
+        logits = np.empty((batch, seq, self.vocab), self.logits_dtype)
+        if in_place:  # each cache input and its updated output are one (host) buffer
+            outputs = run_bound(self.session, feeds, {LOGITS: logits, **{out: c for (_, out), c in
+                                                                          zip(self.pairs, state.caches)}})
+        else:
+            width = state.width if self.mode == STATIC else state.width + seq
+            shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
+            outputs = {LOGITS: logits, **{out: np.empty(shape, self.dtype.numpy) for _, out in self.pairs}}
+            if self.dtype.name == "bf16":
+                run_bound(self.session, feeds, outputs)
+            else:
+                outputs = dict(zip(self.output_names, self.session.run(None, feeds)))
+            state.caches = [outputs[out] for _, out in self.pairs]
+            state.width = width
+        state.lengths = state.lengths + new
+        return outputs[LOGITS]
+
+    # --- device buffers (benchmark) -------------------------------------------------------------------
+
+    def _device_value(self, array: np.ndarray):
+        array = np.ascontiguousarray(array)
+        if array.dtype.name == "bfloat16":
+            value = self._device_empty(array.shape, self.dtype)
+            value.update_inplace(array.view(np.uint16))
+            return value
+        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+
+    def _device_empty(self, shape, dtype: DType):
+        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.onnx, self.device, 0)
+
+    def _run_device(self, binding, graph_id: int) -> None:
+        options = self.ort.RunOptions()
+        if self.device == "cuda":
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.session.run_with_iobinding(binding, options)
+
+    def new_caches(self, buffer: int, batch: int = 1) -> dict:
+        """Zeroed device cache buffers of ``buffer`` positions (dynamic: an empty past)."""
+        length = 0 if self.mode == DYNAMIC else buffer
+        shape = [batch] + [d if isinstance(d, int) else length for d in self.cache_dims[1:]]
+        return {name: self._device_value(np.zeros(shape, self.dtype.numpy)) for name, _ in self.pairs}
+
+    def _bound_feeds(self, tokens: np.ndarray, past: int, buffer: int) -> dict[str, np.ndarray]:
+        batch, seq = tokens.shape
+        cached, new = np.full(batch, past, np.int64), np.full(batch, seq, np.int64)
+        return self.step_feeds(tokens, cached, new, past,
+                               buffer=buffer if self.mode == GQA and not self.grow_mask else None)
+
+    def _bind_caches(self, binding, caches: dict) -> None:
+        for name_in, name_out in self.pairs:
+            binding.bind_ortvalue_input(name_in, caches[name_in])
+            if self.mode == DYNAMIC:
+                binding.bind_output(name_out, self.device)
+            else:
+                binding.bind_ortvalue_output(name_out, caches[name_in])
+
+    def _take_presents(self, binding, caches: dict) -> None:
+        # Bound in this order: logits, then each cache output.
+        outputs = dict(zip([LOGITS] + [out for _, out in self.pairs], binding.get_outputs()))
+        for name_in, name_out in self.pairs:
+            caches[name_in] = outputs[name_out]
+
+    def prefill_bound(self, tokens: np.ndarray, caches: dict, buffer: int):
+        """Run the prompts [batch, ctx] (never captured); returns (elapsed seconds, logits OrtValue)."""
+        binding = self.session.io_binding()
+        # GroupQueryAttention's first prompt: the mask as wide as the prompt (as onnxruntime-genai
+        # feeds it); a buffer-wide one reads as a later chunk of a prompt, which takes batch 1 only.
+        feeds = self._bound_feeds(tokens, 0, buffer) if self.mode != GQA else self.step_feeds(
+            tokens, np.zeros(tokens.shape[0], np.int64), np.full(tokens.shape[0], tokens.shape[1], np.int64), 0)
+        for name, array in feeds.items():
+            binding.bind_ortvalue_input(name, self._device_value(array))
+        binding.bind_output(LOGITS, self.device)  # first: outputs come back in binding order
+        self._bind_caches(binding, caches)
+        start = time.perf_counter()
+        self._run_device(binding, -1)
+        elapsed = time.perf_counter() - start
+        if self.mode == DYNAMIC:
+            self._take_presents(binding, caches)
+        return elapsed, binding.get_outputs()[0]
+
+    def decode_bound(self, caches: dict, past: int, buffer: int, steps: int, warmup: int, should_stop=lambda: False,
+                     capture: bool | None = None):
+        """Time ``steps`` one-token steps of every row after ``warmup``; returns (ms list, last logits).
+
+        ``capture`` (default: whether the session was made for CUDA graphs) records the step once
+        and replays it; False runs every step normally, even in a graph-enabled session.
+        """
+        graph_id = -1
+        if self.cuda_graph and capture is not False:
+            self._graph_ids += 1
+            graph_id = self._graph_ids  # one captured graph per buffer set (addresses differ)
+        batch = next(iter(caches.values())).shape()[0]
+        ones = np.ones((batch, 1), np.int64)
+        fixed = {name: self._device_value(array) for name, array in self._bound_feeds(ones, past, buffer).items()}
+        logits = self._device_empty((batch, 1, self.vocab), BY_ORT[self.session.get_outputs()[0].type])
+        binding = self.session.io_binding()
+        for name, value in fixed.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(LOGITS, logits)
+        if self.mode != DYNAMIC:
+            self._bind_caches(binding, caches)
+        times = []
+        for i in range(warmup + steps):
+            if should_stop():
+                raise InterruptedError("benchmark stopped")
+            start = time.perf_counter()
+            if self.mode == DYNAMIC or self.grow_mask:  # the mask grows with the past: a new one each step
+                binding.bind_ortvalue_input(ATTENTION_MASK, self._device_value(np.ones((batch, past + i + 1), self.mask_dtype)))
+            if self.mode == DYNAMIC:  # ... and so do the caches
+                self._bind_caches(binding, caches)
+            for name, array in self._bound_feeds(ones, past + i, buffer).items():
+                if name not in (INPUT_IDS, ATTENTION_MASK) or (self.mode == GQA and not self.grow_mask):
+                    fixed[name].update_inplace(array)  # same address: a captured graph sees the new value
+            self._run_device(binding, graph_id)
+            if self.mode == DYNAMIC:
+                self._take_presents(binding, caches)
+            elapsed = (time.perf_counter() - start) * 1000.0
+            if i >= warmup:
+                times.append(elapsed)
+        return times, self.to_host(logits)
+
+    def to_host(self, value) -> np.ndarray:
+        """A device OrtValue as a host array; bfloat16 comes back as float32 (numpy has no bfloat16
+        bridge in ORT), cast on the device by a one-node session."""
+        if value.data_type() != DTYPES["bf16"].ort:
+            return value.numpy()
+        if self._cast is None:
+            import onnx_ir as ir
+
+            x = ir.Value(name="x", type=ir.TensorType(ir.DataType.BFLOAT16), shape=ir.Shape(["d0", "d1", "d2"]))
+            node = ir.node("Cast", [x], {"to": ir.DataType.FLOAT})
+            y = node.outputs[0]
+            y.name, y.type, y.shape = "y", ir.TensorType(ir.DataType.FLOAT), ir.Shape(["d0", "d1", "d2"])
+            graph = ir.Graph([x], [y], nodes=[node], opset_imports={"": 21})
+            proto = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
+            self._cast = self.ort.InferenceSession(proto, providers=self.session.get_providers())
+        binding = self._cast.io_binding()
+        binding.bind_ortvalue_input("x", value)
+        binding.bind_output("y", "cpu")
+        self._cast.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+
+__all__ = ["Decoder", "CacheState", "read_metadata", "cache_mode", "run_bound", "host_ortvalue"]

@@ -1,0 +1,152 @@
+"""Runtime probe: a known-answer run of the export's own attention pattern on the target EP.
+
+The probe graph is built by the same attention core an export's layers use
+(``exporter.graph.components.attention.static_core`` / ``dynamic_core`` / ``gqa_core``, and the
+task's mask and length helpers), so it runs exactly the ops, attributes (``q_num_heads`` /
+``kv_num_heads``, ``is_causal``, the scatter axis) and layouts (BSNH caches for attn_static) that
+ship, at a tiny size: 2 query heads over 1 KV head of 16, one decode step over a cache whose valid
+slots 0 and 1 hold values 1 and 3 while this step adds a third with value 5.
+
+With an all-zero query every visible key scores the same, so the right answer is the mean of the
+three values, 3. An ORT that aligns causality top-left (attn_static's classic failure) lets the
+query see slot 0 only, 1; anything else is some other bug. The EP must run the graph itself: CPU
+fallback is disabled, so a silent fall back to CPU is caught too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+import onnx_ir as ir
+
+from exporter.contract import DTYPES
+from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_core, static_core
+from exporter.graph.components.graph import GraphBuilder
+from exporter.graph.components.rotary import Rotary
+from exporter.graph.task import causal_padding_mask, gqa_lengths
+from exporter.request import Variant
+from exporter.runtime.session import PROVIDER_NAMES, run_bound
+from exporter.validation.gates import GateResult
+
+EXPECTED = 3.0
+TOP_LEFT_ANSWER = 1.0
+CACHED_VALUES = (1.0, 3.0)  # slots written by earlier steps
+NEW_VALUE = 5.0  # this step's key/value
+SLOTS = 4  # static buffer
+NONPAD_AFTER_SCATTER = 3  # tokens cached after this step's scatter (slots 0, 1 and the new slot 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """The few config fields the attention cores read."""
+
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 16
+
+
+SHAPE = ProbeShape()
+
+
+class ProbeOutcome(str, enum.Enum):
+    SUPPORTED = "supported"
+    WRONG_RESULT = "wrong-result"
+    MISSING = "missing"  # the EP is not available in this onnxruntime
+    ERROR = "error"  # the EP is there but could not build or run the pattern
+
+
+def _input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+
+def probe_graph(variant: Variant, dtype: str, packed_qkv: bool = False) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    """The probe model for ``variant`` in ``dtype`` and its feeds (one decode step after two tokens);
+    ``packed_qkv``: GroupQueryAttention fed one packed QKV input, as exports without q/k norm are."""
+    variant, entry = Variant(variant), DTYPES[dtype]
+    h, kv, d = SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
+    b = GraphBuilder(None, entry.ir)
+    i64 = ir.DataType.INT64
+    q, k, v = _input("q", entry.ir, [1, 1, h * d]), _input("k", entry.ir, [1, 1, kv * d]), _input("v", entry.ir, [1, 1, kv * d])
+    zeros = lambda *shape: np.zeros(shape, entry.numpy)  # noqa: E731
+    feeds = {"q": zeros(1, 1, h * d), "k": zeros(1, 1, kv * d), "v": np.full((1, 1, kv * d), NEW_VALUE, entry.numpy)}
+    step = StepInputs(rotary=Rotary(None, None, d, d))
+    if variant is Variant.ATTN_STATIC:
+        caches = [_input(n, entry.ir, [1, SLOTS, kv * d]) for n in ("key_cache", "value_cache")]
+        step.write_indices, step.nonpad_kv_seqlen = _input("write_indices", i64, [1]), _input("nonpad_kv_seqlen", i64, [1])
+        y, _, _ = static_core(b, q, k, v, SHAPE, step, *caches)
+        inputs = [q, k, v, *caches, step.write_indices, step.nonpad_kv_seqlen]
+        value_cache = zeros(1, SLOTS, kv * d)
+        value_cache[0, 0], value_cache[0, 1] = CACHED_VALUES
+        feeds.update(key_cache=zeros(1, SLOTS, kv * d), value_cache=value_cache,
+                     write_indices=np.array([2], np.int64), nonpad_kv_seqlen=np.array([NONPAD_AFTER_SCATTER], np.int64))
+    else:
+        past = [_input(n, entry.ir, [1, kv, 2, d]) for n in ("past_key", "past_value")]
+        mask = _input("attention_mask", i64, [1, 3])
+        past_value = zeros(1, kv, 2, d)
+        past_value[:, :, 0], past_value[:, :, 1] = CACHED_VALUES
+        feeds.update(past_key=zeros(1, kv, 2, d), past_value=past_value, attention_mask=np.ones((1, 3), np.int64))
+        if variant is Variant.GQA:
+            gqa_lengths(b, mask, step)
+            # Rotary inside the op, as exports do; cos 1 / sin 0 is no rotation, so the answer stays 3.
+            step.rotary.cos = b.constant(np.ones((8, d // 2), entry.numpy), "probe_cos")
+            step.rotary.sin = b.constant(np.zeros((8, d // 2), entry.numpy), "probe_sin")
+            if packed_qkv:
+                qkv = _input("qkv", entry.ir, [1, 1, (h + 2 * kv) * d])
+                y, _, _ = gqa_core(b, qkv, None, None, SHAPE, step, *past)
+                inputs = [qkv, *past, mask]
+                feeds["qkv"] = np.concatenate([feeds.pop("q"), feeds.pop("k"), feeds.pop("v")], axis=-1)
+            else:
+                y, _, _ = gqa_core(b, q, k, v, SHAPE, step, *past)
+                inputs = [q, k, v, *past, mask]
+        else:
+            input_ids = _input("input_ids", i64, [1, 1])
+            step.attn_mask = causal_padding_mask(b, input_ids, mask)
+            y, _, _ = dynamic_core(b, q, k, v, SHAPE, step, *past)
+            inputs = [q, k, v, *past, mask, input_ids]
+            feeds["input_ids"] = np.zeros((1, 1), np.int64)
+    y.name, y.type, y.shape = "y", ir.TensorType(entry.ir), ir.Shape([1, 1, h * d])
+    graph = ir.Graph(inputs, [y], nodes=b.tape.nodes, initializers=b.tape.initializers,
+                     opset_imports={"": 24, "com.microsoft": 1}, name=f"probe_{variant.value}")
+    return ir.Model(graph, ir_version=11), feeds
+
+
+def probe(variant: Variant, ep: str, dtype: str, packed_qkv: bool = False) -> tuple[ProbeOutcome, str]:
+    """Classify ``ep`` for ``variant``'s attention pattern in ``dtype``, with a sentence saying why."""
+    import onnxruntime as ort
+
+    provider = PROVIDER_NAMES[ep]
+    if provider not in ort.get_available_providers():
+        return ProbeOutcome.MISSING, f"{provider} is not in this onnxruntime ({ort.__version__}) build"
+    model, feeds = probe_graph(variant, dtype, packed_qkv)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if ep != "cpu":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:
+        if ep == "cuda" and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=[provider])
+        out = np.empty((1, 1, SHAPE.num_heads * SHAPE.head_dim), DTYPES[dtype].numpy)
+        got = run_bound(session, feeds, {"y": out})["y"].astype(np.float32)
+    except Exception as err:  # any failure to build or run is a classification, not a crash
+        return ProbeOutcome.ERROR, f"{provider} could not run the {Variant(variant).value} attention pattern in {dtype}: {err}"
+    return classify_probe_output(got)
+
+
+def classify_probe_output(got: np.ndarray) -> tuple[ProbeOutcome, str]:
+    if np.allclose(got, EXPECTED, atol=1e-2):
+        return ProbeOutcome.SUPPORTED, f"one decode step gave {EXPECTED} as expected"
+    what = "top-left causal alignment" if np.allclose(got, TOP_LEFT_ANSWER, atol=1e-2) else "an unexpected value"
+    return ProbeOutcome.WRONG_RESULT, f"expected {EXPECTED}, got {float(got.flat[0]):.4g} ({what})"
+
+
+def runtime_gate(variant: str, ep: str, dtype: str, packed_qkv: bool = False) -> GateResult:
+    """The probe of the export's own attention pattern as a gate, for every variant."""
+    outcome, message = probe(Variant(variant), ep, dtype, packed_qkv)
+    return GateResult(
+        gate="runtime", check=f"{variant} attention known answer on {ep} ({dtype})",
+        passed=outcome is ProbeOutcome.SUPPORTED, measured=outcome.value, threshold=ProbeOutcome.SUPPORTED.value,
+        message=message,
+    )

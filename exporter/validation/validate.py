@@ -1,0 +1,217 @@
+"""Stage: validate an export. A gate, not a warning: any failed check fails the export.
+
+Gates (docs/validation.md): structure (read from model.onnx), weight integrity by value (read
+from model.onnx.data), numeric parity against transformers on the same weights through the
+variant's own cache contract, and a known-answer runtime probe of the target execution provider.
+Writes parity_report.json and parity_report.md next to the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from exporter.packaging.checkpoint import Checkpoint
+from exporter.errors import ExportError
+from exporter.validation.gates import GateResult
+from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
+from exporter.validation.gates.runtime_probe import runtime_gate
+from exporter.validation.gates.structure import structure_gates
+from exporter.validation.gates.weights import weight_integrity
+from exporter.packaging.resolve import resolve_source
+from exporter.contract import MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
+
+PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
+
+
+@dataclasses.dataclass
+class ValidationReport:
+    export_dir: Path
+    variant: str
+    dtype: str
+    ep: str
+    reference: str
+    gates: list[GateResult]
+    timings_s: dict[str, float]
+    parity: dict | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+    @property
+    def failed(self) -> list[GateResult]:
+        return [g for g in self.gates if g.status == "fail"]
+
+    def summary(self) -> str:
+        counts = {s: sum(g.status == s for g in self.gates) for s in ("pass", "fail", "info")}
+        info = f", {counts['info']} informational" if counts["info"] else ""
+        if self.passed:
+            return f"all {counts['pass']} checks passed{info}"
+        return "failed: " + "; ".join(f"{g.gate}: {g.check}" + (f" ({g.message})" if g.message else "") for g in self.failed)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": 1,
+            "status": "passed" if self.passed else "failed",
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "variant": self.variant, "dtype": self.dtype, "ep": self.ep, "reference": self.reference,
+            "failed_gates": sorted({g.gate for g in self.failed}),
+            "gates": [g.to_dict() for g in self.gates],
+            "parity": self.parity,
+            "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
+        }
+
+    def write(self, out_dir: Path | None = None) -> list[Path]:
+        out_dir = Path(out_dir or self.export_dir)
+        data = self.to_dict()
+        (out_dir / REPORT_JSON).write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+        (out_dir / REPORT_MD).write_text(render_markdown(data))
+        return [out_dir / REPORT_JSON, out_dir / REPORT_MD]
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(type(value))
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def render_markdown(data: dict) -> str:
+    lines = [
+        f"# Validation: {data['status'].upper()}",
+        "",
+        f"{data['variant']} / {data['dtype']} on {data['ep']}, reference `{data['reference']}`",
+        "",
+        "| gate | check | measured | threshold | result |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for g in data["gates"]:
+        result = {"pass": "pass", "info": "info" + (f": {g['message']}" if g["message"] else "")}.get(
+            g["status"], f"**FAIL** {g['message']}")
+        lines.append(f"| {g['gate']} | {g['check']} | {_cell(g['measured'])} | {_cell(g['threshold'])} | {result} |")
+    parity = data.get("parity")
+    if parity:
+        lines += ["", f"Near ties (reference top-1/top-2 gap below the margin): {len(parity['near_ties'])} "
+                  f"at steps {parity['near_ties']}; tokens that differed there: {parity['tie_mismatches']}."]
+    worst = next((g["details"]["worst"] for g in data["gates"] if g["gate"] == "weights" and g.get("details")), [])
+    if worst:
+        lines += ["", "Worst weight slices:", "", "| initializer | slice | source | correlation | rel L2 | max abs |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for s in worst:
+            corr = "n/a" if s["correlation"] is None else f"{s['correlation']:.6f}"
+            lines.append(f"| {s['initializer']} | {s['region']} | {s['source']} | {corr} | {s['rel_l2']:.3g} | {s['max_abs']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_validatable(max_seq_len: int | None) -> None:
+    """Refuse an export too short to validate: the parity run needs prompt + steps positions."""
+    needed = PARITY_PROMPT_LEN + PARITY_STEPS
+    if max_seq_len is not None and max_seq_len < needed:
+        raise ExportError(
+            f"max_seq_len {max_seq_len} is shorter than validation needs ({PARITY_PROMPT_LEN}-token prompt + "
+            f"{PARITY_STEPS} decode steps = {needed}): use max_seq_len {needed} or more (CLI: or --no-validate)")
+
+
+def _packed_gqa(model_path: Path) -> bool:
+    """Whether the export's GroupQueryAttention takes one packed QKV input (no separate key)."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    gqa = next((n for n in graph.node if n.op_type == "GroupQueryAttention"), None)
+    return gqa is not None and (len(gqa.input) < 2 or not gqa.input[1])
+
+
+def validate_export(
+    export_dir: Path,
+    reference: str | None = None,
+    ep: str | None = None,
+    peer: Path | None = None,
+    steps: int = PARITY_STEPS,
+    prompt_len: int = PARITY_PROMPT_LEN,
+    lm_factory=None,
+    manifest: dict | None = None,
+) -> ValidationReport:
+    """Run every gate on ``export_dir``; ``reference`` defaults to the checkpoint it was built from.
+
+    ``manifest`` is the export's manifest when the caller holds it in memory (the pipeline writes
+    it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
+    ep)`` builds the runtime driver (tests pass a deliberately wrong one).
+    """
+    from exporter.validation.reference import load_reference, reference_greedy
+    from exporter.runtime.session import Decoder, read_metadata
+
+    export_dir = Path(export_dir)
+    manifest_path = export_dir / MANIFEST_FILE
+    model_path = export_dir / MODEL_FILE
+    if not model_path.is_file():
+        raise ExportError(f"{export_dir} has no {MODEL_FILE}: pass an export directory")
+    meta = read_metadata(model_path)
+    if manifest is None:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
+    ep = ep or meta["ep"]
+    if reference is None:
+        source = manifest.get("source", {})
+        reference = source.get("path") if source.get("kind") == "local" else (
+            f"{source.get('repo_id')}@{source.get('revision')}" if source.get("repo_id") else None)
+        if reference is None:
+            raise ExportError(f"{export_dir} has no manifest naming its checkpoint: pass --reference SRC")
+    ref_source = resolve_source(reference)
+    timings: dict[str, float] = {}
+    gates: list[GateResult] = []
+
+    t0 = time.perf_counter()
+    gates += structure_gates(model_path, variant, dtype, cfg["num_layers"])
+    timings["structure"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    weight_results, _ = weight_integrity(model_path, manifest, Checkpoint(ref_source.path), dtype)
+    gates += weight_results
+    timings["weights"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    gates.append(runtime_gate(variant, ep, dtype, packed_qkv=_packed_gqa(model_path)))
+    timings["runtime_probe"] = time.perf_counter() - t0
+
+    parity = None
+    t0 = time.perf_counter()
+    ref_model = load_reference(ref_source.path)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
+    ref = reference_greedy(ref_model, prompt, steps)
+    del ref_model
+    timings["reference"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    factory = lm_factory or (lambda d, e: Decoder(d, ep=e))
+    try:
+        lm = factory(export_dir, ep)
+    except Exception as err:
+        gates.append(GateResult("parity", f"session on {ep}", False, "error", "a session",
+                                f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
+    else:
+        parity_results, result = parity_gates(lm, ref, dtype)
+        gates += parity_results
+        parity = result.to_dict()
+        if peer is not None:
+            gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
+    timings["parity"] = time.perf_counter() - t0
+    return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity)
+
+
+__all__ = ["ValidationReport", "validate_export", "PREFILL_TOLERANCE", "NEAR_TIE_MARGIN", "REPORT_JSON", "REPORT_MD"]
