@@ -112,23 +112,25 @@ def build_checkpoint(name: str, directory: Path, device: str, tiny: bool):
     return model.to(device).eval()
 
 
-def export_variants(checkpoint: Path, work: Path, ep: str, max_seq_len: int) -> dict[str, Path]:
+def export_variants(checkpoint: Path, work: Path, ep: str, max_seq_len: int, dtype: str = "fp16",
+                    quant: dict | None = None, variants=("attn_static", "gqa", "attn_dynamic")) -> dict[str, Path]:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 
     dirs = {}
-    for variant in ("attn_static", "gqa", "attn_dynamic"):
-        request = ExportRequest(model=str(checkpoint), dtype="fp16", ep=ep, variant=variant,
-                                static_cache=variant == "attn_static", max_seq_len=max_seq_len)
+    for variant in variants:
+        request = ExportRequest(model=str(checkpoint), dtype=dtype, ep=ep, variant=variant,
+                                static_cache=variant == "attn_static", max_seq_len=max_seq_len,
+                                quant=quant if dtype in ("int4", "int8") else None)
         start = time.perf_counter()
         dirs[variant] = export_model(request, work / variant, overwrite=True, validate=False).out_dir
         log(f"exported {variant} in {time.perf_counter() - start:.1f} s")
     return dirs
 
 
-def build_genai(builder: Path, checkpoint: Path, out: Path, ep: str) -> tuple[Path | None, str]:
-    """The onnxruntime-genai model builder's fp16 export of the same checkpoint."""
-    cmd = [sys.executable, str(builder), "-i", str(checkpoint), "-o", str(out), "-p", "fp16", "-e", ep,
+def build_genai(builder: Path, checkpoint: Path, out: Path, ep: str, precision: str = "fp16") -> tuple[Path | None, str]:
+    """The onnxruntime-genai model builder's export of the same checkpoint, with its defaults."""
+    cmd = [sys.executable, str(builder), "-i", str(checkpoint), "-o", str(out), "-p", precision, "-e", ep,
            "-c", str(out.parent / "genai-cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=builder.parent)
     if proc.returncode != 0 or not (out / "model.onnx").is_file():
@@ -166,7 +168,7 @@ def weight_bytes_per_token(export_dir: Path) -> int:
         if name == "model.embed_tokens.weight" or name.startswith("rope."):
             continue  # a decode step gathers one row of these
         count = int(np.prod(entry["shape"])) if entry["shape"] else 1
-        total += count * {"FLOAT16": 2, "BFLOAT16": 2, "FLOAT": 4, "INT64": 8}.get(entry["dtype"], 4)
+        total += count * {"FLOAT16": 2, "BFLOAT16": 2, "FLOAT": 4, "INT64": 8, "UINT8": 1}.get(entry["dtype"], 4)
     return total
 
 
@@ -371,8 +373,13 @@ def main() -> int:
     parser.add_argument("--hf-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="fresh sessions per configuration (medians pooled)")
     parser.add_argument("--genai-builder", type=Path, default=None)
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "int4", "int8"],
+                        help="ours and the genai builder's precision (int4 / int8: weight-only MatMulNBits)")
+    parser.add_argument("--quant", default=None, help="our quant options as JSON (block_size, symmetric, lm_head_bits, keep)")
+    parser.add_argument("--extra-quant", default=None,
+                        help="JSON: one more gqa + attn_static export of ours with these quant options (same run)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: hf,genai,check,diagnosis,profile,kernels")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: hf,genai,check,diagnosis,profile,kernels,nograph,sized-static")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     contexts = [int(c) for c in args.ctx.split(",")]
@@ -393,7 +400,8 @@ def main() -> int:
                      "cuda": torch.version.cuda, "python": platform.python_version()},
         "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
         "settings": {"contexts": contexts, "steps": args.steps, "warmup": args.warmup, "hf_steps": args.hf_steps,
-                     "static_oversized_buffer": STATIC_OVERSIZED, "dtype": "fp16", "batch": 1,
+                     "static_oversized_buffer": STATIC_OVERSIZED, "dtype": args.dtype, "batch": 1,
+                     "quant": args.quant, "extra_quant": args.extra_quant,
                      "repeats": args.repeats},
         "configs": {},
     })
@@ -417,7 +425,12 @@ def main() -> int:
     rec.data["bandwidth_bytes_per_s"] = copy_bandwidth(device)
 
     log("exporting")
-    exports = export_variants(checkpoint, work / "exports", args.ep, max_seq_len)
+    quant = json.loads(args.quant) if args.quant else None
+    exports = export_variants(checkpoint, work / "exports", args.ep, max_seq_len, args.dtype, quant)
+    extra = {}
+    if args.extra_quant:
+        extra = export_variants(checkpoint, work / "exports-extra", args.ep, max_seq_len, args.dtype,
+                                json.loads(args.extra_quant), variants=("gqa",))
     weight_bytes = weight_bytes_per_token(exports["attn_static"])
     rec.data["floor"] = {
         "weight_bytes_per_token": weight_bytes,
@@ -432,7 +445,7 @@ def main() -> int:
     genai_dir = None
     if args.genai_builder and "genai" not in skip:
         log("onnxruntime-genai builder")
-        genai_dir, detail = build_genai(args.genai_builder, checkpoint, work / "genai", args.ep)
+        genai_dir, detail = build_genai(args.genai_builder, checkpoint, work / "genai", args.ep, args.dtype)
         rec.data["genai_builder"] = {"ok": genai_dir is not None, "detail": detail}
         rec.save()
 
@@ -450,9 +463,19 @@ def main() -> int:
         ("ours gqa, no graph, shared buffer, growing mask", exports["gqa"], False, sized, "grow"),
         ("ours attn_dynamic", exports["attn_dynamic"], False, sized, "buffer"),
     ]
+    if extra:
+        label = f"ours {args.extra_quant}"
+        plan += [(f"{label} gqa + CUDA graph, shared buffer", extra["gqa"], graph, sized, "buffer")]
     if genai_dir is not None:
         plan += [("onnxruntime-genai builder gqa + CUDA graph, shared buffer", genai_dir, graph, sized, "buffer"),
                  ("onnxruntime-genai builder gqa, no graph, shared buffer, growing mask", genai_dir, False, sized, "grow")]
+    if "nograph" in skip:  # uncaptured decode, except the attn_dynamic baseline the agreement needs
+        plan = [p for p in plan if p[2] or "attn_dynamic" in p[0]]
+    if "sized-static" in skip:  # keep the oversized static buffer only
+        plan = [p for p in plan if not ("attn_static" in p[0] and "buffer = context" in p[0])]
+    # GQA configurations first (what the comparison with the genai builder rests on), so a run cut
+    # short by a time limit still holds them.
+    plan.sort(key=lambda p: (not ("gqa" in p[0] and p[2]),))
     logits: dict[str, dict] = {}
     for name, export_dir, use_graph, buffer_for, mask in plan:
         log(name)

@@ -43,7 +43,13 @@ class TerminalProgress(Progress):
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="export a Hugging Face checkpoint to ONNX")
     p.add_argument("--model", required=True, help="checkpoint directory, or hub id[@revision]")
-    p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
+    p.add_argument("--dtype", default="fp32",
+                   help="fp32 | fp16 | bf16 | int4 | int8 (weight-only MatMulNBits; default fp32)")
+    p.add_argument("--quant-block-size", type=int, default=None, help="int4 / int8: MatMulNBits block size (default 32)")
+    p.add_argument("--quant-asymmetric", action="store_true", help="int4 / int8: zero points per block")
+    p.add_argument("--quant-lm-head-bits", type=int, default=None, help="int4: 8 quantizes the LM head to int8")
+    p.add_argument("--quant-keep", default="",
+                   help="int4 / int8: comma-separated roles kept unquantized: lm_head, first_layer, last_layer")
     p.add_argument("--ep", default="cpu", help="cpu | cuda: the execution provider the export targets")
     p.add_argument("--static-cache", action="store_true", help="fixed-size KV cache (attn_static)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length; required with --static-cache")
@@ -124,13 +130,31 @@ def _cmd_validate(args) -> int:
         raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
     if args.steps < 1:
         raise ExportError("--steps must be at least 1")
-    report = validate_export(args.dir, args.reference, args.ep, args.peer, steps=args.steps)
+    from exporter.validation.reference import cache_dir_default
+
+    report = validate_export(args.dir, args.reference, args.ep, args.peer, steps=args.steps,
+                             reference_cache=cache_dir_default())
     paths = report.write()
     _print_report(report)
     print(f"report: {paths[0]} and {paths[1].name}")
     if not report.passed:
         raise ExportError(f"validation {report.summary()}")
     return 0
+
+
+def _quant_options(args) -> dict | None:
+    options = {}
+    if args.quant_block_size is not None:
+        options["block_size"] = args.quant_block_size
+    if args.quant_asymmetric:
+        options["symmetric"] = False
+    if args.quant_lm_head_bits is not None:
+        options["lm_head_bits"] = args.quant_lm_head_bits
+    if args.quant_keep:
+        options["keep"] = [k.strip() for k in args.quant_keep.split(",") if k.strip()]
+    if options and args.dtype not in ("int4", "int8"):
+        raise ExportError(f"--quant-* options apply to --dtype int4 / int8, not {args.dtype}")
+    return options if args.dtype in ("int4", "int8") else None
 
 
 def _cmd_export(args) -> int:
@@ -144,14 +168,17 @@ def _cmd_export(args) -> int:
         static_cache=args.static_cache,
         max_seq_len=args.max_seq_len,
         variant=args.variant,
+        quant=_quant_options(args),
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
+    from exporter.validation.reference import cache_dir_default
+
     progress = TerminalProgress()
     try:
         result = export_model(
             request, args.out, progress, overwrite=args.overwrite,
-            validate=not args.no_validate, validate_ep=args.validate_ep,
+            validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=cache_dir_default(),
         )
     except ValidationFailed as failed:
         progress.close()

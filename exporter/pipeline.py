@@ -81,7 +81,7 @@ def build_export(
 
     t0 = time.perf_counter()
     progress.stage("fold")
-    fold_model(built.model)
+    folded = fold_model(built.model, request, built.config.num_layers)
     timings["fold"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -104,12 +104,19 @@ def build_export(
     )
     manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id)
     manifest.data["genai"] = genai.manifest_entry()
+    if folded.quantization is not None:
+        manifest.data["quantization"] = {
+            "method": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest",
+            "dtype": request.dtype.value, "activations": request.activations.value, **request.quant.to_dict(),
+            "weights": folded.quantization,
+        }
     manifest.data["status"] = "unvalidated"
     return manifest
 
 
 def validate_built(
     out_dir: Path, manifest: Manifest, reference: str, ep: str, progress: Progress | None = None,
+    quality_thresholds: dict | None = None, reference_cache: Path | None = None,
 ) -> ValidationReport:
     """Stage validate: run every gate on the export in ``out_dir`` and record the outcome in ``manifest``.
 
@@ -119,7 +126,8 @@ def validate_built(
     progress = progress or Progress()
     t0 = time.perf_counter()
     progress.stage("validate")
-    report = validate_export(out_dir, reference, ep, manifest=manifest.data)
+    report = validate_export(out_dir, reference, ep, manifest=manifest.data, quality_thresholds=quality_thresholds,
+                             reference_cache=reference_cache)
     manifest.add_files(out_dir, [p.name for p in report.write(out_dir)])
     manifest.data["timings_s"]["validate"] = round(time.perf_counter() - t0, 3)
     manifest.data["validation"] = {
@@ -141,6 +149,7 @@ def export_model(
     validate_ep: str | None = None,
     reference: str | None = None,
     export_id: str | None = None,
+    reference_cache: Path | None = None,
 ) -> ExportResult:
     """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
 
@@ -166,7 +175,7 @@ def export_model(
         report = None
         if validate:
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,
-                                    progress)
+                                    progress, reference_cache=reference_cache)
         manifest.write(staging)
         _publish_dir(staging, out_dir)
     except BaseException:

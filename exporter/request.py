@@ -14,11 +14,71 @@ class DType(str, enum.Enum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
+    INT4 = "int4"  # weight-only, MatMulNBits; activations fp16 on cuda, fp32 on cpu
+    INT8 = "int8"
+
+    @property
+    def bits(self) -> int | None:
+        return {"int4": 4, "int8": 8}.get(self.value)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
 
 
 class EP(str, enum.Enum):
     CPU = "cpu"
     CUDA = "cuda"
+
+
+def activation_dtype(dtype: DType, ep: EP) -> DType:
+    """The dtype of activations, caches and unquantized weights: a quantized export computes in
+    fp16 on cuda and fp32 on cpu (x86 has no fast fp16 GEMM)."""
+    if not dtype.quantized:
+        return dtype
+    return DType.FP16 if ep is EP.CUDA else DType.FP32
+
+
+# What a weight-only export keeps at higher precision, by tensor role.
+QUANT_KEEP_CHOICES = ("lm_head", "first_layer", "last_layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How a quantized export quantizes: MatMulNBits block size, zero points, per-tensor policy.
+
+    ``lm_head_bits`` quantizes the LM head at its own width (8 with int4 buys quality for a few
+    percent of decode speed); ``keep`` names roles left in the activation dtype.
+    """
+
+    block_size: int = 32
+    symmetric: bool = True
+    lm_head_bits: int | None = None  # None: the dtype's bits
+    keep: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
+                or self.block_size & (self.block_size - 1):
+            raise ExportError(f"quant block_size must be a power of 2 of at least 16 (MatMulNBits), got {self.block_size!r}")
+        if self.lm_head_bits not in (None, 4, 8):
+            raise ExportError(f"quant lm_head_bits must be 4 or 8, got {self.lm_head_bits!r}")
+        keep = tuple(sorted(set(self.keep)))
+        unknown = [k for k in keep if k not in QUANT_KEEP_CHOICES]
+        if unknown:
+            raise ExportError(f"unknown quant keep {', '.join(map(repr, unknown))}: use any of {', '.join(QUANT_KEEP_CHOICES)}")
+        object.__setattr__(self, "keep", keep)
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "symmetric": self.symmetric, "lm_head_bits": self.lm_head_bits,
+                "keep": list(self.keep)}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> QuantSpec:
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep"})
+        if unknown:
+            raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, keep")
+        return cls(**{**data, "keep": tuple(data.get("keep", ()))})
 
 
 class Variant(str, enum.Enum):
@@ -47,9 +107,16 @@ class ExportRequest:
     static_cache: bool = False
     max_seq_len: int | None = None
     variant: Variant | None = None
+    quant: QuantSpec | None = None  # quantized dtypes only; None there means the defaults
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum_value(DType, self.dtype, "dtype"))
+        if isinstance(self.quant, dict):
+            object.__setattr__(self, "quant", QuantSpec.from_dict(self.quant))
+        if self.dtype.quantized and self.quant is None:
+            object.__setattr__(self, "quant", QuantSpec())
+        if not self.dtype.quantized and self.quant is not None:
+            raise ExportError(f"quant options apply to int4 / int8 only, not {self.dtype.value}: drop them or pick int4 / int8")
         object.__setattr__(self, "ep", _enum_value(EP, self.ep, "execution provider"))
         if self.variant is not None:
             object.__setattr__(self, "variant", _enum_value(Variant, self.variant, "variant"))
@@ -66,7 +133,7 @@ class ExportRequest:
         if variant is None:
             if self.static_cache:
                 variant = Variant.ATTN_STATIC
-            elif self.ep is EP.CUDA and self.dtype in (DType.FP16, DType.BF16):
+            elif self.ep is EP.CUDA and activation_dtype(self.dtype, self.ep) in (DType.FP16, DType.BF16):
                 variant = Variant.GQA
             else:
                 variant = Variant.ATTN_DYNAMIC
@@ -95,7 +162,12 @@ class ExportRequest:
             "static_cache": self.static_cache,
             "max_seq_len": self.max_seq_len,
             "variant": self.variant.value if self.variant else None,
+            **({"quant": self.quant.to_dict()} if self.quant else {}),
         }
+
+    @property
+    def activations(self) -> DType:
+        return activation_dtype(self.dtype, self.ep)
 
 
 def cache_key(request: ExportRequest, revision: str, exporter_version: str, ort_version: str) -> str:

@@ -17,7 +17,8 @@ BASE = dict(
 )
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
-    "mistral": ("MistralConfig", {"sliding_window": None}),
+    # A window of 8 tokens: the tests' 12-token prompts and 24 steps run well past it.
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "phi3": (
@@ -34,6 +35,28 @@ ARCH_CONFIGS = {
             "pad_token_id": 0,
         },
     ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0,
+            "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+        },
+    ),
+    "granite": (
+        "GraniteConfig",
+        {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03125, "logits_scaling": 0.5},
+    ),
+    "olmo2": ("Olmo2Config", {}),
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "no_rope_layers": [1, 0], "pad_token_id": 0}),
 }
 
 

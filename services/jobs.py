@@ -104,6 +104,7 @@ def submit_export(
         cache_key=key, request_key=key, live_key=None if force else key, model=request.model, revision=revision,
         dtype=request.dtype.value, ep=request.ep.value, static_cache=request.static_cache,
         max_seq_len=request.max_seq_len, variant=variant.value, ort_version=ort, exporter_version=__version__,
+        quant=request.quant.to_dict() if request.quant else None,
         status=ExportStatus.QUEUED, stage=None, percent=0, reason=reason, predecessor_id=predecessor_id,
         target_ort=target_ort,
     )

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     visibility_timeout_s: int | None = Field(
         None, description="Redis redelivery of an unacknowledged job; default and minimum: TASK_TIME_LIMIT_S + 600")
     validate_ep: str | None = Field(None, description="EP to validate and bench on; default the request's")
+    quality_thresholds: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description='int4 / int8 quality gate limits over the defaults, e.g. '
+        '{"int4": {"kl_max": 0.2, "agreement_min": 0.8, "ppl_delta_max": 0.2}}')
     bench_contexts: list[int] = Field([128, 512], description="decode context lengths the worker benchmarks")
     bench_batches: list[int] = Field([1], description="batch sizes the worker benchmarks (rows decoded at once)")
     bench_steps: int = Field(32, gt=0, description="timed decode steps per context")
@@ -84,6 +87,20 @@ class Settings(BaseSettings):
         if not value or any(v < 1 for v in value):
             raise ValueError(f"{info.field_name.upper()} must be a non-empty list of positive integers, e.g. [1, 8]; "
                              f"got {value}")
+        return value
+
+    @field_validator("quality_thresholds", mode="after")
+    @classmethod
+    def _known_thresholds(cls, value: dict) -> dict:
+        from exporter.validation.gates.quality import DEFAULT_THRESHOLDS
+
+        for dtype, limits in value.items():
+            if dtype not in DEFAULT_THRESHOLDS:
+                raise ValueError(f"QUALITY_THRESHOLDS has dtype {dtype!r}: use {', '.join(DEFAULT_THRESHOLDS)}")
+            unknown = sorted(set(limits) - set(DEFAULT_THRESHOLDS[dtype]))
+            if unknown:
+                raise ValueError(f"QUALITY_THRESHOLDS[{dtype!r}] has {', '.join(unknown)}: use "
+                                 f"{', '.join(DEFAULT_THRESHOLDS[dtype])}")
         return value
 
     @field_validator("admin_token", mode="after")

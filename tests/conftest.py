@@ -17,7 +17,7 @@ from exporter.validation.reference import load_reference, reference_greedy  # no
 from exporter.request import ExportRequest  # noqa: E402
 from exporter.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "granite", "olmo2", "smollm3"]
 VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
 MAX_SEQ_LEN = 128
 DECODE_STEPS = 24

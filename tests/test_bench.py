@@ -4,6 +4,7 @@ CUDA-only paths, which skip with their reason when this onnxruntime has no CUDA 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -263,3 +264,15 @@ def test_gpu_worker_e2e_script_runs_on_cpu(tmp_path):
     for job in data["jobs"]:
         assert job["parity"]["status"] == "passed" and {"manifest.json", "model.onnx", "benchmark.json"} <= set(job["published"])
         assert sorted({(row["ctx"], row["batch"]) for row in job["decode"]}) == [(64, 1), (64, 2), (128, 1), (128, 2)]
+
+
+def test_the_report_of_a_windowed_attn_static_export_names_its_kernel_cost(exported, tmp_path):
+    from exporter.reports.bench_report import WINDOW_NOTE
+
+    # Bench copies: the shared fixture exports stay without a benchmark for other tests.
+    for arch, variant, noted in (("mistral", "attn_static", True), ("mistral", "gqa", False), ("llama", "attn_static", False)):
+        export = shutil.copytree(exported(arch, variant), tmp_path / f"{arch}-{variant}")
+        run_bench(export, "cpu", contexts=[16], steps=2, warmup=1, prefill_lengths=[8])
+        (tmp_path / f"report-{arch}-{variant}").mkdir()
+        _, md = write_report(export / "benchmark.json", tmp_path / f"report-{arch}-{variant}")
+        assert (WINDOW_NOTE in md.read_text()) is noted, (arch, variant)

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
+from exporter.graph.architectures import ARCHITECTURES as ARCHITECTURE_REGISTRY
+from exporter.graph.config import load_model_config
 from tests.conftest import ARCHITECTURES, MAX_SEQ_LEN, VARIANTS
 
 
@@ -57,7 +59,7 @@ def test_gqa_packs_qkv_into_one_initializer(exported):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_attn_static_contract(arch, exported):
+def test_attn_static_contract(arch, exported, checkpoint):
     model = _load(exported(arch, "attn_static"))
     inputs, outputs = _io(model)
     assert "attention_mask" not in inputs
@@ -68,10 +70,16 @@ def test_attn_static_contract(arch, exported):
     ops = {n.op_type for n in model.graph.node}
     assert not ops & {"If", "Loop", "Scan"}
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
+    windowed = [n for n in attention if len(n.input) > 3 and n.input[3]]
     for node in attention:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["is_causal"] == 1
-        assert node.input[3] == "" and node.input[6] == "nonpad_kv_seqlen"  # no mask; count after scatter
+        if node in windowed:  # a sliding layer: the in-graph window mask, no causal flag, no count
+            assert attrs["is_causal"] == 0 and len(node.input) == 4
+        else:
+            assert attrs["is_causal"] == 1
+            assert node.input[3] == "" and node.input[6] == "nonpad_kv_seqlen"  # no mask; count after scatter
+    cfg = load_model_config(checkpoint(arch), ARCHITECTURE_REGISTRY)
+    assert len(windowed) == sum(cfg.window(i) is not None for i in range(cfg.num_layers))
     assert sum(n.op_type == "TensorScatter" for n in model.graph.node) == 4
     assert {o.domain or "": o.version for o in model.opset_import}[""] == 24
 

@@ -93,7 +93,7 @@ def test_unknown_architecture(checkpoint, tmp_path, out_dir):
     shutil.copytree(checkpoint("llama"), src)
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "gpt2", "llama, mistral, phi3, qwen2, qwen3")
+    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "gpt2", "gemma2, gemma3_text, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3")
 
 
 def test_missing_config(checkpoint, tmp_path, out_dir):
@@ -146,3 +146,39 @@ def test_existing_export_is_not_overwritten_silently(checkpoint, exported, out_d
     proc = _cli("--model", str(checkpoint("llama")), "--out", str(out_dir))
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert (out_dir / "manifest.json").read_text() == before
+
+
+def _partial_rotary_phi3(directory, factor: float, hidden: int):
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("phi3", directory, hidden_size=hidden, partial_rotary_factor=factor,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": factor})
+
+
+def test_partial_rotary_exports_where_ort_can_run_it_and_is_refused_where_not(tmp_path):
+    """Phi-4-mini style partial rotary: 0.75 of head_dim 16 rotates 12 dims (rotary_dim / 2 = 6, not
+    a multiple of 8): GroupQueryAttention's rotary cannot run it, so gqa is refused at export
+    naming the constraint and the variants that work, and those match transformers. 0.5 of
+    head_dim 32 (rotary_dim / 2 = 8) runs in every variant."""
+    from exporter.errors import ExportError
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    for factor, hidden, refused in ((0.75, 64, True), (0.5, 128, False)):
+        source = _partial_rotary_phi3(tmp_path / f"phi3-{factor}", factor, hidden)
+        ref = reference_greedy(load_reference(source), [5, 17, 99, 3, 42, 8, 150, 77, 31, 64, 12, 200], 24)
+        for variant in ("attn_dynamic", "gqa", "attn_static"):
+            request = ExportRequest(model=str(source), variant=variant, static_cache=variant == "attn_static",
+                                    max_seq_len=MAX_SEQ_LEN)
+            if variant == "gqa" and refused:
+                with pytest.raises(ExportError) as err:
+                    export_model(request, tmp_path / f"out-{factor}-{variant}", validate=False)
+                message = str(err.value)
+                assert "rotary_dim / 2 to be a multiple of 8" in message and "(rotary_dim / 2 = 6)" in message
+                assert "--variant attn_dynamic or attn_static" in message
+                continue
+            out = export_model(request, tmp_path / f"out-{factor}-{variant}", validate=False).out_dir
+            result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+            assert result.prefill_max_abs_error <= 1e-4 and result.tokens == ref.tokens, (factor, variant)

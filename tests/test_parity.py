@@ -70,7 +70,7 @@ def test_phi3_longrope_switches_to_long_factors_like_transformers(exported, refe
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mistral", "gemma2"])
 def test_a_batch_of_ragged_prompts_matches_each_prompt_alone(arch, variant, exported, reference):
     """Batch 2, prompts of 12 and 7 tokens, each row checked against its own transformers run:
     attn_dynamic left-padded, gqa right-padded, attn_static ragged (per-row write_indices and

@@ -312,3 +312,23 @@ def test_validate_cli_names_the_failed_gate(exported, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "[FAIL] weights" in captured.out and "validation failed: weights" in captured.err
     assert (export_dir / REPORT_MD).read_text().startswith("# Validation: FAILED")
+
+
+def test_the_reference_run_is_computed_once_per_checkpoint_and_shared_by_variants(exported, tmp_path, monkeypatch):
+    """Every variant (and dtype) of one checkpoint validates against one cached reference run; a
+    torn cache file is recomputed, not trusted."""
+    import exporter.validation.reference as reference
+
+    calls = []
+    real = reference.reference_greedy
+    monkeypatch.setattr(reference, "reference_greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = tmp_path / "references"
+    reports = [validate_export(exported("qwen3", v), reference_cache=cache) for v in VARIANTS]
+    assert len(calls) == 1 and [r.timings_s["reference_cached"] for r in reports] == [0.0, 1.0, 1.0]
+    assert all(r.passed for r in reports)
+    fresh = validate_export(exported("qwen3", "gqa"))  # no cache: computed again, same figures
+    assert fresh.parity["tokens"] == reports[1].parity["tokens"] and len(calls) == 2
+    (stored,) = cache.glob("greedy-*.npz")
+    stored.write_bytes(stored.read_bytes()[:100])
+    again = validate_export(exported("qwen3", "attn_dynamic"), reference_cache=cache)
+    assert again.timings_s["reference_cached"] == 0.0 and again.passed and len(calls) == 3

@@ -304,7 +304,8 @@ def build(job: Job, record: JobRecord) -> None:
 def validate(job: Job, record: JobRecord) -> None:
     manifest = Manifest(record.manifest)
     ep = job.settings.validate_ep or record.request["ep"]
-    report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress)
+    report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress,
+                            job.settings.quality_thresholds, job.settings.data_dir / "references")
     record.parity_report = json.loads(json.dumps(report.to_dict(), default=str))
 
 

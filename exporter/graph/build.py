@@ -16,7 +16,6 @@ from exporter.graph.config import ModelConfig, load_model_config
 from exporter.errors import ExportError
 from exporter.request import DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
-from exporter.graph.rope import rope_tables
 from exporter.graph.task import build_graph
 
 IR_DTYPES = {DType.FP32: ir.DataType.FLOAT, DType.FP16: ir.DataType.FLOAT16, DType.BF16: ir.DataType.BFLOAT16}
@@ -39,17 +38,18 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
             f"max_seq_len {request.max_seq_len} is above the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}: use max_seq_len {cfg.max_position_embeddings} or less"
         )
-    context = request.max_seq_len or cfg.max_position_embeddings
-    if cfg.sliding_window and context > cfg.sliding_window:
-        raise ExportError(
-            f"this model attends within a sliding window of {cfg.sliding_window} tokens, which the exporter does not "
-            f"build: use max_seq_len {cfg.sliding_window} or less"
-        )
-    if variant is Variant.GQA and cfg.head_dim % 16:
-        raise ExportError(
-            f"GroupQueryAttention's fused rotary needs head_dim divisible by 16, this model has {cfg.head_dim}: "
-            "use --variant attn_dynamic"
-        )
+    if variant is Variant.GQA:
+        for i in range(cfg.num_layers):
+            if not cfg.uses_rope(i):
+                continue
+            half = cfg.layer_rope(i).rotary_dim // 2
+            if half % 8 or half > cfg.head_dim // 2:
+                raise ExportError(
+                    f"GroupQueryAttention's fused rotary needs rotary_dim / 2 to be a multiple of 8 and at most "
+                    f"head_dim / 2; layer {i} of this model rotates {2 * half} of {cfg.head_dim} dims "
+                    f"(rotary_dim / 2 = {half}): use --variant attn_dynamic or attn_static, which apply rotary "
+                    "with RotaryEmbedding"
+                )
 
 
 def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None) -> BuildResult:
@@ -58,9 +58,9 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None) -
     check_request_against_config(request, variant, cfg)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[request.dtype])
+    builder = GraphBuilder(checkpoint, IR_DTYPES[request.activations])
     table_len = request.max_seq_len or cfg.max_position_embeddings
-    graph = build_graph(builder, arch, cfg, variant, rope_tables(cfg, table_len), request.max_seq_len, on_layer)
+    graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=11, producer_name="exportfarm", producer_version=__version__)
     model.metadata_props.update(
         {
@@ -77,6 +77,10 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None) -
                     "vocab_size": cfg.vocab_size,
                     "max_seq_len": request.max_seq_len,
                     "context_length": table_len,
+                    "sliding_window": cfg.sliding_window,
+                    "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
+                    "activations": request.activations.value,
+                    **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }
             ),
         }

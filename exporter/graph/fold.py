@@ -13,6 +13,9 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from exporter.graph.passes.fold_concat import FoldConcatInitializersPass
 from exporter.graph.passes.fold_transpose import FoldTransposeInitializersPass
+from exporter.graph.passes.quantize import QuantizeMatMulPass
+from exporter import contract
+from exporter.request import EP, ExportRequest
 
 
 @dataclasses.dataclass
@@ -21,11 +24,28 @@ class FoldResult:
     initializers_before: int
     initializers_after: int
     passes_changed: dict[str, bool]
+    quantization: dict | None = None  # per weight: quantized how, or kept for which role
 
 
-def fold_model(model: ir.Model) -> FoldResult:
+# MatMulNBits accuracy_level: 4 (int8 compute) is the fast CPU path and what the genai builder uses
+# there; CUDA ignores it.
+CPU_ACCURACY_LEVEL = 4
+
+
+def fold_model(model: ir.Model, request: ExportRequest | None = None, num_layers: int = 0) -> FoldResult:
+    """Pack, pre-transpose, drop the unused; for int4 / int8 requests, then quantize the MatMuls."""
     before = len(model.graph.initializers)
     changed = {}
-    for fold in (FoldConcatInitializersPass(), FoldTransposeInitializersPass(), RemoveUnusedNodesPass()):
+    passes = [FoldConcatInitializersPass(), FoldTransposeInitializersPass()]
+    quantize = None
+    if request is not None and request.dtype.quantized:
+        spec = request.quant
+        quantize = QuantizeMatMulPass(
+            request.dtype.bits, spec.block_size, spec.symmetric, num_layers=num_layers, logits=contract.LOGITS,
+            lm_head_bits=spec.lm_head_bits, keep=spec.keep,
+            accuracy_level=CPU_ACCURACY_LEVEL if request.ep is EP.CPU else 0)
+        passes.append(quantize)
+    for fold in (*passes, RemoveUnusedNodesPass()):
         changed[type(fold).__name__] = fold(model).modified
-    return FoldResult(model, before, len(model.graph.initializers), changed)
+    return FoldResult(model, before, len(model.graph.initializers), changed,
+                      quantize.decisions if quantize else None)

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from exporter.graph.config import ModelConfig
+from exporter.graph.config import ModelConfig, RopeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,23 +23,26 @@ class RopeTables:
     switch_at: int | None  # longrope: total length above which the long half applies
 
 
-def _inv_freq(config: ModelConfig, seq_len: int | None) -> tuple[np.ndarray, float]:
+def _inv_freq(config: ModelConfig, rope: RopeConfig, seq_len: int | None) -> tuple[np.ndarray, float]:
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if config.rope.rope_type == "default":
+    if rope.rope_type == "default":
         fn = _default_inv_freq
     else:
-        fn = ROPE_INIT_FUNCTIONS[config.rope.rope_type]
+        fn = ROPE_INIT_FUNCTIONS[rope.rope_type]
+    kwargs = {"layer_type": rope.layer_type} if rope.layer_type else {}
     with torch.no_grad():
-        inv_freq, scaling = fn(config.hf_config, "cpu", seq_len=seq_len)
+        inv_freq, scaling = fn(config.hf_config, "cpu", seq_len=seq_len, **kwargs)
     return inv_freq.float(), float(scaling)
 
 
-def _default_inv_freq(hf_config, device, seq_len=None):
+def _default_inv_freq(hf_config, device, seq_len=None, layer_type=None):
     import torch
 
     params = hf_config.rope_parameters
+    if layer_type:
+        params = params[layer_type]
     base = params["rope_theta"]
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -56,15 +59,16 @@ def _table(inv_freq, scaling: float, length: int) -> tuple[np.ndarray, np.ndarra
     return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
 
 
-def rope_tables(config: ModelConfig, table_len: int) -> RopeTables:
-    """cos/sin for positions [0, table_len), both halves for longrope."""
-    if config.rope.rope_type != "longrope":
-        inv_freq, scaling = _inv_freq(config, None)
+def rope_tables(config: ModelConfig, table_len: int, rope: RopeConfig | None = None) -> RopeTables:
+    """cos/sin of ``rope`` (default: the model's) for positions [0, table_len), both halves for longrope."""
+    rope = rope or config.rope
+    if rope.rope_type != "longrope":
+        inv_freq, scaling = _inv_freq(config, rope, None)
         cos, sin = _table(inv_freq, scaling, table_len)
         return RopeTables(cos, sin, table_len, None)
-    original = config.rope.original_max_position_embeddings
-    short_freq, scaling = _inv_freq(config, None)
-    long_freq, _ = _inv_freq(config, original + 1)
+    original = rope.original_max_position_embeddings
+    short_freq, scaling = _inv_freq(config, rope, None)
+    long_freq, _ = _inv_freq(config, rope, original + 1)
     short_cos, short_sin = _table(short_freq, scaling, table_len)
     long_cos, long_sin = _table(long_freq, scaling, table_len)
     return RopeTables(

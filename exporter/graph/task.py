@@ -5,18 +5,20 @@ Names, dims and cache layouts come from exporter.contract (docs/graph-contracts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx_ir as ir
 
 from exporter import contract as io
-from exporter.graph.architectures.base import Architecture
+from exporter.graph.architectures.base import POST_NORM, Architecture
 from exporter.graph.components.attention import StepInputs
-from exporter.graph.components.decoder import decoder_layer
+from exporter.graph.components.decoder import decoder_layer, norm_weight
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
-from exporter.graph.config import ModelConfig
+from exporter.graph.config import ModelConfig, RopeConfig
 from exporter.request import Variant
-from exporter.graph.rope import RopeTables
+from exporter.graph.rope import rope_tables
 
 BATCH, SEQ, TOTAL = io.BATCH, io.SEQ, io.TOTAL
 I64 = ir.DataType.INT64
@@ -38,8 +40,10 @@ def _dim_scalar(b: GraphBuilder, x: ir.Value, axis: int) -> ir.Value:
     return b.op("Squeeze", [b.op("Shape", [x], {"start": axis, "end": axis + 1}), b.ints(0)])
 
 
-def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value) -> ir.Value:
-    """bool [batch, 1, seq, total]: key j visible to query i iff j <= its position and not padding.
+def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value, window: int | None = None) -> ir.Value:
+    """bool [batch, 1, seq, total]: key j visible to query i iff j <= its position and not padding
+    (and, with a sliding ``window``, j > i - window: padding is on the left, so distances between
+    real tokens are the same in padded coordinates).
 
     The diagonal stays visible even for padding queries so no softmax row is empty (no NaN).
     """
@@ -49,9 +53,22 @@ def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir
     k_pos = b.op("Range", [b.scalar_i64(0), total, one])
     q_col, k_row = b.op("Unsqueeze", [q_pos, b.ints(1)]), b.op("Unsqueeze", [k_pos, b.ints(0)])
     causal = b.op("LessOrEqual", [k_row, q_col])
+    if window:
+        causal = b.op("And", [causal, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
     diagonal = b.op("Equal", [k_row, q_col])
     keys = b.op("Unsqueeze", [b.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), b.ints(1, 2)])
     return b.op("Or", [b.op("And", [causal, keys]), diagonal])
+
+
+def static_window_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Value, window: int) -> ir.Value:
+    """attn_static's sliding layers: bool [batch, 1, seq, cache] where cache slot j is visible to the
+    query at position p iff p - window < j <= p (slot j holds position j; later slots are not yet
+    written, so no count of cached tokens is needed)."""
+    slots = b.op("Range", [b.scalar_i64(0), _dim_scalar(b, key_cache, 1), b.scalar_i64(1)])
+    k_row = b.op("Unsqueeze", [slots, b.ints(0, 1, 2)])  # [1, 1, 1, cache]
+    q_col = b.op("Unsqueeze", [position_ids, b.ints(1, 3)])  # [batch, 1, seq, 1]
+    seen = b.op("LessOrEqual", [k_row, q_col])
+    return b.op("And", [seen, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
 
 
 def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> ir.Value:
@@ -63,26 +80,13 @@ def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> 
     return lengths
 
 
-def build_graph(
-    b: GraphBuilder,
-    arch: Architecture,
-    cfg: ModelConfig,
-    variant: Variant,
-    tables: RopeTables,
-    max_seq_len: int | None,
-    on_layer=None,
-) -> ir.Graph:
-    dtype = b.dtype
-    input_ids = _input(io.INPUT_IDS, I64, [BATCH, SEQ])
-    inputs = [input_ids]
-    cos, sin = rope_constants(b, tables)
-    rotary = Rotary(cos, sin, cfg.rope.rotary_dim, cfg.head_dim)
-    step = StepInputs(rotary=rotary)
-
+def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int, variant: Variant,
+            lengths: ir.Value | None, position_ids: ir.Value | None) -> Rotary:
+    """cos/sin tables of ``rope`` and this step's way into them (longrope picks its half in-graph)."""
+    tables = rope_tables(cfg, table_len, rope)
+    cos, sin = rope_constants(b, tables, rope.layer_type)
+    rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim)
     if variant is Variant.GQA:
-        attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
-        inputs.append(attention_mask)
-        lengths = gqa_lengths(b, attention_mask, step)
         if tables.switch_at is not None:
             # The longest real sequence, not the mask width: with a shared max-length buffer the mask
             # is as wide as the buffer while the tokens seen are far fewer. Where (not Slice: its
@@ -94,6 +98,32 @@ def build_graph(
             long_ = [b.op("Slice", [t, b.ints(half), b.ints(2 * half), b.ints(0)]) for t in (cos, sin)]
             rotary.cos = b.op("Where", [use_long, long_[0], short[0]])
             rotary.sin = b.op("Where", [use_long, long_[1], short[1]])
+        return rotary
+    rotary.position_ids = position_ids
+    if tables.switch_at is not None:
+        longest = b.op("Add", [b.op("ReduceMax", [position_ids], {"keepdims": 0}), b.scalar_i64(1)])
+        rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
+    return rotary
+
+
+def build_graph(
+    b: GraphBuilder,
+    arch: Architecture,
+    cfg: ModelConfig,
+    variant: Variant,
+    table_len: int,
+    max_seq_len: int | None,
+    on_layer=None,
+) -> ir.Graph:
+    dtype = b.dtype
+    input_ids = _input(io.INPUT_IDS, I64, [BATCH, SEQ])
+    inputs = [input_ids]
+    step = StepInputs(rotary=None)
+    lengths = position_ids = attention_mask = None
+    if variant is Variant.GQA:
+        attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
+        inputs.append(attention_mask)
+        lengths = gqa_lengths(b, attention_mask, step)
     else:
         position_ids = _input(io.POSITION_IDS, I64, [BATCH, SEQ])
         if variant is Variant.ATTN_DYNAMIC:
@@ -102,10 +132,6 @@ def build_graph(
             step.attn_mask = causal_padding_mask(b, input_ids, attention_mask)
         else:
             inputs.append(position_ids)
-        rotary.position_ids = position_ids
-        if tables.switch_at is not None:
-            longest = b.op("Add", [b.op("ReduceMax", [position_ids], {"keepdims": 0}), b.scalar_i64(1)])
-            rotary.position_ids = b.op("Add", [position_ids, longrope_row_offset(b, longest, tables)])
 
     # attn_static: [batch, positions, kv_heads*head_dim] (BSNH), the layout the attention kernels read
     # natively; the runtime picks the buffer length (at most max_seq_len: the rope table covers that).
@@ -121,6 +147,28 @@ def build_graph(
         step.nonpad_kv_seqlen = _input(io.NONPAD_KV_SEQLEN, I64, [BATCH])
         inputs += [step.write_indices, step.nonpad_kv_seqlen]
 
+    # Each kind of layer (its rope, whether it has one, its window) gets one set of step inputs.
+    rotaries: dict[RopeConfig, Rotary] = {}
+    masks: dict[int, ir.Value] = {}
+    layer_steps: dict[tuple, StepInputs] = {}
+
+    def step_for(i: int) -> StepInputs:
+        rope, window = (cfg.layer_rope(i) if cfg.uses_rope(i) else None), cfg.window(i)
+        if (rope, window) not in layer_steps:
+            if rope is not None and rope not in rotaries:
+                rotaries[rope] = _rotary(b, cfg, rope, table_len, variant, lengths, position_ids)
+            extra = {"rotary": rotaries.get(rope), "window": window}
+            if window and variant is Variant.ATTN_DYNAMIC:
+                if window not in masks:
+                    masks[window] = causal_padding_mask(b, input_ids, attention_mask, window)
+                extra["attn_mask"] = masks[window]
+            elif window and variant is Variant.ATTN_STATIC:
+                if window not in masks:
+                    masks[window] = static_window_mask(b, position_ids, caches_in[0][0], window)
+                extra["window_mask"] = masks[window]
+            layer_steps[(rope, window)] = dataclasses.replace(step, **extra)
+        return layer_steps[(rope, window)]
+
     embed = b.weight(arch.embed_tokens)
     if cfg.tie_word_embeddings:
         # One [hidden, vocab] copy serves both ends: the LM head's MatMul reads it as is and the
@@ -129,12 +177,19 @@ def build_graph(
         x = b.op("Transpose", [b.op("Gather", [embed_t, input_ids], {"axis": 1})], {"perm": [1, 2, 0]})
     else:
         x = b.op("Gather", [embed, input_ids], {"axis": 0})
+    if cfg.embedding_scale is not None and cfg.embedding_scale != 1.0:
+        x = b.op("Mul", [x, b.scalar(cfg.embedding_scale)])  # gemma: sqrt(hidden); granite: its multiplier
     outputs = []
-    h = rms_norm(b, x, b.weight(arch.names(0)["input_norm"]), cfg.rms_norm_eps)
+    post_norm = arch.norm_layout == POST_NORM
+    h = x if post_norm else rms_norm(b, x, norm_weight(b, arch, arch.names(0)["input_norm"]), cfg.rms_norm_eps)
     for i in range(cfg.num_layers):
-        mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step, caches_in[i])
-        next_norm = arch.names(i + 1)["input_norm"] if i + 1 < cfg.num_layers else arch.final_norm
-        h, x = residual_rms_norm(b, x, mlp_out, b.weight(next_norm), cfg.rms_norm_eps)
+        mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
+        last = i + 1 == cfg.num_layers
+        if post_norm and not last:
+            x = h = b.op("Add", [x, mlp_out])
+        else:
+            next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
+            h, x = residual_rms_norm(b, x, mlp_out, norm_weight(b, arch, next_norm), cfg.rms_norm_eps)
         names = io.cache_names(variant, i)
         outputs += [
             _name_output(key_out, names[2], dtype, out_cache_dims),
@@ -146,6 +201,11 @@ def build_graph(
         head = b.op("MatMul", [h, embed_t])
     else:
         head = linear(b, h, b.weight(arch.lm_head))
+    if cfg.logits_divisor is not None and cfg.logits_divisor != 1.0:
+        head = b.op("Div", [head, b.scalar(cfg.logits_divisor)])  # granite's logits_scaling
+    if cfg.final_softcap:
+        cap = b.scalar(cfg.final_softcap)
+        head = b.op("Mul", [b.op("Tanh", [b.op("Div", [head, cap])]), cap])
     logits = _name_output(head, io.LOGITS, dtype, [BATCH, SEQ, cfg.vocab_size])
     return ir.Graph(
         inputs,

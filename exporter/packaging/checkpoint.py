@@ -83,10 +83,12 @@ class Checkpoint:
 
 @dataclasses.dataclass(frozen=True)
 class WeightPart:
-    """Rows [rows[0], rows[1]) of checkpoint tensor ``name`` (all rows when ``rows`` is None)."""
+    """Rows [rows[0], rows[1]) of checkpoint tensor ``name`` (all rows when ``rows`` is None),
+    plus ``add`` (in fp32, before the cast): Gemma's norms scale by ``1 + weight``."""
 
     name: str
     rows: tuple[int, int] | None = None
+    add: float = 0.0
 
 
 def _to_numpy(tensor, dtype: ir.DataType) -> np.ndarray:
@@ -152,7 +154,10 @@ class CheckpointTensor(ir.LazyTensor):
             step = max(1, BLOCK_BYTES // row_bytes)
             for r0 in range(0, shape[0], step):
                 r1 = min(shape[0], r0 + step)
-                block = _to_numpy(self.checkpoint.read(part.name, (start + r0, start + r1)), self.dtype)
+                source = self.checkpoint.read(part.name, (start + r0, start + r1))
+                if part.add:
+                    source = source.float() + part.add
+                block = _to_numpy(source, self.dtype)
                 yield offset + r0, (block.T if self.transposed else block)
             offset += shape[0]
 
@@ -184,6 +189,7 @@ class CheckpointTensor(ir.LazyTensor):
     def source_summary(self) -> dict:
         """The recipe, for the manifest and for the weight-integrity check."""
         return {
-            "parts": [{"tensor": p.name, "rows": list(p.rows) if p.rows else None} for p in self.parts],
+            "parts": [{"tensor": p.name, "rows": list(p.rows) if p.rows else None, **({"add": p.add} if p.add else {})}
+                      for p in self.parts],
             "transposed": self.transposed,
         }

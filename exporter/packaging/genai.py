@@ -30,7 +30,12 @@ from exporter.contract import ATTENTION_MASK, GENAI_CONFIG_FILE, INPUT_IDS, LOGI
 GENAI_MIN_VERSION = "0.18"
 GENAI_RUNTIME = f"onnxruntime-genai >= {GENAI_MIN_VERSION}"
 # Hugging Face model_type -> genai model.type; all are in genai's plain decoder list (ModelType::IsLLM).
-GENAI_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# The graph carries everything model-specific (soft-caps, windows, norms), so OLMo 2, which genai
+# 0.18 does not name, runs as its generic "decoder".
+GENAI_MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+    "gemma3_text": "gemma3_text", "granite": "granite", "olmo2": "decoder", "smollm3": "smollm3",
+}
 # Tokenizer files a checkpoint may carry; copied verbatim (their sha256 lands in the manifest).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",

@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from exporter.packaging.checkpoint import CheckpointTensor
+from exporter.graph.passes.quantize import QuantizedPart
 from exporter.request import ExportRequest, Variant, cache_key
 from exporter.packaging.resolve import ResolvedSource
 from exporter.versions import runtime_versions
@@ -69,7 +70,7 @@ def initializer_sources(model: ir.Model) -> dict[str, dict]:
     for name, value in model.graph.initializers.items():
         tensor = value.const_value
         entry = {"dtype": tensor.dtype.name, "shape": list(tensor.shape.numpy())}
-        if isinstance(tensor, CheckpointTensor):
+        if isinstance(tensor, (CheckpointTensor, QuantizedPart)):
             entry.update(tensor.source_summary())
         else:
             entry["computed"] = True

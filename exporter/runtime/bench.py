@@ -110,6 +110,7 @@ def run_bench(
         prefill[length] = length / elapsed
     result = BenchResult(meta["variant"], meta["dtype"], ep, results, prefill,
                          {"steps": steps, "warmup": warmup, "repeats": repeats, "cuda_graph": graph,
-                          "io_binding": True, "cache_mode": decoder.mode, "batches": list(batches)})
+                          "io_binding": True, "cache_mode": decoder.mode, "batches": list(batches),
+                          "sliding_layers": len(meta["config"].get("sliding_layers") or [])})
     (export_dir / BENCH_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

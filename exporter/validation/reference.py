@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,60 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
         ) from None
     model.eval()
     return model
+
+
+def cache_dir_default() -> Path:
+    """Where references are kept between validations (EXPORTFARM_CACHE, default ~/.cache/exportfarm)."""
+    import os
+
+    return Path(os.environ.get("EXPORTFARM_CACHE") or Path.home() / ".cache" / "exportfarm") / "references"
+
+
+def _cache_key(revision: str, what: str, prompt: list[int], steps: int) -> str:
+    import hashlib
+    import json
+
+    import torch
+    import transformers
+
+    payload = {"revision": revision, "what": what, "prompt": prompt, "steps": steps,
+               "transformers": transformers.__version__, "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cached_reference_greedy(checkpoint: Path, revision: str, prompt: list[int], steps: int,
+                            cache_dir: Path | None) -> tuple[ReferenceRun, bool]:
+    """The reference run of ``checkpoint`` (identified by ``revision``: a hub sha or a local
+    content fingerprint) for this prompt and step count, computed once and then read back: every
+    variant and dtype exported from one checkpoint shares it. Returns (run, whether it was cached)."""
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"greedy-{_cache_key(revision, 'greedy', prompt, steps)}.npz"
+        if path.is_file():
+            try:
+                with np.load(path) as data:
+                    run = ReferenceRun([int(t) for t in data["prompt"]], data["prefill_logits"],
+                                       [int(t) for t in data["tokens"]], list(data["step_logits"]),
+                                       [float(g) for g in data["gaps"]])
+                if run.prompt == list(prompt) and len(run.tokens) == steps:
+                    return run, True
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+                pass  # a torn or foreign file: compute again and replace it
+    run = reference_greedy(load_reference(checkpoint), prompt, steps)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{_pid()}.tmp.npz"
+        np.savez(tmp, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
+                 tokens=np.array(run.tokens, np.int64), step_logits=np.stack(run.step_logits),
+                 gaps=np.array(run.gaps, np.float64))
+        tmp.replace(path)  # atomic: concurrent validations never read half a file
+    return run, False
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
 
 
 def reference_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:

@@ -39,6 +39,7 @@ class ValidationReport:
     gates: list[GateResult]
     timings_s: dict[str, float]
     parity: dict | None = None
+    quality: dict | None = None  # quantized exports: the quality gate's figures
 
     @property
     def passed(self) -> bool:
@@ -64,6 +65,7 @@ class ValidationReport:
             "failed_gates": sorted({g.gate for g in self.failed}),
             "gates": [g.to_dict() for g in self.gates],
             "parity": self.parity,
+            **({"quality": self.quality} if self.quality else {}),
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
 
@@ -104,6 +106,12 @@ def render_markdown(data: dict) -> str:
         result = {"pass": "pass", "info": "info" + (f": {g['message']}" if g["message"] else "")}.get(
             g["status"], f"**FAIL** {g['message']}")
         lines.append(f"| {g['gate']} | {g['check']} | {_cell(g['measured'])} | {_cell(g['threshold'])} | {result} |")
+    quality = data.get("quality")
+    if quality:
+        lines += ["", f"Quality against the unquantized reference ({quality['positions']} positions, "
+                  f"{quality['tokenizer']} tokens): agreement {quality['agreement']:.4f} at decisive positions "
+                  f"({quality['agreement_all']:.4f} at all), mean KL {quality['kl_mean']:.4g} nats, perplexity "
+                  f"{quality['ppl_export']:.4g} vs {quality['ppl_reference']:.4g} ({quality['ppl_delta']:+.2%})."]
     parity = data.get("parity")
     if parity:
         lines += ["", f"Near ties (reference top-1/top-2 gap below the margin): {len(parity['near_ties'])} "
@@ -145,6 +153,8 @@ def validate_export(
     prompt_len: int = PARITY_PROMPT_LEN,
     lm_factory=None,
     manifest: dict | None = None,
+    quality_thresholds: dict | None = None,
+    reference_cache: Path | None = None,
 ) -> ValidationReport:
     """Run every gate on ``export_dir``; ``reference`` defaults to the checkpoint it was built from.
 
@@ -152,7 +162,7 @@ def validate_export(
     it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
     ep)`` builds the runtime driver (tests pass a deliberately wrong one).
     """
-    from exporter.validation.reference import load_reference, reference_greedy
+    from exporter.validation.reference import cached_reference_greedy
     from exporter.runtime.session import Decoder, read_metadata
 
     export_dir = Path(export_dir)
@@ -164,6 +174,7 @@ def validate_export(
     if manifest is None:
         manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
+    activations = cfg.get("activations", dtype)  # quantized exports compute in fp16 / fp32
     ep = ep or meta["ep"]
     if reference is None:
         source = manifest.get("source", {})
@@ -176,29 +187,32 @@ def validate_export(
     gates: list[GateResult] = []
 
     t0 = time.perf_counter()
-    gates += structure_gates(model_path, variant, dtype, cfg["num_layers"])
+    gates += structure_gates(model_path, variant, activations, cfg["num_layers"])
     timings["structure"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    weight_results, _ = weight_integrity(model_path, manifest, Checkpoint(ref_source.path), dtype)
+    weight_results, _ = weight_integrity(model_path, manifest, Checkpoint(ref_source.path), dtype, activations)
     gates += weight_results
     timings["weights"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    gates.append(runtime_gate(variant, ep, dtype, packed_qkv=_packed_gqa(model_path)))
+    gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
     timings["runtime_probe"] = time.perf_counter() - t0
+
+    factory = lm_factory or (lambda d, e: Decoder(d, ep=e))
+    if dtype in QUANTIZED:
+        quality = _quality(export_dir, ep, dtype, ref_source.path, cfg, factory, gates, timings, quality_thresholds)
+        return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, None, quality)
 
     parity = None
     t0 = time.perf_counter()
-    ref_model = load_reference(ref_source.path)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
-    ref = reference_greedy(ref_model, prompt, steps)
-    del ref_model
+    ref, cached = cached_reference_greedy(ref_source.path, ref_source.revision, prompt, steps, reference_cache)
     timings["reference"] = time.perf_counter() - t0
+    timings["reference_cached"] = float(cached)
 
     t0 = time.perf_counter()
-    factory = lm_factory or (lambda d, e: Decoder(d, ep=e))
     try:
         lm = factory(export_dir, ep)
     except Exception as err:
@@ -212,6 +226,35 @@ def validate_export(
             gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
     timings["parity"] = time.perf_counter() - t0
     return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity)
+
+
+QUANTIZED = ("int4", "int8")
+
+
+def _quality(export_dir, ep, dtype, checkpoint, cfg, factory, gates, timings, thresholds) -> dict | None:
+    """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity."""
+    from exporter.validation.gates.quality import WINDOW, export_logits, quality_gates, reference_logits, score, \
+        text_tokens, windows
+    from exporter.validation.reference import load_reference
+
+    t0 = time.perf_counter()
+    tokens, tokenizer = text_tokens(Path(checkpoint), cfg["vocab_size"])
+    chunks = windows(tokens, min(WINDOW, cfg.get("max_seq_len") or WINDOW))
+    ref_model = load_reference(checkpoint)
+    ref = reference_logits(ref_model, chunks)
+    del ref_model
+    timings["reference"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        lm = factory(export_dir, ep)
+    except Exception as err:
+        gates.append(GateResult("quality", f"session on {ep}", False, "error", "a session",
+                                f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
+        return None
+    result = score(chunks, ref, export_logits(lm, chunks), tokenizer)
+    gates += quality_gates(result, dtype, thresholds)
+    timings["quality"] = time.perf_counter() - t0
+    return result.to_dict()
 
 
 __all__ = ["ValidationReport", "validate_export", "PREFILL_TOLERANCE", "NEAR_TIE_MARGIN", "REPORT_JSON", "REPORT_MD"]

@@ -23,6 +23,18 @@ Strict = ConfigDict(extra="forbid", strict=True)
 Name = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.@:-]*$")]
 
 
+class QuantOptions(BaseModel):
+    """Weight-only quantization (dtype int4 / int8): MatMulNBits block size, zero points, policy."""
+
+    model_config = Strict
+
+    block_size: int = Field(32, ge=16, le=4096, description="a power of 2, at least 16")
+    symmetric: bool = Field(True, description="false: a zero point per block")
+    lm_head_bits: Literal[4, 8] | None = Field(None, description="the LM head's width (default: the dtype's)")
+    keep: list[Literal["lm_head", "first_layer", "last_layer"]] = Field(
+        default_factory=list, max_length=3, description="roles left unquantized")
+
+
 class ExportCreate(BaseModel):
     """An export request. The variant follows from the rest unless given."""
 
@@ -37,11 +49,13 @@ class ExportCreate(BaseModel):
 
     model: str = Field(..., min_length=1, max_length=300,
                        description="a model directory name under MODELS_DIR, or a hub id 'org/name[@revision]'")
-    dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
+    dtype: Literal["fp32", "fp16", "bf16", "int4", "int8"] = Field(
+        "fp16", description="int4 / int8: weight-only (MatMulNBits), activations fp16 on cuda, fp32 on cpu")
     ep: Literal["cpu", "cuda"] = "cuda"
     static_cache: bool = False
     max_seq_len: int | None = Field(None, gt=0, le=1 << 20, description="context length; required with static_cache")
     variant: Literal["attn_static", "gqa", "attn_dynamic"] | None = None
+    quant: QuantOptions | None = Field(None, description="int4 / int8 only")
     force: bool = Field(False, description="export again even if an identical export exists")
 
     @model_validator(mode="after")
@@ -55,7 +69,8 @@ class ExportCreate(BaseModel):
 
     def to_request(self) -> ExportRequest:
         return ExportRequest(model=self.model, dtype=self.dtype, ep=self.ep, static_cache=self.static_cache,
-                             max_seq_len=self.max_seq_len, variant=self.variant)
+                             max_seq_len=self.max_seq_len, variant=self.variant,
+                             quant=self.quant.model_dump() if self.quant else None)
 
 
 class Links(BaseModel):
@@ -83,6 +98,7 @@ class ExportOut(BaseModel):
     cache_key: str = Field(description="the export's identity; equal to its published manifest's")
     variant: str
     dtype: str
+    quant: dict | None = Field(None, description="int4 / int8: the quantization options")
     ep: str
     static_cache: bool
     max_seq_len: int | None

@@ -66,6 +66,7 @@ class Export(Base):
     static_cache: Mapped[bool] = mapped_column(Boolean, default=False)
     max_seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     variant: Mapped[str] = mapped_column(String(20), index=True)
+    quant: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # int4 / int8: QuantSpec options
     ort_version: Mapped[str] = mapped_column(String(40))
     exporter_version: Mapped[str] = mapped_column(String(40))
     status: Mapped[ExportStatus] = mapped_column(Enum(ExportStatus, native_enum=False, length=16), index=True)

@@ -6,6 +6,10 @@ import dataclasses
 
 from exporter.packaging.checkpoint import WeightPart
 
+PRE_NORM = "pre"  # llama: x + attn(norm(x)), x + mlp(norm(x))
+SANDWICH = "sandwich"  # gemma2/3: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
+POST_NORM = "post"  # olmo2: x + norm(attn(x)), x + norm(mlp(x))
+
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
@@ -18,8 +22,11 @@ class Architecture:
     model_type: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True  # False: q_norm / k_norm over the whole projection (olmo2)
     fused_qkv: bool = False  # one qkv_proj tensor in the checkpoint (phi3)
     fused_gate_up: bool = False  # one gate_up_proj tensor in the checkpoint (phi3)
+    norm_layout: str = PRE_NORM
+    norm_offset: float = 0.0  # gemma's RMSNorm scales by (1 + weight): folded into the weight
 
     @staticmethod
     def layer_prefix(i: int) -> str:
@@ -42,11 +49,16 @@ class Architecture:
         return {
             "input_norm": f"{p}.input_layernorm.weight",
             "post_attention_norm": f"{p}.post_attention_layernorm.weight",
+            "pre_feedforward_norm": f"{p}.pre_feedforward_layernorm.weight",
+            "post_feedforward_norm": f"{p}.post_feedforward_layernorm.weight",
             "o": f"{p}.self_attn.o_proj",
             "down": f"{p}.mlp.down_proj",
             "q_norm": f"{p}.self_attn.q_norm.weight",
             "k_norm": f"{p}.self_attn.k_norm.weight",
         }
+
+    def norm_part(self, name: str) -> WeightPart:
+        return WeightPart(name, add=self.norm_offset)
 
     embed_tokens = "model.embed_tokens.weight"
     final_norm = "model.norm.weight"

@@ -5,6 +5,11 @@
   reads the whole cache with ``is_causal=1`` and ``nonpad_kv_seqlen`` = tokens cached *after* the
   scatter. No mask input, no control flow, so the decode step is CUDA-graph capturable.
 - gqa: com.microsoft GroupQueryAttention on packed QKV, rotary inside the op.
+
+Sliding-window layers (mistral, gemma2/3): attn_dynamic narrows its explicit mask to the window;
+attn_static gives Attention an in-graph window mask built from ``position_ids`` instead of
+``is_causal`` + ``nonpad_kv_seqlen`` (the mask bounds the keys to those cached, so it needs no
+count); gqa sets GroupQueryAttention's ``local_window_size``.
 """
 
 from __future__ import annotations
@@ -25,26 +30,34 @@ class AttentionWeights:
     o: ir.Value
     qkv_bias: ir.Value | None = None
     o_bias: ir.Value | None = None
-    q_norm: ir.Value | None = None  # per-head RMSNorm weights (qwen3)
+    q_norm: ir.Value | None = None  # RMSNorm weights on queries / keys (qwen3, gemma3: per head)
     k_norm: ir.Value | None = None
+    qk_norm_per_head: bool = True  # False: over the whole projection (olmo2)
 
 
 @dataclasses.dataclass
 class StepInputs:
-    """Per-step values shared by every layer, built once by the task from the graph inputs."""
+    """Per-step values the layers read, built once by the task from the graph inputs (one copy per
+    kind of layer: its rotary, its window)."""
 
-    rotary: Rotary
+    rotary: Rotary | None  # None: no rotary in this layer (smollm3's NoPE layers)
     attn_mask: ir.Value | None = None  # attn_dynamic: bool [batch, 1, seq, total]
     write_indices: ir.Value | None = None  # attn_static
     nonpad_kv_seqlen: ir.Value | None = None  # attn_static
     seqlens_k: ir.Value | None = None  # gqa: int32 [batch], total length - 1
     total_seq_len: ir.Value | None = None  # gqa: int32 scalar
+    window: int | None = None  # sliding window of this layer (tokens, itself included)
+    window_mask: ir.Value | None = None  # attn_static sliding layers: bool [batch, 1, seq, cache]
 
 
-def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float):
-    """Per-head RMSNorm (qwen3's q_norm / k_norm) on [batch, seq, heads*head_dim], shape kept."""
+def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float,
+               per_head: bool = True):
+    """RMSNorm of [batch, seq, heads*head_dim], shape kept: per head (qwen3, gemma3's q_norm /
+    k_norm) or over the whole projection (olmo2)."""
     if norm is None:
         return x
+    if not per_head:
+        return rms_norm(b, x, norm, eps)
     per_head = rms_norm(b, b.op("Reshape", [x, b.ints(0, 0, num_heads, head_dim)]), norm, eps)
     return b.op("Reshape", [per_head, b.ints(0, 0, num_heads * head_dim)])
 
@@ -61,13 +74,25 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
     transpose per tensor per layer, which is most of a decode step's kernel count.
     """
     q, k, v = _split_qkv(b, x, w, cfg)
-    q = apply_rotary(b, _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps), rotary, cfg.num_heads)
-    k = apply_rotary(b, _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps), rotary, cfg.num_kv_heads)
+    q = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+    k = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+    if rotary is not None:
+        q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
     return q, k, v
 
 
+def _scores_attrs(cfg) -> dict:
+    """Score scale (default head_dim ** -0.5) and tanh soft-capping, as both attention ops name them."""
+    attrs = {}
+    if getattr(cfg, "attention_scale", None) is not None:
+        attrs["scale"] = float(cfg.attention_scale)
+    if getattr(cfg, "attention_softcap", None):
+        attrs["softcap"] = float(cfg.attention_softcap)
+    return attrs
+
+
 def _heads_attrs(cfg: ModelConfig, **extra) -> dict:
-    return {"q_num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **extra}
+    return {"q_num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **_scores_attrs(cfg), **extra}
 
 
 # The attention cores: everything after the projections and rotary. The exports and the runtime
@@ -87,19 +112,24 @@ def static_core(b, q, k, v, cfg, step: StepInputs, key_cache, value_cache):
     count after the scatter), no mask; -> (y, updated k, updated v)."""
     updated_key = b.op("TensorScatter", [key_cache, k, step.write_indices], {"axis": 1})
     updated_value = b.op("TensorScatter", [value_cache, v, step.write_indices], {"axis": 1})
-    y = b.op("Attention", [q, updated_key, updated_value, None, None, None, step.nonpad_kv_seqlen],
-             _heads_attrs(cfg, is_causal=1))
+    if step.window_mask is not None:  # a sliding layer: the window mask says which slots each query sees
+        y = b.op("Attention", [q, updated_key, updated_value, step.window_mask], _heads_attrs(cfg, is_causal=0))
+    else:
+        y = b.op("Attention", [q, updated_key, updated_value, None, None, None, step.nonpad_kv_seqlen],
+                 _heads_attrs(cfg, is_causal=1))
     return y, updated_key, updated_value
 
 
 def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value):
     """com.microsoft GroupQueryAttention, rotary inside the op (packed QKV when key is None)."""
-    return b.op_multi(
-        "GroupQueryAttention",
-        [query, key, value, past_key, past_value, step.seqlens_k, step.total_seq_len, step.rotary.cos, step.rotary.sin],
-        {"num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, "do_rotary": 1, "rotary_interleaved": 0},
-        domain="com.microsoft", num_outputs=3,
-    )
+    attrs = {"num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **_scores_attrs(cfg)}
+    inputs = [query, key, value, past_key, past_value, step.seqlens_k, step.total_seq_len]
+    if step.rotary is not None:
+        attrs.update(do_rotary=1, rotary_interleaved=0)
+        inputs += [step.rotary.cos, step.rotary.sin]
+    if step.window:
+        attrs["local_window_size"] = int(step.window)
+    return b.op_multi("GroupQueryAttention", inputs, attrs, domain="com.microsoft", num_outputs=3)
 
 
 def attention_dynamic(b, x, w, cfg, step: StepInputs, past_key, past_value):
@@ -120,7 +150,7 @@ def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value = _split_qkv(b, x, w, cfg)
-        query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps)
-        key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps)
+        query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+        key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
     y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value)
     return linear(b, y, w.o, w.o_bias), present_key, present_value

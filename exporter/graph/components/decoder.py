@@ -1,10 +1,11 @@
-"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused into norms."""
+"""One decoder layer in the architecture's norm layout (pre, sandwich or post), residual adds fused
+into the norm that follows them where there is one."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from exporter.graph.architectures.base import Architecture
+from exporter.graph.architectures.base import POST_NORM, SANDWICH, Architecture
 from exporter.graph.components.attention import (
     AttentionWeights,
     StepInputs,
@@ -14,7 +15,7 @@ from exporter.graph.components.attention import (
 )
 from exporter.graph.components.graph import GraphBuilder, packed
 from exporter.graph.components.mlp import gated_mlp
-from exporter.graph.components.norm import residual_rms_norm
+from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.config import ModelConfig
 from exporter.request import Variant
 
@@ -33,6 +34,15 @@ def _optional(b: GraphBuilder, name: str) -> ir.Value | None:
     return b.weight(name) if b.has_weight(name) else None
 
 
+def norm_weight(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value:
+    """An RMSNorm weight as the op multiplies by it (gemma's 1 + w folded in)."""
+    return b.weight(name, arch.norm_part(name))
+
+
+def _scaled(b: GraphBuilder, x: ir.Value, scale: float | None) -> ir.Value:
+    return b.op("Mul", [x, b.scalar(scale)]) if scale is not None and scale != 1.0 else x
+
+
 def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int) -> AttentionWeights:
     names = arch.names(i)
     qkv_bias = None
@@ -45,8 +55,9 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
         o=b.weight(f"{names['o']}.weight"),
         qkv_bias=qkv_bias,
         o_bias=_optional(b, f"{names['o']}.bias") if cfg.attention_bias else None,
-        q_norm=b.weight(names["q_norm"]) if arch.qk_norm else None,
-        k_norm=b.weight(names["k_norm"]) if arch.qk_norm else None,
+        q_norm=norm_weight(b, arch, names["q_norm"]) if arch.qk_norm else None,
+        k_norm=norm_weight(b, arch, names["k_norm"]) if arch.qk_norm else None,
+        qk_norm_per_head=arch.qk_norm_per_head,
     )
 
 
@@ -61,18 +72,31 @@ def decoder_layer(
     step: StepInputs,
     cache: tuple[ir.Value, ir.Value],
 ) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
-    """One layer on the normed input ``h`` and residual stream ``x``.
+    """One layer on ``h`` (the normed input; the residual itself for the post-norm layout) and
+    the residual stream ``x``.
 
-    Returns (mlp output, residual after attention, caches out). The last residual add is left to
-    the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
+    Returns (the MLP branch, residual after attention, caches out). The last residual add is left
+    to the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
     """
     names = arch.names(i)
+    eps = cfg.rms_norm_eps
     attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
-    h, x = residual_rms_norm(b, x, attn_out, b.weight(names["post_attention_norm"]), cfg.rms_norm_eps)
+    if arch.norm_layout == SANDWICH:
+        attn_out = rms_norm(b, attn_out, norm_weight(b, arch, names["post_attention_norm"]), eps)
+        h, x = residual_rms_norm(b, x, attn_out, norm_weight(b, arch, names["pre_feedforward_norm"]), eps)
+    elif arch.norm_layout == POST_NORM:
+        attn_out = rms_norm(b, attn_out, norm_weight(b, arch, names["post_attention_norm"]), eps)
+        x = b.op("Add", [x, _scaled(b, attn_out, cfg.residual_scale)])
+        h = x
+    else:
+        h, x = residual_rms_norm(b, x, _scaled(b, attn_out, cfg.residual_scale),
+                                 norm_weight(b, arch, names["post_attention_norm"]), eps)
     gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
     down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
     mlp_out = gated_mlp(
         b, h, _packed_weight(b, arch.gate_up_parts(i)), b.weight(f"{names['down']}.weight"),
-        cfg.intermediate_size, gate_up_bias, down_bias,
+        cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
     )
-    return mlp_out, x, (key_out, value_out)
+    if arch.norm_layout in (SANDWICH, POST_NORM):
+        mlp_out = rms_norm(b, mlp_out, norm_weight(b, arch, names["post_feedforward_norm"]), eps)
+    return _scaled(b, mlp_out, cfg.residual_scale), x, (key_out, value_out)

@@ -43,6 +43,10 @@ class GraphBuilder:
             self._consts[key] = self.tape.initializer(ir.tensor(array, name=name), name=name)
         return self._consts[key]
 
+    def scalar(self, value: float) -> ir.Value:
+        """A scalar in the model dtype (scales, soft-caps), rounded as the reference rounds it."""
+        return self.constant(np.array(value, dtype=self.dtype.numpy()), f"const_scalar_{value!r}".replace("-", "m"))
+
     def ints(self, *values: int) -> ir.Value:
         name = "const_i64_" + "_".join(str(v).replace("-", "m") for v in values)
         return self.constant(np.array(values, dtype=np.int64), name)

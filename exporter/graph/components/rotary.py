@@ -21,11 +21,12 @@ class Rotary:
     position_ids: ir.Value | None = None  # table rows for this step (Attention variants)
 
 
-def rope_constants(b: GraphBuilder, tables: RopeTables) -> tuple[ir.Value, ir.Value]:
+def rope_constants(b: GraphBuilder, tables: RopeTables, layer_type: str | None = None) -> tuple[ir.Value, ir.Value]:
     dtype = b.dtype.numpy()
+    prefix = f"rope.{layer_type}." if layer_type else "rope."
     return (
-        b.constant(tables.cos.astype(dtype), "rope.cos_cache"),
-        b.constant(tables.sin.astype(dtype), "rope.sin_cache"),
+        b.constant(tables.cos.astype(dtype), prefix + "cos_cache"),
+        b.constant(tables.sin.astype(dtype), prefix + "sin_cache"),
     )
 
 

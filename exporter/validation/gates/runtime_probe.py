@@ -45,6 +45,8 @@ class ProbeShape:
     num_heads: int = 2
     num_kv_heads: int = 1
     head_dim: int = 16
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
 
 
 SHAPE = ProbeShape()

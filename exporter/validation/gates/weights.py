@@ -25,6 +25,8 @@ CORRELATION_MIN = {"fp16": 0.9999, "bf16": 0.999}
 # fp16 keeps 11 significant bits (RMS relative rounding error ~3e-4 from fp32); bf16 keeps 8
 # (~2.3e-3), so a bf16 build of a higher-precision checkpoint gets a looser L2 bound.
 REL_L2_MAX = {"fp16": 1e-3, "bf16": 5e-3}
+# A dequantized weight is within this many of its block's quantization steps of the source.
+QUANT_BOUND = 1.01
 # Checkpoint tensors an export legitimately leaves out (recomputed buffers).
 IGNORED_SOURCES = ("rotary_emb.inv_freq",)
 
@@ -39,6 +41,7 @@ class SliceStats:
     max_abs: float
     exact: bool
     passed: bool = True
+    step_ratio: float | None = None  # quantized weights: worst |error| in quantization steps
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,13 +129,56 @@ def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Ch
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         want = checkpoint.read(part["tensor"], (rows[0] + r0, rows[0] + r1))
+        if part.get("add"):
+            want = want.float() + part["add"]  # the recipe's offset (Gemma's 1 + weight norms)
         got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]
         acc.add(_as_torch(np.array(got, copy=True, order="C")), want)  # a writable copy for torch
     return acc
 
 
-def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str) -> tuple[list[GateResult], list[SliceStats]]:
-    """Compare every checkpoint-derived slice; returns gate results and per-slice figures."""
+def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
+                       activations: str) -> _Accumulator:
+    """Dequantize output columns [offset, offset + rows) of a MatMulNBits weight (one checkpoint
+    part's rows) and compare them with the source as it was quantized (cast to the activations)."""
+    import torch
+
+    from exporter.graph.passes.quantize import QuantScheme, dequantize
+
+    scheme = QuantScheme(quant["bits"], quant["block_size"], quant["symmetric"])
+    k, n_total = quant["K"], quant["N"]
+    k_blocks, _, zp_bytes = scheme.layout(k, n_total)
+    stem = name[: -len(".packed")]
+    packed = arrays[name]
+    scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)
+    zero_points = None if scheme.symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, zp_bytes)
+    acc = _Accumulator()
+    acc.bound_ratio = 0.0
+    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
+    n = rows[1] - rows[0]
+    step = max(1, BLOCK_BYTES // (k * 16))
+    cast = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[activations]
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        want = checkpoint.read(part["tensor"], (rows[0] + r0, rows[0] + r1))
+        if part.get("add"):
+            want = want.float() + part["add"]
+        want = want.to(cast).float()
+        cols = slice(offset + r0, offset + r1)
+        got = dequantize(np.asarray(packed[cols]), scales[cols], None if zero_points is None else zero_points[cols], scheme, k)
+        step_size = np.repeat(np.abs(scales[cols].astype(np.float32)), scheme.block_size, axis=1)[:, :k]
+        err = np.abs(got - want.numpy())
+        acc.bound_ratio = max(acc.bound_ratio, float((err / np.maximum(step_size, 1e-30)).max()) if err.size else 0.0)
+        acc.add(torch.from_numpy(got), want)
+    return acc
+
+
+def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str,
+                     activations: str | None = None) -> tuple[list[GateResult], list[SliceStats]]:
+    """Compare every checkpoint-derived slice; returns gate results and per-slice figures.
+
+    A weight quantized to MatMulNBits is dequantized and held to the quantization's own error
+    bound element by element (``QUANT_BOUND`` quantization steps); the rest to their dtype's."""
+    activations = activations or dtype
     model = onnx.load(str(model_path), load_external_data=False)
     arrays = _external_arrays(model, model_path.parent)
     sources = manifest.get("initializers", {})
@@ -146,7 +192,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             problems.append(f"{name} is in model.onnx but not in the manifest")
             continue
         if recipe.get("computed"):
-            continue
+            continue  # rope tables, shape vectors; a quantized weight's scales are read with its packed data
         if isinstance(data, ValueError):
             problems.append(str(data))
             continue
@@ -155,27 +201,45 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             jobs.append((name, data, recipe["transposed"], offset, part))
             used_sources.add(part["tensor"])
             offset += _part_rows(checkpoint, part)
-    accumulators = [_compare_part(data, transposed, offset, checkpoint, part) for _, data, transposed, offset, part in jobs]
+    accumulators = []
+    for name, data, transposed, offset, part in jobs:
+        quant = sources[name].get("quantization")
+        if quant:
+            accumulators.append(_compare_quantized(arrays, name, quant, offset, checkpoint, part, activations))
+        else:
+            accumulators.append(_compare_part(data, transposed, offset, checkpoint, part))
     for (name, _, transposed, offset, part), acc in zip(jobs, accumulators):
         n = _part_rows(checkpoint, part)
-        region = f"[:, {offset}:{offset + n}]" if transposed else f"[{offset}:{offset + n}]"
+        quant = sources[name].get("quantization")
+        region = f"[{offset}:{offset + n}]" if quant else (f"[:, {offset}:{offset + n}]" if transposed else f"[{offset}:{offset + n}]")
         corr, rel = acc.correlation(), acc.rel_l2()
         exact = acc.max_abs == 0.0
-        if dtype == "fp32":
+        if quant:
+            # Round to nearest moves an element by at most half a step, a whole one where the
+            # symmetric grid clips the block's extreme; any more is a wrong weight, not rounding.
+            passed = acc.bound_ratio <= QUANT_BOUND
+        elif activations == "fp32":
             passed = exact
         else:
-            passed = rel <= REL_L2_MAX[dtype] and (corr is None or corr >= CORRELATION_MIN[dtype])
+            passed = rel <= REL_L2_MAX[activations] and (corr is None or corr >= CORRELATION_MIN[activations])
         rows = f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else ""
-        stats.append(SliceStats(name, region, part["tensor"] + rows, corr, rel, acc.max_abs, exact, passed))
+        stats.append(SliceStats(name, region, part["tensor"] + rows, corr, rel, acc.max_abs, exact, passed,
+                                getattr(acc, "bound_ratio", None)))
     missing = [s for s in checkpoint.names() if s not in used_sources and not s.endswith(IGNORED_SOURCES)]
     failed = [s for s in stats if not s.passed]
     worst = sorted(stats, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))
-    threshold = "exact" if dtype == "fp32" else f"corr >= {CORRELATION_MIN[dtype]}, rel L2 <= {REL_L2_MAX[dtype]}"
+    if dtype in ("int4", "int8"):
+        threshold = f"quantized: |dequantized - source| <= {QUANT_BOUND} x block step; others: " + (
+            "exact" if activations == "fp32" else f"corr >= {CORRELATION_MIN[activations]}, rel L2 <= {REL_L2_MAX[activations]}")
+    else:
+        threshold = "exact" if dtype == "fp32" else f"corr >= {CORRELATION_MIN[dtype]}, rel L2 <= {REL_L2_MAX[dtype]}"
     results = [
         GateResult(
             "weights", "every checkpoint slice matches its source by value", not failed and not problems,
             f"{len(stats) - len(failed)}/{len(stats)} slices ok", threshold,
-            "; ".join(problems[:5] + [f"{s.initializer}{s.region} vs {s.source}: corr {_fmt(s.correlation)}, rel L2 {s.rel_l2:.3g}" for s in failed[:5]]),
+            "; ".join(problems[:5] + [f"{s.initializer}{s.region} vs {s.source}: corr {_fmt(s.correlation)}, rel L2 {s.rel_l2:.3g}"
+                                 + (f", {s.step_ratio:.3g} quantization steps off" if s.step_ratio is not None else "")
+                                 for s in failed[:5]]),
             details={"worst": [s.to_dict() for s in worst[:10]]},
         ),
         GateResult(

@@ -1,0 +1,231 @@
+"""Weight-only quantization: ``MatMul(x, W_T)`` -> ``com.microsoft::MatMulNBits`` with lazy blocks.
+
+The quantization itself is onnxruntime's own block quantizer (``quantize_matmul_4bits`` /
+``quantize_matmul_8bits``, the kernels behind ``onnxruntime.quantization.MatMulNBitsQuantizer``),
+called on one bounded block of output columns at a time: MatMulNBits quantizes along K per output
+column, so the columns of ``W_T`` (the rows of the checkpoint's ``[out, in]`` weight) quantize
+independently and the tensor never has to be whole in memory. Packed Q/K/V and gate/up stay one
+node each: the pass runs after the concat and transpose folds and sees one initializer per MatMul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+
+import numpy as np
+import onnx_ir as ir
+
+from exporter.packaging.checkpoint import CheckpointTensor
+from exporter.graph.passes.dtype import make_initializer
+
+MS_DOMAIN = "com.microsoft"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    bits: int
+    block_size: int
+    symmetric: bool
+
+    def layout(self, k: int, n: int) -> tuple[int, int, int]:
+        """(k_blocks, blob bytes per block, zero-point bytes per column)."""
+        k_blocks = -(-k // self.block_size)
+        per_byte = 8 // self.bits
+        return k_blocks, self.block_size // per_byte, -(-k_blocks // per_byte)
+
+    def default_zero_point(self) -> int:
+        return 1 << (self.bits - 1)
+
+
+def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """onnxruntime's block quantizer on one ``[K, n]`` block: packed ``[n, k_blocks, blob]``,
+    scales ``[n, k_blocks]`` (the block's dtype), zero points ``[n, zp bytes]``."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    k, n = weight_kn.shape
+    k_blocks, blob, zp_bytes = scheme.layout(k, n)
+    if k_blocks * scheme.block_size != k:  # ORT's tool pads K the same way
+        weight_kn = np.pad(weight_kn, ((0, k_blocks * scheme.block_size - k), (0, 0)))
+    weight_kn = np.ascontiguousarray(weight_kn)
+    packed = np.zeros((n, k_blocks, blob), np.uint8)
+    scales = np.zeros((n, k_blocks), weight_kn.dtype)
+    zero_points = np.zeros((n, zp_bytes), np.uint8)
+    quantize = quantize_matmul_4bits if scheme.bits == 4 else quantize_matmul_8bits
+    quantize(packed, weight_kn, scales, zero_points, scheme.block_size, n, k_blocks * scheme.block_size, scheme.symmetric)
+    return packed, scales, zero_points
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, scheme: QuantScheme, k: int) -> np.ndarray:
+    """``[n, K]`` float32 from MatMulNBits' packed layout (the inverse the kernels apply)."""
+    n = packed.shape[0]
+    k_blocks = packed.shape[1]
+    if scheme.bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k_blocks, scheme.block_size)
+    else:
+        q = packed.reshape(n, k_blocks, scheme.block_size)
+    if zero_points is None:
+        zp = np.full((n, k_blocks), scheme.default_zero_point(), np.float32)
+    elif scheme.bits == 4:
+        zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :k_blocks].astype(np.float32)
+    else:
+        zp = zero_points.reshape(n, k_blocks).astype(np.float32)
+    values = (q.astype(np.float32) - zp[..., None]) * scales.reshape(n, k_blocks).astype(np.float32)[..., None]
+    return values.reshape(n, -1)[:, :k]
+
+
+class _Quantization:
+    """One weight's quantization, shared by its packed / scales / zero-point initializers.
+
+    The packed tensor streams to the file block by block and keeps the (small) scales and zero
+    points it computed; whichever initializer is written first triggers the pass. Thread-safe:
+    ``ir.save`` may write several tensors at once.
+    """
+
+    def __init__(self, source: CheckpointTensor, scheme: QuantScheme):
+        self.source, self.scheme = source, scheme
+        self.k, self.n = (int(d) for d in source.shape.numpy())
+        self._lock = threading.Lock()
+        self._small: tuple[np.ndarray, np.ndarray] | None = None
+
+    def blocks(self):
+        """(column offset, packed, scales, zero points) per source block."""
+        for offset, block in self.source.blocks():  # transposed: block is [K, n] of output columns
+            yield (offset, *quantize_block(block, self.scheme))
+
+    def run(self, packed_file=None) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            if self._small is not None and packed_file is None:
+                return self._small
+            k_blocks, _, zp_bytes = self.scheme.layout(self.k, self.n)
+            scales = np.empty((self.n, k_blocks), self.source.dtype.numpy())
+            zero_points = np.empty((self.n, zp_bytes), np.uint8)
+            for offset, packed, s, zp in self.blocks():
+                if packed_file is not None:
+                    packed_file.write(packed.tobytes())
+                scales[offset : offset + s.shape[0]] = s
+                zero_points[offset : offset + zp.shape[0]] = zp
+            self._small = (scales, zero_points)
+            return self._small
+
+
+class QuantizedPart(ir.LazyTensor):
+    """One of a quantized weight's three initializers: ``packed``, ``scales`` or ``zero_points``."""
+
+    def __init__(self, quantization: _Quantization, role: str, name: str):
+        self.quantization, self.role = quantization, role
+        k_blocks, blob, zp_bytes = quantization.scheme.layout(quantization.k, quantization.n)
+        n = quantization.n
+        dtype, shape = {
+            "packed": (ir.DataType.UINT8, (n, k_blocks, blob)),
+            "scales": (quantization.source.dtype, (n * k_blocks,)),
+            "zero_points": (ir.DataType.UINT8, (n * zp_bytes,)),
+        }[role]
+        super().__init__(self._materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+    def _materialize(self) -> ir.Tensor:
+        if self.role == "packed":
+            packed = np.concatenate([p for _, p, _, _ in self.quantization.blocks()])
+            return ir.Tensor(packed, name=self.name)
+        scales, zero_points = self.quantization.run()
+        array = scales if self.role == "scales" else zero_points
+        return ir.Tensor(array.reshape(-1), name=self.name)
+
+    def tofile(self, file) -> None:
+        if self.role == "packed":
+            self.quantization.run(packed_file=file)
+        else:
+            file.write(self._materialize().numpy().tobytes())
+
+    def source_summary(self) -> dict:
+        q = self.quantization
+        summary = {"quantization": {"role": self.role, "bits": q.scheme.bits, "block_size": q.scheme.block_size,
+                                    "symmetric": q.scheme.symmetric, "K": q.k, "N": q.n,
+                                    "of": q.source.name}}
+        if self.role == "packed":
+            summary.update(q.source.source_summary())
+        else:
+            summary["computed"] = True
+        return summary
+
+
+def tensor_role(weight_name: str, num_layers: int, is_lm_head: bool) -> set[str]:
+    roles = set()
+    if is_lm_head:
+        roles.add("lm_head")
+    match = _LAYER.search(weight_name)
+    if match:
+        layer = int(match.group(1))
+        if layer == 0:
+            roles.add("first_layer")
+        if layer == num_layers - 1:
+            roles.add("last_layer")
+    return roles
+
+
+class QuantizeMatMulPass(ir.passes.InPlacePass):
+    """Every ``MatMul`` on a pre-transposed checkpoint weight becomes ``MatMulNBits`` unless the
+    policy keeps its role; ``decisions`` records what happened to each weight (for the manifest)."""
+
+    def __init__(self, bits: int, block_size: int, symmetric: bool, *, num_layers: int, logits: str,
+                 lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int = 0):
+        super().__init__()
+        self.bits, self.block_size, self.symmetric = bits, block_size, symmetric
+        self.num_layers, self.logits = num_layers, logits
+        self.lm_head_bits, self.keep, self.accuracy_level = lm_head_bits, set(keep), accuracy_level
+        self.decisions: dict[str, dict] = {}
+
+    def _feeds_logits(self, node: ir.Node) -> bool:
+        """The LM head: the last MatMul before the logits output (scalings may follow it)."""
+        frontier = [node.outputs[0]]
+        for _ in range(4):
+            if any(v.name == self.logits for v in frontier):
+                return True
+            frontier = [out for v in frontier for user, _ in v.uses() if user.op_type != "MatMul" for out in user.outputs]
+        return any(v.name == self.logits for v in frontier)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        changed = 0
+        for node in list(graph):
+            if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
+                continue
+            weight = node.inputs[1]
+            source = weight.const_value if weight is not None else None
+            if not isinstance(source, CheckpointTensor) or not source.transposed or len(source.shape) != 2:
+                continue
+            roles = tensor_role(weight.name, self.num_layers, self._feeds_logits(node))
+            kept = sorted(roles & self.keep)
+            if kept:
+                self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
+                continue
+            bits = self.lm_head_bits if ("lm_head" in roles and self.lm_head_bits) else self.bits
+            scheme = QuantScheme(bits, self.block_size, self.symmetric)
+            quantization = _Quantization(source, scheme)
+            stem = f"{weight.name}.q{bits}b{self.block_size}{'s' if self.symmetric else 'a'}"
+            inputs = [node.inputs[0]]
+            for role in ("packed", "scales") + (() if self.symmetric else ("zero_points",)):
+                name = f"{stem}.{role}"
+                value = graph.initializers[name] if name in graph.initializers else \
+                    make_initializer(graph, QuantizedPart(quantization, role, name), name)
+                inputs.append(value)
+            attrs = {"K": quantization.k, "N": quantization.n, "bits": bits, "block_size": self.block_size,
+                     "accuracy_level": self.accuracy_level}
+            new = ir.node("MatMulNBits", inputs, attributes=attrs, domain=MS_DOMAIN,
+                          name=f"{node.name or weight.name}_nbits", num_outputs=1)
+            graph.insert_before(node, new)
+            output_name = node.outputs[0].name
+            node.outputs[0].name = None
+            new.outputs[0].name = output_name
+            new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+            node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+            graph.remove(node, safe=True)
+            self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": self.block_size,
+                                           "symmetric": self.symmetric, "roles": sorted(roles),
+                                           "initializer": f"{stem}.packed"}
+            changed += 1
+        if changed:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        return ir.passes.PassResult(model, modified=bool(changed))

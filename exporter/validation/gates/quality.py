@@ -1,0 +1,146 @@
+"""The quality gate of weight-only quantized exports: scored against the unquantized reference.
+
+Exact parity cannot hold for int4 / int8 weights, so a quantized export is held to what a user
+of it feels: on real English text (``data/quality_text.txt``, public domain), teacher-forced, at
+every position, how often its next-token choice agrees with the unquantized model's, the mean KL
+divergence of its next-token distribution from the reference's, and the change in perplexity.
+The reference is transformers on the checkpoint's own weights in fp32. Thresholds per dtype are
+defaults here and overridable (farm setting QUALITY_THRESHOLDS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from exporter.validation.gates import GateResult
+
+TEXT_PATH = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
+# Teacher-forced windows: positions scored per window, and at most this many tokens in all.
+WINDOW, MAX_TOKENS = 128, 512
+
+# agreement: top-1 equal to the reference's at positions where the reference is decisive (its
+# top-1/top-2 gap >= DECISIVE_GAP logits); kl: mean KL(reference || export) in nats per token;
+# ppl_delta: relative perplexity increase over the reference.
+# Measured on SmolLM2-135M (benchmarks/results/quant_quality.json): int8 agreement 0.996, KL 0.015,
+# perplexity +1.3%; round-to-nearest int4 agreement 0.63, KL 1.16, perplexity +96%. The int8 limits
+# leave about 3x margin; the int4 ones admit what is usually called a usable 4-bit model.
+DEFAULT_THRESHOLDS = {
+    "int8": {"agreement_min": 0.97, "kl_max": 0.05, "ppl_delta_max": 0.03},
+    "int4": {"agreement_min": 0.85, "kl_max": 0.25, "ppl_delta_max": 0.15},
+}
+DECISIVE_GAP = 1.0
+
+
+@dataclasses.dataclass
+class QualityResult:
+    tokens: int
+    positions: int
+    decisive_positions: int
+    agreement: float  # at decisive positions
+    agreement_all: float  # at every position
+    kl_mean: float
+    kl_p99: float
+    ppl_reference: float
+    ppl_export: float
+    tokenizer: str  # "checkpoint" or "bytes" (no tokenizer: byte values mapped into the vocab)
+
+    @property
+    def ppl_delta(self) -> float:
+        return self.ppl_export / self.ppl_reference - 1.0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ppl_delta": self.ppl_delta}
+
+
+def text_tokens(checkpoint: Path, vocab_size: int, limit: int = MAX_TOKENS) -> tuple[list[int], str]:
+    """The quality text as token ids: the checkpoint's tokenizer when it has one, else bytes."""
+    text = TEXT_PATH.read_text()
+    if any((checkpoint / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(text, add_special_tokens=False)
+        if ids and max(ids) < vocab_size:
+            return [int(t) for t in ids[:limit]], "checkpoint"
+    span = max(1, vocab_size - 3)
+    return [3 + (b % span) for b in text.encode()[:limit]], "bytes"
+
+
+def windows(tokens: list[int], window: int) -> list[list[int]]:
+    return [tokens[i : i + window] for i in range(0, len(tokens) - 1, window) if len(tokens[i : i + window]) > 1]
+
+
+def reference_logits(model, chunks: list[list[int]]) -> list[np.ndarray]:
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([c], dtype=torch.long)).logits[0].float().numpy() for c in chunks]
+
+
+def export_logits(lm, chunks: list[list[int]]) -> list[np.ndarray]:
+    """Each window as one prefill through the export's own contract (fresh state per window)."""
+    return [lm.forward(np.array([c], dtype=np.int64), lm.new_state())[0].astype(np.float32) for c in chunks]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def score(chunks: list[list[int]], ref: list[np.ndarray], got: list[np.ndarray], tokenizer: str) -> QualityResult:
+    kls, agree, decisive_agree, decisive, nll_ref, nll_got = [], 0, 0, 0, [], []
+    positions = 0
+    for ids, r, g in zip(chunks, ref, got):
+        lr, lg = _log_softmax(r[:-1]), _log_softmax(g[:-1])
+        targets = np.asarray(ids[1:])
+        kls.append((np.exp(lr) * (lr - lg)).sum(axis=-1))
+        nll_ref.append(-lr[np.arange(len(targets)), targets])
+        nll_got.append(-lg[np.arange(len(targets)), targets])
+        top_r, top_g = r[:-1].argmax(-1), g[:-1].argmax(-1)
+        part = np.partition(r[:-1].astype(np.float64), -2, axis=-1)
+        gap = part[:, -1] - part[:, -2]
+        agree += int((top_r == top_g).sum())
+        decisive += int((gap >= DECISIVE_GAP).sum())
+        decisive_agree += int(((top_r == top_g) & (gap >= DECISIVE_GAP)).sum())
+        positions += len(targets)
+    kl = np.concatenate(kls)
+    return QualityResult(
+        tokens=sum(len(c) for c in chunks), positions=positions, decisive_positions=decisive,
+        agreement=decisive_agree / decisive if decisive else float("nan"), agreement_all=agree / positions,
+        kl_mean=float(kl.mean()), kl_p99=float(np.quantile(kl, 0.99)),
+        ppl_reference=float(np.exp(np.concatenate(nll_ref).mean())),
+        ppl_export=float(np.exp(np.concatenate(nll_got).mean())), tokenizer=tokenizer,
+    )
+
+
+def quality_gates(result: QualityResult, dtype: str, thresholds: dict | None = None) -> list[GateResult]:
+    limits = {**DEFAULT_THRESHOLDS[dtype], **((thresholds or {}).get(dtype, {}))}
+    where = f"{result.positions} positions of public-domain English ({result.tokenizer} tokens)"
+    gates = []
+    if result.decisive_positions:
+        ok = result.agreement >= limits["agreement_min"]
+        gates.append(GateResult(
+            "quality", f"next-token agreement with the unquantized reference, teacher-forced ({where})", ok,
+            round(result.agreement, 4), limits["agreement_min"],
+            "" if ok else f"top-1 agrees at {result.agreement:.1%} of {result.decisive_positions} decisive positions",
+            details={"decisive_gap": DECISIVE_GAP, "decisive_positions": result.decisive_positions,
+                     "agreement_all_positions": round(result.agreement_all, 4)}))
+    else:
+        gates.append(GateResult(
+            "quality", "next-token agreement with the unquantized reference", True, None, limits["agreement_min"],
+            f"no position where the reference is decisive (gap >= {DECISIVE_GAP}): agreement cannot be judged",
+            informational=True))
+    ok = result.kl_mean <= limits["kl_max"]
+    gates.append(GateResult(
+        "quality", "mean KL(reference || export) per token (nats)", ok, round(result.kl_mean, 6), limits["kl_max"],
+        "" if ok else f"mean KL {result.kl_mean:.4g} nats (p99 {result.kl_p99:.4g})",
+        details={"kl_p99": result.kl_p99}))
+    ok = result.ppl_delta <= limits["ppl_delta_max"]
+    gates.append(GateResult(
+        "quality", "perplexity increase over the reference", ok, round(result.ppl_delta, 5), limits["ppl_delta_max"],
+        "" if ok else f"perplexity {result.ppl_export:.4g} against {result.ppl_reference:.4g}",
+        details={"ppl_reference": result.ppl_reference, "ppl_export": result.ppl_export}))
+    return gates

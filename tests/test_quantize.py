@@ -1,0 +1,193 @@
+"""Weight-only int4 / int8 exports: onnxruntime's own quantizer bit for bit, streamed; every variant
+runs and is gated (dequantized weights within the quantization's own bound, quality against the
+unquantized reference); the per-tensor policy; bad options refused; the catalog round trip."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from exporter.errors import ExportError
+from exporter.pipeline import export_model
+from exporter.request import ExportRequest, QuantSpec
+from exporter.validation.validate import validate_export
+from tests.conftest import MAX_SEQ_LEN
+
+VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
+
+
+def _export(source, out, dtype="int4", variant="attn_dynamic", quant=None, ep="cpu"):
+    request = ExportRequest(model=str(source), dtype=dtype, ep=ep, variant=variant, quant=quant,
+                            static_cache=variant == "attn_static", max_seq_len=MAX_SEQ_LEN)
+    return export_model(request, out, validate=False).out_dir
+
+
+def _initializers(path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path))
+    return {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def _nbits_nodes(path) -> list[onnx.NodeProto]:
+    return [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_streamed_quantization_is_onnxruntimes_own_bit_for_bit(checkpoint, tmp_path, monkeypatch, bits, symmetric):
+    """ORT's MatMulNBitsQuantizer on our unquantized export == our streamed quantization, byte for
+    byte, with blocks small enough that every weight is quantized in several column chunks."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    import exporter.packaging.checkpoint as ckpt
+
+    source = checkpoint("llama")
+    plain = _export(source, tmp_path / "fp32", dtype="fp32")
+    monkeypatch.setattr(ckpt, "BLOCK_BYTES", 2048)  # 8 rows of 64 fp32 per chunk
+    ours = _export(source, tmp_path / "q", dtype=f"int{bits}", quant={"symmetric": symmetric, "lm_head_bits": bits})
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric, accuracy_level=4,
+                                          quant_format=QuantFormat.QOperator, bits=bits)
+    tool = MatMulNBitsQuantizer(onnx.load(str(plain / "model.onnx")), algo_config=config)
+    tool.process()
+    theirs = {i.name: onnx.numpy_helper.to_array(i) for i in tool.model.model.graph.initializer}
+    mine = _initializers(ours / "model.onnx")
+    packed = [name for name in mine if name.endswith(".packed")]
+    assert len(packed) == 9  # 2 layers x (qkv, o, gate_up, down) + lm_head
+    for name in packed:
+        weight, stem = name.split(f".q{bits}b32")[0], name[: -len(".packed")]
+        assert np.array_equal(mine[name].reshape(-1), theirs[f"{weight}_Q{bits}"].reshape(-1)), name
+        assert np.array_equal(mine[f"{stem}.scales"].reshape(-1), theirs[f"{weight}_scales"].reshape(-1)), name
+        if not symmetric:
+            assert np.array_equal(mine[f"{stem}.zero_points"].reshape(-1), theirs[f"{weight}_zero_points"].reshape(-1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(checkpoint, tmp_path, variant):
+    source = checkpoint("qwen2")  # q/k/v bias: MatMulNBits then Add
+    figures = {}
+    for dtype in ("int4", "int8"):
+        out = _export(source, tmp_path / dtype, dtype=dtype, variant=variant)
+        census = {n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node}
+        assert "MatMul" not in census and len(_nbits_nodes(out / "model.onnx")) == 9  # packed qkv, gate_up: one each
+        report = validate_export(out)
+        by_gate = {g.gate: [] for g in report.gates}
+        for g in report.gates:
+            by_gate[g.gate].append(g)
+        for gate in ("structure", "weights", "runtime"):
+            assert all(g.status in ("pass", "info") for g in by_gate[gate]), [g.to_dict() for g in by_gate[gate]]
+        assert "parity" not in by_gate and len(by_gate["quality"]) == 3
+        assert report.quality["positions"] > 100 and report.quality["tokenizer"] == "bytes"
+        report.write(out)
+        assert "Quality against the unquantized reference" in (out / "parity_report.md").read_text()
+        figures[dtype] = report.quality
+    # 8 bits are closer to the reference than 4, on every figure (random weights: same checkpoint)
+    assert figures["int8"]["kl_mean"] < figures["int4"]["kl_mean"] / 4
+    assert abs(figures["int8"]["ppl_delta"]) < abs(figures["int4"]["ppl_delta"]) or figures["int4"]["ppl_delta"] < 0
+
+
+def _external(path, name) -> tuple[int, int]:
+    init = next(i for i in onnx.load(str(path), load_external_data=False).graph.initializer if i.name == name)
+    info = {e.key: e.value for e in init.external_data}
+    return int(info["offset"]), int(info["length"])
+
+
+def test_the_weight_gate_names_a_corrupted_quantized_block(checkpoint, tmp_path):
+    out = _export(checkpoint("llama"), tmp_path / "q")
+    broken = shutil.copytree(out, tmp_path / "broken")
+    name = "model.layers.1.mlp.down_proj.weight.T.q4b32s.packed"
+    offset, _ = _external(broken / "model.onnx", name)
+    with open(broken / "model.onnx.data", "r+b") as f:  # one column's first block: all codes 0 (= -8 steps)
+        f.seek(offset)
+        f.write(bytes(16))
+    report = validate_export(broken)
+    failed = [g for g in report.failed if g.gate == "weights"]
+    assert failed and name in failed[0].message and "quantization steps off" in failed[0].message
+
+
+def test_the_weight_gate_names_wrong_scales(checkpoint, tmp_path):
+    out = _export(checkpoint("llama"), tmp_path / "q", dtype="int8")
+    name = "model.layers.0.self_attn.o_proj.weight.T.q8b32s.scales"
+    offset, length = _external(out / "model.onnx", name)
+    with open(out / "model.onnx.data", "r+b") as f:
+        f.seek(offset)
+        scales = np.frombuffer(f.read(length), np.float32).copy()
+        f.seek(offset)
+        f.write((scales * 1.5).tobytes())
+    failed = [g for g in validate_export(out).failed if g.gate == "weights"]
+    assert failed and "model.layers.0.self_attn.o_proj.weight.T.q8b32s.packed" in failed[0].message
+
+
+def test_policy_keeps_or_widens_tensors_by_role_and_the_manifest_says_so(checkpoint, tmp_path):
+    source = checkpoint("llama")
+    wide = _export(source, tmp_path / "wide", quant={"lm_head_bits": 8})
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in _nbits_nodes(wide / "model.onnx")]
+    assert bits == [4] * 8 + [8]
+    kept = _export(source, tmp_path / "kept", quant={"keep": ["lm_head", "first_layer"]})
+    model = onnx.load(str(kept / "model.onnx"), load_external_data=False)
+    matmul_weights = sorted(n.input[1] for n in model.graph.node if n.op_type == "MatMul")
+    assert matmul_weights == sorted(["lm_head.weight.T", "model.layers.0.self_attn.q_k_v_proj.weight.T",
+                                     "model.layers.0.self_attn.o_proj.weight.T", "model.layers.0.mlp.gate_up_proj.weight.T",
+                                     "model.layers.0.mlp.down_proj.weight.T"])
+    quant = json.loads((kept / "manifest.json").read_text())["quantization"]
+    assert quant["keep"] == ["first_layer", "lm_head"] and quant["activations"] == "fp32"
+    assert quant["weights"]["lm_head.weight.T"] == {"quantized": False, "kept_for": ["lm_head"], "roles": ["lm_head"]}
+    assert quant["weights"]["model.layers.1.mlp.down_proj.weight.T"]["quantized"] is True
+    assert not [g.to_dict() for g in validate_export(kept).failed if g.gate != "quality"]
+
+
+def test_a_cuda_quantized_export_computes_in_fp16(checkpoint, tmp_path):
+    out = _export(checkpoint("llama"), tmp_path / "cuda", ep="cuda", variant="gqa")
+    inits = {i.name: i.data_type for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer}
+    assert inits["model.layers.0.mlp.down_proj.weight.T.q4b32s.scales"] == onnx.TensorProto.FLOAT16
+    assert inits["model.norm.weight"] == onnx.TensorProto.FLOAT16
+    assert ExportRequest(model="m", dtype="int4", ep="cuda").resolved_variant().value == "gqa"
+
+
+@pytest.mark.parametrize("options,words", [
+    ({"block_size": 24}, "power of 2"),
+    ({"block_size": 8}, "at least 16"),
+    ({"lm_head_bits": 2}, "4 or 8"),
+    ({"keep": ["embeddings"]}, "lm_head, first_layer, last_layer"),
+    ({"bits": 4}, "unknown quant option bits"),
+])
+def test_bad_quant_options_are_refused_with_what_to_use(options, words):
+    with pytest.raises(ExportError, match=words):
+        ExportRequest(model="m", dtype="int4", quant=options)
+
+
+def test_quant_options_on_a_float_dtype_are_refused():
+    with pytest.raises(ExportError, match="int4 / int8 only"):
+        ExportRequest(model="m", dtype="fp16", quant={"block_size": 64})
+    assert ExportRequest(model="m", dtype="int8").quant == QuantSpec()
+
+
+def test_the_catalog_keeps_the_quant_options_and_the_api_takes_them(tmp_path, checkpoint):
+    from services.api.schemas import ExportCreate
+    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.exports import request_of
+    from services.jobs import submit_export
+    from services.settings import Settings
+
+    body = {"model": "tiny-llama", "dtype": "int4", "ep": "cpu", "quant": {"block_size": 64, "symmetric": False}}
+    request = ExportCreate.model_validate(body).to_request()
+    assert request.quant == QuantSpec(block_size=64, symmetric=False)
+    with pytest.raises(ValueError, match="int4 / int8 only"):
+        ExportCreate.model_validate({**body, "dtype": "fp16"})
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'c.db'}", models_dir=models)
+    upgrade_schema(settings.catalog_url)
+    with session_scope(settings.catalog_url) as session:
+        export, created = submit_export(session, settings, request)
+        other, created_other = submit_export(session, settings, ExportCreate.model_validate(
+            {**body, "quant": {"block_size": 32}}).to_request())
+        assert created and created_other and other.cache_key != export.cache_key
+        back = request_of(export)  # what the worker and the re-export scheduler rebuild from the row
+        assert (back.dtype, back.quant) == (request.dtype, request.quant) and export.quant["block_size"] == 64
