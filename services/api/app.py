@@ -17,6 +17,7 @@ from services.api import errors
 from services.api.context import ApiContext
 from services.api.guard import Guard
 from services.api.routes import catalog, exports, health, tokens
+from services.ui import routes as pages
 from services.auth import install_bootstrap
 from services.catalog.database import check_schema, session_scope
 from services.metrics import Metrics
@@ -79,7 +80,7 @@ def create_app(settings: Settings | None = None, job_queue: JobQueue | None = No
     )
     app.state.context = context
     errors.register(app)
-    for router in (exports.router, catalog.router, tokens.router, health.router):
+    for router in (exports.router, catalog.router, tokens.router, health.router, pages.router):
         app.include_router(router)
 
     app.add_middleware(Timed, metrics=context.metrics)

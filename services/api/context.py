@@ -19,6 +19,7 @@ class ApiContext:
     queue: JobQueue
     sweeper: Sweeper
     metrics: Metrics
+    auth_limiter: object = None  # the guard's FailureLimiter, shared with the pages' sign-in form
 
     @property
     def sessions(self):

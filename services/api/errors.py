@@ -27,56 +27,64 @@ log = logging.getLogger("exportfarm.api")
 RETRY_AFTER_S = "5"
 
 
-def _unavailable(what: str) -> JSONResponse:
-    return JSONResponse({"detail": f"{what} is unavailable right now: try again shortly"}, status_code=503,
-                        headers={"Retry-After": RETRY_AFTER_S})
+def _respond(request: Request, body: dict, status_code: int, headers: dict | None = None):
+    """JSON for the API; for the pages (/ui) the same message as a page a person can read."""
+    if request.url.path == "/ui" or request.url.path.startswith("/ui/"):
+        from services.ui.routes import error_page
+
+        return error_page(request, status_code, body["detail"], body.get("error_id"), headers)
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def _unavailable(request: Request, what: str):
+    return _respond(request, {"detail": f"{what} is unavailable right now: try again shortly"}, 503,
+                    {"Retry-After": RETRY_AFTER_S})
 
 
 def register(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def readable_422(_request: Request, err: RequestValidationError):
+    async def readable_422(request: Request, err: RequestValidationError):
         messages = []
         for e in err.errors():
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             text = str(e.get("msg", "invalid")).removeprefix("Value error, ")
             messages.append(f"{where}: {text}" if where else text)
-        return JSONResponse({"detail": "; ".join(messages), "errors": messages}, status_code=422)
+        return _respond(request, {"detail": "; ".join(messages), "errors": messages}, 422)
 
     @app.exception_handler(ExportError)
-    async def refused(_request: Request, err: ExportError):
-        return JSONResponse({"detail": str(err)}, status_code=422)
+    async def refused(request: Request, err: ExportError):
+        return _respond(request, {"detail": str(err)}, 422)
 
     @app.exception_handler(NotFound)
-    async def not_found(_request: Request, err: NotFound):
-        return JSONResponse({"detail": str(err)}, status_code=404)
+    async def not_found(request: Request, err: NotFound):
+        return _respond(request, {"detail": str(err)}, 404)
 
     @app.exception_handler(Forbidden)
-    async def forbidden(_request: Request, err: Forbidden):
-        return JSONResponse({"detail": str(err)}, status_code=403)
+    async def forbidden(request: Request, err: Forbidden):
+        return _respond(request, {"detail": str(err)}, 403)
 
     @app.exception_handler(Conflict)
-    async def conflict(_request: Request, err: Conflict):
-        return JSONResponse({"detail": str(err)}, status_code=409)
+    async def conflict(request: Request, err: Conflict):
+        return _respond(request, {"detail": str(err)}, 409)
 
     @app.exception_handler(StorageError)
     async def store_down(request: Request, err: StorageError):
         log.warning("%s %s: object store: %s", request.method, request.url.path, err)
-        return _unavailable("the object store")
+        return _unavailable(request, "the object store")
 
     @app.exception_handler(BrokerUnavailable)
     async def broker_down(request: Request, err: BrokerUnavailable):
         log.warning("%s %s: broker: %s", request.method, request.url.path, err)
-        return _unavailable("the job queue")
+        return _unavailable(request, "the job queue")
 
     for kind in (OperationalError, InterfaceError, PoolTimeout):
         @app.exception_handler(kind)
         async def catalog_down(request: Request, err: Exception):
             log.warning("%s %s: catalog: %s", request.method, request.url.path, type(err).__name__)
-            return _unavailable("the catalog")
+            return _unavailable(request, "the catalog")
 
     @app.exception_handler(Exception)
     async def bug(request: Request, err: Exception):
         error_id = uuid.uuid4().hex[:12]
         log.error("unexpected error %s in %s %s", error_id, request.method, request.url.path, exc_info=err)
-        return JSONResponse({"detail": "internal error: quote this id when reporting it", "error_id": error_id},
-                            status_code=500)
+        return _respond(request, {"detail": "internal error: quote this id when reporting it", "error_id": error_id}, 500)

@@ -20,12 +20,14 @@ import time
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, RedirectResponse
 
 from services.api.context import ApiContext
 from services.auth import authenticate
 
-PUBLIC_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+PUBLIC_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/ui/login"}
+UI_PREFIX = "/ui"
+UI_COOKIE = "exportfarm_session"
 PUBLIC_PREFIXES = ("/files/",)
 READ_METHODS = {"GET", "HEAD"}
 WINDOW_S = 60.0
@@ -73,10 +75,39 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def _cookie(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
+    from http.cookies import SimpleCookie
+
+    for key, value in headers:
+        if key == b"cookie":
+            jar = SimpleCookie()
+            try:
+                jar.load(value.decode("latin-1"))
+            except Exception:  # a malformed Cookie header authenticates nothing
+                return None
+            if name in jar and jar[name].value:
+                return jar[name].value
+    return None
+
+
+def _same_origin(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A form post from the pages themselves: Origin (when the browser sends one) names this host."""
+    values = {k: v.decode("latin-1") for k, v in headers if k in (b"origin", b"host")}
+    origin = values.get(b"origin")
+    if origin is None or origin == "null":
+        return origin is None
+    return origin.split("://", 1)[-1] == values.get(b"host", "")
+
+
+def _to_login() -> RedirectResponse:
+    return RedirectResponse("/ui/login", status_code=303)
+
+
 class Guard:
     def __init__(self, app, context: ApiContext):
         self.app, self.context = app, context
         self.limiter = FailureLimiter(context.settings.auth_failures_per_minute)
+        context.auth_limiter = self.limiter
 
     def _public(self, path: str) -> bool:
         return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
@@ -97,6 +128,13 @@ class Guard:
             return _error(429, f"too many failed authentications from {client}: try again in {wait} s",
                           {"Retry-After": str(wait)})
         token = _bearer(scope["headers"])
+        page = scope["path"] == UI_PREFIX or scope["path"].startswith(UI_PREFIX + "/")
+        if token is None and page:
+            token = _cookie(scope["headers"], UI_COOKIE)
+            if token is None:
+                return _to_login()
+            if scope["method"] not in READ_METHODS and not _same_origin(scope["headers"]):
+                return _error(403, "a cross-origin form post to the pages is refused: use the pages themselves")
         if token is None:
             self.limiter.failed(client)
             return _error(401, "missing bearer token: send 'Authorization: Bearer <token>'",
@@ -108,6 +146,8 @@ class Guard:
             return _error(503, "the catalog is unavailable: try again shortly", {"Retry-After": "5"})
         if principal is None:
             self.limiter.failed(client)
+            if page:
+                return _to_login()
             return _error(401, "unknown, revoked or expired token", {"WWW-Authenticate": "Bearer"})
         needed = "read" if scope["method"] in READ_METHODS else "admin"
         if not principal.allows(needed):
