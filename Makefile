@@ -1,10 +1,10 @@
-# A new user's two commands: `make run` (a real export, end to end) and `make test`.
+# A new user's two commands: `make run` (the farm end to end, embedded) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 WORK ?= .work
 
-.PHONY: install run test clean
+.PHONY: install run run-cli test clean
 
 install: $(VENV)/.installed
 
@@ -16,7 +16,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# The farm end to end on embedded defaults: serve, an export over the REST API, its artifacts and
+# catalog entry, then the farm stopped (services/demo.py).
 run: install
+	$(BIN)/python -m services.demo --work $(WORK)
+
+# The bare exporter, no farm: one export written to a directory.
+run-cli: install
 	$(BIN)/python -m exporter.tiny_checkpoint $(WORK)/demo-checkpoint --arch qwen2
 	$(BIN)/exportfarm export --model $(WORK)/demo-checkpoint --out $(WORK)/demo-export --overwrite
 	@echo "files:" && ls -l $(WORK)/demo-export

@@ -225,6 +225,7 @@ def test_cancel_during_publish_refuses_ready(settings, sweeper, exported):
     lease = claim(settings, export_id, "w1").lease
     published_export(settings, exported, export_id, lease)
     with session_scope(settings.catalog_url) as session:
+        lifecycle.renew(session, lease)  # the worker's heartbeat: publishing may outlast a short lease
         _, settle = request_cancel(session, settings, export_id)
     assert not settle  # the live worker handles it
     with pytest.raises(CancelRequested):  # so it cannot end ready; it unpublishes and cancels

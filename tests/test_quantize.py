@@ -81,7 +81,9 @@ def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(c
             by_gate[g.gate].append(g)
         for gate in ("structure", "weights", "runtime"):
             assert all(g.status in ("pass", "info") for g in by_gate[gate]), [g.to_dict() for g in by_gate[gate]]
-        assert "parity" not in by_gate and len(by_gate["quality"]) == 3
+        assert "parity" not in by_gate and len(by_gate["quality"]) == 4
+        decode = by_gate["quality"][-1]
+        assert "decode steps through the cache" in decode.check and decode.status == "pass", decode.to_dict()
         assert report.quality["positions"] > 100 and report.quality["tokenizer"] == "bytes"
         report.write(out)
         assert "Quality against the unquantized reference" in (out / "parity_report.md").read_text()
@@ -107,7 +109,27 @@ def test_the_weight_gate_names_a_corrupted_quantized_block(checkpoint, tmp_path)
         f.write(bytes(16))
     report = validate_export(broken)
     failed = [g for g in report.failed if g.gate == "weights"]
-    assert failed and name in failed[0].message and "quantization steps off" in failed[0].message
+    assert failed and name in failed[0].message and "not the quantization of its source" in failed[0].message
+
+
+@pytest.mark.parametrize("factor", [1.05, float("nan")])
+def test_the_weight_gate_refuses_scales_a_little_off_or_not_finite(checkpoint, tmp_path, factor):
+    """A block whose scale is 5% off still bounds its own dequantized error; only quantizing the
+    source again shows it. A NaN scale must never read as "no error"."""
+    out = _export(checkpoint("llama"), tmp_path / "q")
+    name = "model.layers.0.mlp.gate_up_proj.weight.T.q4b32s.scales"
+    offset, length = _external(out / "model.onnx", name)
+    with open(out / "model.onnx.data", "r+b") as f:
+        f.seek(offset)
+        scales = np.frombuffer(f.read(length), np.float32).copy()
+        scales[3] *= factor
+        f.seek(offset)
+        f.write(scales.tobytes())
+    report = validate_export(out)
+    failed = [g for g in report.failed if g.gate == "weights"]
+    assert failed and "model.layers.0.mlp.gate_up_proj.weight.T.q4b32s.packed" in failed[0].message
+    report.write(out)
+    json.loads((out / "parity_report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
 
 
 def test_the_weight_gate_names_wrong_scales(checkpoint, tmp_path):

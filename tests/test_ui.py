@@ -236,3 +236,20 @@ def test_an_admin_revokes_a_token_from_its_page_and_it_stops_working(farm):
     assert anonymous.post("/ui/login", data={"token": doomed}, follow_redirects=False).status_code == 401
     signed_out = client.post("/ui/logout", data={"csrf": _csrf(page)}, follow_redirects=False)
     assert signed_out.status_code == 303 and 'exportfarm_session=""' in signed_out.headers["set-cookie"]
+
+
+def test_a_reader_signs_out_a_foreign_sign_in_is_refused_and_odd_ids_are_4xx(farm):
+    reader = _signed_in(farm, farm.reader_token)
+    page = reader.get("/ui/catalog").text
+    out = reader.post("/ui/logout", data={"csrf": _csrf(page)}, follow_redirects=False)
+    assert out.status_code == 303 and out.headers["location"] == "/ui/login"
+    anonymous = TestClient(farm.app, base_url="http://testserver")
+    foreign = anonymous.post("/ui/login", data={"token": ADMIN}, headers={"Origin": "http://evil.example"},
+                             follow_redirects=False)
+    assert foreign.status_code == 403 and "set-cookie" not in foreign.headers
+    admin = _signed_in(farm)
+    csrf = _csrf(admin.get("/ui/tokens").text)
+    huge = admin.post("/ui/tokens/99999999999999999999999/revoke", data={"csrf": csrf}, follow_redirects=False)
+    assert huge.status_code == 422 and "<h1>" in huge.text
+    missing = admin.get("/ui/exports/no-such-export")
+    assert missing.status_code == 404 and re.search(r'name="csrf" value="[0-9a-f]{40}"', missing.text)  # sign out works there

@@ -306,7 +306,7 @@ def validate(job: Job, record: JobRecord) -> None:
     ep = job.settings.validate_ep or record.request["ep"]
     report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress,
                             job.settings.quality_thresholds, job.settings.data_dir / "references")
-    record.parity_report = json.loads(json.dumps(report.to_dict(), default=str))
+    record.parity_report = report.to_json()
 
 
 def bench(job: Job, record: JobRecord) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import json
 import threading
 from pathlib import Path
@@ -28,6 +29,12 @@ class RopeConfig:
     original_max_position_embeddings: int | None = None
     # Models with a rope per layer type (gemma3: local and global) name theirs.
     layer_type: str | None = None
+    # The standardized rope parameters (rope_theta, factor, short/long factors, ...), frozen.
+    params: tuple = ()
+
+    @property
+    def parameters(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +102,84 @@ def read_raw_config(checkpoint_dir: Path) -> dict:
         raise ExportError(f"{path} is not valid JSON ({err}): re-download the checkpoint") from None
 
 
+# Architectures whose config.json, when complete, says all the exporter needs without
+# transformers' config classes (their defaults and __post_init__ are reproduced in plain_config;
+# tests/test_config_plain.py compares the result with transformers' for each).
+PLAIN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+_ROPE_TYPES_PLAIN = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def plain_config(raw: dict) -> types.SimpleNamespace | None:
+    """config.json as the attributes load_model_config reads, normalized as transformers would, or
+    None when this config needs transformers (another architecture, a missing field whose default
+    lives in its config class, nested or unknown rope parameters)."""
+    model_type = raw.get("model_type")
+    if model_type not in PLAIN_TYPES or any(raw.get(k) is None for k in _REQUIRED):
+        return None
+    if model_type in ("mistral", "qwen2", "qwen3") and "sliding_window" not in raw:
+        return None  # the class default (4096) would apply
+    if model_type in ("qwen2", "qwen3") and ("use_sliding_window" not in raw or "max_window_layers" not in raw):
+        return None
+    if raw.get("num_key_value_heads") is None or (model_type == "qwen3" and raw.get("head_dim") is None):
+        return None  # class defaults (e.g. qwen2 32 kv heads, qwen3 head_dim 128), not derived values
+    if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
+        return None  # transformers prefers rope_scaling there; do not guess
+    top_original = raw.get("original_max_position_embeddings")
+    if (model_type == "phi3") != (top_original is not None):
+        return None  # phi3's class default (4096) applies when absent; elsewhere its meaning varies
+    params = raw.get("rope_parameters")
+    if params is None and raw.get("rope_theta") is not None:
+        params = {"rope_theta": raw["rope_theta"], **(raw.get("rope_scaling") or {})}
+    if not isinstance(params, dict) or not params or any(isinstance(v, dict) for v in params.values()):
+        return None
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", raw.get("rope_theta"))
+    if params["rope_type"] not in _ROPE_TYPES_PLAIN or params["rope_theta"] is None:
+        return None
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if top_original is not None:  # phi3: the top-level value wins, as transformers standardizes it
+            params["original_max_position_embeddings"] = top_original
+        params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
+    values = dict(raw)
+    values["rope_parameters"] = params
+    values["num_key_value_heads"] = raw["num_key_value_heads"]
+    values["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    if model_type in ("qwen2", "qwen3"):  # their __post_init__: the window only with use_sliding_window
+        values["sliding_window"] = raw["sliding_window"] if raw["use_sliding_window"] else None
+        if raw.get("layer_types") is None:
+            values["layer_types"] = [
+                SLIDING if values["sliding_window"] is not None and i >= raw["max_window_layers"] else FULL
+                for i in range(raw["num_hidden_layers"])]
+    return types.SimpleNamespace(**values)
+
+
 def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> ModelConfig:
-    """Read config.json through transformers (which normalizes rope and head_dim fields)."""
+    """Read config.json: directly when it says everything (plain_config), else through transformers'
+    AutoConfig (which normalizes rope, head_dim and per-architecture defaults)."""
     raw = read_raw_config(checkpoint_dir)
     model_type = raw.get("model_type")
     if model_type not in supported:
         names = ", ".join(sorted(supported))
         raise ExportError(f"unsupported architecture {model_type!r} in config.json: supported are {names}")
+    hf = plain_config(raw)
+    if hf is None:
+        hf = _transformers_config(checkpoint_dir)
+    return _model_config(hf, model_type)
+
+
+def _transformers_config(checkpoint_dir: Path):
     with _TRANSFORMERS_IMPORT:  # transformers' lazy modules are not safe to import from many threads
         from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(str(checkpoint_dir))
+    return AutoConfig.from_pretrained(str(checkpoint_dir))
+
+
+def _model_config(hf, model_type: str) -> ModelConfig:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
@@ -175,10 +249,15 @@ def _rope(hf, params: dict, head_dim: int, layer_type: str | None) -> RopeConfig
         )
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
     original_max = params.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", None)
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    frozen = {**params, "rope_theta": theta, "rope_type": rope_type}
+    if rope_type in ("llama3", "yarn", "longrope") and frozen.get("original_max_position_embeddings") is None:
+        frozen["original_max_position_embeddings"] = original_max or hf.max_position_embeddings
     return RopeConfig(
         rope_type=rope_type,
-        theta=float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+        theta=theta,
         rotary_dim=int(head_dim * partial),
         original_max_position_embeddings=original_max if rope_type == "longrope" else None,
         layer_type=layer_type,
+        params=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in frozen.items())),
     )

@@ -1,4 +1,4 @@
-"""Rotary cos/sin tables, computed by transformers' own rope functions so they match the reference.
+"""Rotary cos/sin tables, from exporter.graph.rope_init (transformers' rope arithmetic, bit for bit).
 
 The tables are baked into the graph as initializers indexed by position. longrope switches from
 short to long factors once ``max(position_ids) + 1`` exceeds the pretraining length; instead of an
@@ -25,29 +25,12 @@ class RopeTables:
 
 def _inv_freq(config: ModelConfig, rope: RopeConfig, seq_len: int | None) -> tuple[np.ndarray, float]:
     import torch
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope.rope_type == "default":
-        fn = _default_inv_freq
-    else:
-        fn = ROPE_INIT_FUNCTIONS[rope.rope_type]
-    kwargs = {"layer_type": rope.layer_type} if rope.layer_type else {}
+    from exporter.graph.rope_init import inv_freq
+
     with torch.no_grad():
-        inv_freq, scaling = fn(config.hf_config, "cpu", seq_len=seq_len, **kwargs)
-    return inv_freq.float(), float(scaling)
-
-
-def _default_inv_freq(hf_config, device, seq_len=None, layer_type=None):
-    import torch
-
-    params = hf_config.rope_parameters
-    if layer_type:
-        params = params[layer_type]
-    base = params["rope_theta"]
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    return inv_freq, 1.0
+        freq, scaling = inv_freq(rope.rope_type, rope.parameters, rope.rotary_dim, config.max_position_embeddings, seq_len)
+    return freq.float(), float(scaling)
 
 
 def _table(inv_freq, scaling: float, length: int) -> tuple[np.ndarray, np.ndarray]:

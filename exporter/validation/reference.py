@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import zipfile
 from pathlib import Path
 
@@ -79,19 +80,18 @@ def cached_reference_greedy(checkpoint: Path, revision: str, prompt: list[int], 
                 pass  # a torn or foreign file: compute again and replace it
     run = reference_greedy(load_reference(checkpoint), prompt, steps)
     if path is not None:
+        import tempfile
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{_pid()}.tmp.npz"
-        np.savez(tmp, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
-                 tokens=np.array(run.tokens, np.int64), step_logits=np.stack(run.step_logits),
-                 gaps=np.array(run.gaps, np.float64))
-        tmp.replace(path)  # atomic: concurrent validations never read half a file
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        vocab = run.prefill_logits.shape[-1]
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
+                     tokens=np.array(run.tokens, np.int64),
+                     step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
+                     gaps=np.array(run.gaps, np.float64))
+        Path(name).replace(path)  # atomic: concurrent validations never read half a file
     return run, False
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def reference_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:

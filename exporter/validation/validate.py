@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import time
 from pathlib import Path
 
@@ -69,12 +70,29 @@ class ValidationReport:
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
 
+    def to_json(self) -> dict:
+        """to_dict() as strict JSON values (a non-finite figure becomes the string "nan" / "inf"):
+        what parity_report.json and the catalog hold."""
+        return _finite(json.loads(json.dumps(self.to_dict(), default=_json_default)))
+
     def write(self, out_dir: Path | None = None) -> list[Path]:
+        """parity_report.json (strict JSON: a non-finite figure is written as the string "nan" or
+        "inf") and parity_report.md."""
         out_dir = Path(out_dir or self.export_dir)
-        data = self.to_dict()
-        (out_dir / REPORT_JSON).write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-        (out_dir / REPORT_MD).write_text(render_markdown(data))
+        data = self.to_json()
+        (out_dir / REPORT_JSON).write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+        (out_dir / REPORT_MD).write_text(render_markdown(self.to_dict()))
         return [out_dir / REPORT_JSON, out_dir / REPORT_MD]
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default(value):
@@ -122,7 +140,7 @@ def render_markdown(data: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         for s in worst:
             corr = "n/a" if s["correlation"] is None else f"{s['correlation']:.6f}"
-            lines.append(f"| {s['initializer']} | {s['region']} | {s['source']} | {corr} | {s['rel_l2']:.3g} | {s['max_abs']:.3g} |")
+            lines.append(f"| {s['initializer']} | {s['region']} | {s['source']} | {corr} | {s['rel_l2']:.3g} | {'non-finite' if s['max_abs'] is None else format(s['max_abs'], '.3g')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -251,10 +269,33 @@ def _quality(export_dir, ep, dtype, checkpoint, cfg, factory, gates, timings, th
         gates.append(GateResult("quality", f"session on {ep}", False, "error", "a session",
                                 f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
         return None
-    result = score(chunks, ref, export_logits(lm, chunks), tokenizer)
+    got = export_logits(lm, chunks)
+    result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds)
+    gates.append(_decode_consistency(lm, chunks[0], got[0], cfg.get("activations", "fp32")))
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
+
+
+def _decode_consistency(lm, tokens: list[int], prefill_logits: np.ndarray, activations: str, steps: int = 24) -> GateResult:
+    """Quantized exports: decode one token at a time through the KV cache (the M=1 kernels and the
+    cache contract the quality windows never reach) and compare with the export's own prefill of
+    the same tokens: the same weights either way, so they must agree to the activation dtype."""
+    start = max(1, len(tokens) - steps)
+    state = lm.new_state()
+    lm.forward(np.array([tokens[:start]], dtype=np.int64), state)
+    decoded = [lm.forward(np.array([[t]], dtype=np.int64), state)[0, -1].astype(np.float32) for t in tokens[start:]]
+    # decoding tokens[i] gives the logits at position i, which the prefill computed at row i
+    expected = prefill_logits[start:len(tokens)]
+    diff = max(float(np.max(np.abs(d - e))) for d, e in zip(decoded, expected))
+    span = float(prefill_logits.max() - prefill_logits.min())
+    limit = PREFILL_TOLERANCE[activations] * span
+    flips = [start + i for i, (d, e) in enumerate(zip(decoded, expected)) if int(d.argmax()) != int(e.argmax())
+             and float(np.diff(np.sort(e)[-2:])[0]) >= NEAR_TIE_MARGIN[activations]]
+    ok = diff <= limit and not flips
+    return GateResult("quality", f"{len(decoded)} decode steps through the cache vs the export's own prefill",
+                      ok, diff, limit, "" if ok else f"max logit difference {diff:.4g}, argmax differs at positions {flips}",
+                      details={"relative_tolerance": PREFILL_TOLERANCE[activations], "logit_range": span})
 
 
 __all__ = ["ValidationReport", "validate_export", "PREFILL_TOLERANCE", "NEAR_TIE_MARGIN", "REPORT_JSON", "REPORT_MD"]

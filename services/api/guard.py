@@ -90,7 +90,7 @@ def _cookie(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
     return None
 
 
-def _same_origin(headers: list[tuple[bytes, bytes]]) -> bool:
+def same_origin(headers: list[tuple[bytes, bytes]]) -> bool:
     """A form post from the pages themselves: Origin (when the browser sends one) names this host."""
     values = {k: v.decode("latin-1") for k, v in headers if k in (b"origin", b"host")}
     origin = values.get(b"origin")
@@ -133,7 +133,7 @@ class Guard:
             token = _cookie(scope["headers"], UI_COOKIE)
             if token is None:
                 return _to_login()
-            if scope["method"] not in READ_METHODS and not _same_origin(scope["headers"]):
+            if scope["method"] not in READ_METHODS and not same_origin(scope["headers"]):
                 return _error(403, "a cross-origin form post to the pages is refused: use the pages themselves")
         if token is None:
             self.limiter.failed(client)
@@ -149,7 +149,8 @@ class Guard:
             if page:
                 return _to_login()
             return _error(401, "unknown, revoked or expired token", {"WWW-Authenticate": "Bearer"})
-        needed = "read" if scope["method"] in READ_METHODS else "admin"
+        # Signing out of the pages changes nothing but the caller's own cookie: any scope may.
+        needed = "read" if scope["method"] in READ_METHODS or scope["path"] == "/ui/logout" else "admin"
         if not principal.allows(needed):
             return _error(403, f"this token has the {principal.scope} scope; {scope['method']} needs {needed}")
         scope.setdefault("state", {})["principal"] = principal

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Form, Path as PathParam, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
@@ -26,6 +26,7 @@ from exporter.errors import ExportError
 from exporter.reports.bench_report import recommend
 from services import jobs
 from services.api.deps import ContextDep, SessionDep
+from services.api.guard import same_origin
 from services.auth import Principal, authenticate, list_tokens, revoke_token
 from services.catalog.exports import PUBLISHED_STATUSES
 from services.catalog.models import Export, ExportEvent, ExportStatus, Worker
@@ -73,8 +74,13 @@ TITLES = {400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Confli
 def error_page(request: Request, status_code: int, detail: str, error_id: str | None = None,
                headers: dict | None = None) -> HTMLResponse:
     principal = getattr(request.state, "principal", None)
+    token = request.cookies.get(COOKIE)
+    try:
+        csrf = csrf_token(signing_secret(request.app.state.context.settings), token) if token else ""
+    except Exception:  # an error page never fails for want of a form token
+        csrf = ""
     response = templates.TemplateResponse(
-        request, "error.html", {"principal": principal, "csrf": "", "status_code": status_code, "detail": detail,
+        request, "error.html", {"principal": principal, "csrf": csrf, "status_code": status_code, "detail": detail,
                                 "error_id": error_id, "title": TITLES.get(status_code, "Error")},
         status_code=status_code)
     response.headers.update(headers or {})
@@ -100,6 +106,8 @@ def login_form(request: Request, context: ContextDep):
 
 @router.post("/login", response_class=HTMLResponse)
 def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_length=512)]):
+    if not same_origin(request.scope["headers"]):  # login CSRF: another site signing a browser in
+        return _page(request, "login.html", context, 403, error="A sign-in posted from another site is refused.")
     client = (request.client.host if request.client else "unknown")
     limiter = context.auth_limiter
     wait = limiter.retry_after(client) if limiter else None
@@ -111,8 +119,9 @@ def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_
             limiter.failed(client)
         return _page(request, "login.html", context, 401, error="Unknown, revoked or expired token.")
     response = RedirectResponse("/ui/catalog", status_code=303)
-    response.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https", max_age=12 * 3600)
+    secure = request.url.scheme == "https" or context.settings.public_base_url.startswith("https://")
+    response.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", path="/ui", secure=secure,
+                        max_age=12 * 3600)
     return response
 
 
@@ -248,7 +257,7 @@ def tokens_page(request: Request, session: SessionDep, context: ContextDep):
 
 
 @router.post("/tokens/{token_id}/revoke")
-def revoke(token_id: int, request: Request, session: SessionDep, context: ContextDep,
+def revoke(token_id: Annotated[int, PathParam(ge=1, le=2**62)], request: Request, session: SessionDep, context: ContextDep,
            csrf: Annotated[str, Form(max_length=100)] = ""):
     _check_csrf(request, context, csrf)
     if revoke_token(session, token_id) is None:
