@@ -213,3 +213,30 @@ def test_the_catalog_keeps_the_quant_options_and_the_api_takes_them(tmp_path, ch
         assert created and created_other and other.cache_key != export.cache_key
         back = request_of(export)  # what the worker and the re-export scheduler rebuild from the row
         assert (back.dtype, back.quant) == (request.dtype, request.quant) and export.quant["block_size"] == 64
+
+
+def test_builds_with_different_quant_options_are_separate_in_the_catalog_and_for_reexports(tmp_path, checkpoint):
+    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.exports import transition
+    from services.catalog.models import ExportStatus
+    from services.catalog.views import latest_ready
+    from services.jobs import submit_export
+    from services.scheduler import _is_latest_of_its_slot
+    from services.settings import Settings
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'c.db'}", models_dir=models)
+    upgrade_schema(settings.catalog_url)
+    with session_scope(settings.catalog_url) as session:
+        rows = []
+        for quant in ({}, {"block_size": 64, "lm_head_bits": 8}):
+            export, _ = submit_export(session, settings, ExportRequest(model="tiny-llama", dtype="int4", quant=quant))
+            transition(session, export, ExportStatus.RUNNING)
+            transition(session, export, ExportStatus.READY)
+            rows.append(export)
+        session.flush()
+        slots = latest_ready(session)["tiny-llama"]
+        assert sorted(slots) == ["attn_dynamic-int4-b64s-lm8-cpu", "attn_dynamic-int4-cpu"]
+        assert all(_is_latest_of_its_slot(session, row) for row in rows)  # each is the newest of its own build

@@ -10,10 +10,24 @@ from services.catalog.models import Export, ExportStatus
 
 def _summary(export: Export) -> dict:
     return {
-        "id": export.id, "variant": export.variant, "dtype": export.dtype, "ep": export.ep,
+        "id": export.id, "variant": export.variant, "dtype": export.dtype, "quant": export.quant, "ep": export.ep,
         "max_seq_len": export.max_seq_len, "revision": export.revision, "ort_version": export.ort_version,
         "finished_at": export.finished_at, "storage_prefix": export.storage_prefix, "figures": export.figures or {},
     }
+
+
+def quant_tag(quant: dict | None) -> str:
+    """int4 / int8 builds differ by their quant options: '' for the defaults, else e.g. '-b64a-lm8'."""
+    if not quant:
+        return ""
+    from exporter.request import QuantSpec
+
+    spec = QuantSpec.from_dict(quant)
+    if spec == QuantSpec():
+        return ""
+    tag = f"-b{spec.block_size}{'s' if spec.symmetric else 'a'}"
+    tag += f"-lm{spec.lm_head_bits}" if spec.lm_head_bits else ""
+    return tag + ("-keep-" + "-".join(spec.keep) if spec.keep else "")
 
 
 def latest_ready(session: Session, model: str | None = None) -> dict[str, dict[str, dict]]:
@@ -23,6 +37,7 @@ def latest_ready(session: Session, model: str | None = None) -> dict[str, dict[s
         query = query.where(Export.model == model)
     views: dict[str, dict[str, dict]] = {}
     for export in session.scalars(query.order_by(Export.finished_at.asc())):
-        slot = f"{export.variant}-{export.dtype}-{export.ep}" + (f"-ms{export.max_seq_len}" if export.max_seq_len else "")
+        slot = f"{export.variant}-{export.dtype}{quant_tag(export.quant)}-{export.ep}" + (
+            f"-ms{export.max_seq_len}" if export.max_seq_len else "")
         views.setdefault(export.model, {})[slot] = _summary(export)  # later rows replace older ones
     return views
