@@ -87,21 +87,10 @@ class RawPrefill:
 def genai_generate(export_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     import onnxruntime_genai as og
 
+    from tests.genai_greedy import genai_greedy
+
     model = og.Model(str(export_dir))
-    out = []
-    for ids in prompts:
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + STEPS)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        while not generator.is_done():
-            generator.generate_next_token()
-        out.append([int(t) for t in generator.get_sequence(0)[len(ids):]])
-    return out
-
-
-def until_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    return [genai_greedy(model, ids, STEPS) for ids in prompts]
 
 
 def onnx_census(model_path: Path) -> dict:
@@ -134,6 +123,7 @@ def main() -> None:
     from exporter.request import ExportRequest
     from exporter.validation.gates.quality import WINDOW, reference_logits, score, text_tokens, windows
     from exporter.validation.reference import load_reference
+    from tests.genai_greedy import until_eos
     from tests.real_model import GGUF_MEMBER, GGUF_SHA256, PACKAGE, real_checkpoint
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="quant-quality-"))

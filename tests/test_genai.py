@@ -22,6 +22,7 @@ from exporter.packaging.genai import (
 from exporter.packaging.package import MANIFEST_FILE, MODEL_FILE, sha256_file
 from exporter.pipeline import export_model
 from exporter.validation.reference import load_reference, reference_greedy
+from tests.genai_greedy import genai_greedy
 from exporter.request import ExportRequest, Variant
 from exporter.tiny_checkpoint import (
     TINY_TOKENIZER_VOCAB,
@@ -72,16 +73,7 @@ def _manifest(export_dir) -> dict:
 
 
 def _genai_greedy(export_dir, prompt: list[int], new_tokens: int) -> list[int]:
-    model = og.Model(str(export_dir))
-    params = og.GeneratorParams(model)
-    # min_length = max_length keeps eos from ending the run early, as min_new_tokens does in transformers.
-    total = len(prompt) + new_tokens
-    params.set_search_options(do_sample=False, max_length=total, min_length=total)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    return genai_greedy(og.Model(str(export_dir)), prompt, new_tokens, through_eos=True)
 
 
 def _transformers_greedy(checkpoint, prompt: list[int], new_tokens: int) -> list[int]:

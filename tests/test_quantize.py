@@ -99,6 +99,16 @@ def _external(path, name) -> tuple[int, int]:
     return int(info["offset"]), int(info["length"])
 
 
+def _edit_external(export_dir, name, dtype, edit) -> None:
+    """Rewrite initializer ``name`` in model.onnx.data in place as ``edit(values)`` returns it."""
+    offset, length = _external(export_dir / "model.onnx", name)
+    with open(export_dir / "model.onnx.data", "r+b") as f:
+        f.seek(offset)
+        values = edit(np.frombuffer(f.read(length), dtype).copy())
+        f.seek(offset)
+        f.write(values.astype(dtype).tobytes())
+
+
 def test_the_weight_gate_names_a_corrupted_quantized_block(checkpoint, tmp_path):
     out = _export(checkpoint("llama"), tmp_path / "q")
     broken = shutil.copytree(out, tmp_path / "broken")
@@ -118,13 +128,11 @@ def test_the_weight_gate_refuses_scales_a_little_off_or_not_finite(checkpoint, t
     source again shows it. A NaN scale must never read as "no error"."""
     out = _export(checkpoint("llama"), tmp_path / "q")
     name = "model.layers.0.mlp.gate_up_proj.weight.T.q4b32s.scales"
-    offset, length = _external(out / "model.onnx", name)
-    with open(out / "model.onnx.data", "r+b") as f:
-        f.seek(offset)
-        scales = np.frombuffer(f.read(length), np.float32).copy()
+    def scale_one(scales):
         scales[3] *= factor
-        f.seek(offset)
-        f.write(scales.tobytes())
+        return scales
+
+    _edit_external(out, name, np.float32, scale_one)
     report = validate_export(out)
     failed = [g for g in report.failed if g.gate == "weights"]
     assert failed and "model.layers.0.mlp.gate_up_proj.weight.T.q4b32s.packed" in failed[0].message
@@ -135,12 +143,7 @@ def test_the_weight_gate_refuses_scales_a_little_off_or_not_finite(checkpoint, t
 def test_the_weight_gate_names_wrong_scales(checkpoint, tmp_path):
     out = _export(checkpoint("llama"), tmp_path / "q", dtype="int8")
     name = "model.layers.0.self_attn.o_proj.weight.T.q8b32s.scales"
-    offset, length = _external(out / "model.onnx", name)
-    with open(out / "model.onnx.data", "r+b") as f:
-        f.seek(offset)
-        scales = np.frombuffer(f.read(length), np.float32).copy()
-        f.seek(offset)
-        f.write((scales * 1.5).tobytes())
+    _edit_external(out, name, np.float32, lambda scales: scales * 1.5)
     failed = [g for g in validate_export(out).failed if g.gate == "weights"]
     assert failed and "model.layers.0.self_attn.o_proj.weight.T.q8b32s.packed" in failed[0].message
 
@@ -189,23 +192,31 @@ def test_quant_options_on_a_float_dtype_are_refused():
     assert ExportRequest(model="m", dtype="int8").quant == QuantSpec()
 
 
+def _catalog(tmp_path, checkpoint):
+    """Settings of a fresh SQLite catalog whose MODELS_DIR holds tiny-llama."""
+    from services.catalog.database import upgrade_schema
+    from services.settings import Settings
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'c.db'}", models_dir=models)
+    upgrade_schema(settings.catalog_url)
+    return settings
+
+
 def test_the_catalog_keeps_the_quant_options_and_the_api_takes_them(tmp_path, checkpoint):
     from services.api.schemas import ExportCreate
-    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.database import session_scope
     from services.catalog.exports import request_of
     from services.jobs import submit_export
-    from services.settings import Settings
 
     body = {"model": "tiny-llama", "dtype": "int4", "ep": "cpu", "quant": {"block_size": 64, "symmetric": False}}
     request = ExportCreate.model_validate(body).to_request()
     assert request.quant == QuantSpec(block_size=64, symmetric=False)
     with pytest.raises(ValueError, match="int4 / int8 only"):
         ExportCreate.model_validate({**body, "dtype": "fp16"})
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "tiny-llama").symlink_to(checkpoint("llama"))
-    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'c.db'}", models_dir=models)
-    upgrade_schema(settings.catalog_url)
+    settings = _catalog(tmp_path, checkpoint)
     with session_scope(settings.catalog_url) as session:
         export, created = submit_export(session, settings, request)
         other, created_other = submit_export(session, settings, ExportCreate.model_validate(
@@ -216,19 +227,14 @@ def test_the_catalog_keeps_the_quant_options_and_the_api_takes_them(tmp_path, ch
 
 
 def test_builds_with_different_quant_options_are_separate_in_the_catalog_and_for_reexports(tmp_path, checkpoint):
-    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.database import session_scope
     from services.catalog.exports import transition
     from services.catalog.models import ExportStatus
     from services.catalog.views import latest_ready
     from services.jobs import submit_export
     from services.scheduler import _is_latest_of_its_slot
-    from services.settings import Settings
 
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "tiny-llama").symlink_to(checkpoint("llama"))
-    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'c.db'}", models_dir=models)
-    upgrade_schema(settings.catalog_url)
+    settings = _catalog(tmp_path, checkpoint)
     with session_scope(settings.catalog_url) as session:
         rows = []
         for quant in ({}, {"block_size": 64, "lm_head_bits": 8}):

@@ -19,6 +19,7 @@ from exporter.request import ExportRequest
 from exporter.runtime.session import Decoder
 from exporter.validation.parity import run_parity
 from exporter.validation.reference import load_reference, reference_greedy
+from tests.genai_greedy import genai_greedy, until_eos
 from tests.real_model import real_checkpoint
 
 PROMPTS = [
@@ -69,10 +70,6 @@ def real_export(real, tmp_path_factory):
     return make
 
 
-def until_eos(tokens: list[int], eos: int) -> list[int]:
-    """What a generation loop emits: the tokens up to and including the first end of sequence."""
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
 
 def test_the_reference_is_transformers_generate(real, prompts, references, tokenizer):
     """The teacher-forced reference is what a user gets from transformers' generate (which stops at
@@ -115,13 +112,7 @@ def test_the_genai_package_generates_transformers_text(variant, real_export, ref
     for prompt, ref in zip(PROMPTS, references):
         ids = [int(t) for t in genai_tokenizer.encode(prompt)]
         assert ids == tokenizer(prompt).input_ids  # the shipped tokenizer means the same to genai
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + STEPS)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        while not generator.is_done():
-            generator.generate_next_token()
-        generated = [int(t) for t in generator.get_sequence(0)[len(ids):]]
+        generated = genai_greedy(model, ids, STEPS)
         assert generated == until_eos(ref.tokens, tokenizer.eos_token_id)
         assert genai_tokenizer.decode(generated) == tokenizer.decode(generated)
 

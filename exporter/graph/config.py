@@ -147,7 +147,6 @@ def plain_config(raw: dict) -> types.SimpleNamespace | None:
         params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
     values = dict(raw)
     values["rope_parameters"] = params
-    values["num_key_value_heads"] = raw["num_key_value_heads"]
     values["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     if model_type in ("qwen2", "qwen3"):  # their __post_init__: the window only with use_sliding_window
         values["sliding_window"] = raw["sliding_window"] if raw["use_sliding_window"] else None

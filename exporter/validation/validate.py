@@ -103,7 +103,8 @@ def _json_default(value):
     raise TypeError(type(value))
 
 
-def _cell(value) -> str:
+def cell(value) -> str:
+    """A measured or threshold value as a report table shows it (the markdown and the pages)."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
@@ -123,7 +124,7 @@ def render_markdown(data: dict) -> str:
     for g in data["gates"]:
         result = {"pass": "pass", "info": "info" + (f": {g['message']}" if g["message"] else "")}.get(
             g["status"], f"**FAIL** {g['message']}")
-        lines.append(f"| {g['gate']} | {g['check']} | {_cell(g['measured'])} | {_cell(g['threshold'])} | {result} |")
+        lines.append(f"| {g['gate']} | {g['check']} | {cell(g['measured'])} | {cell(g['threshold'])} | {result} |")
     quality = data.get("quality")
     if quality:
         lines += ["", f"Quality against the unquantized reference ({quality['positions']} positions, "
@@ -219,7 +220,8 @@ def validate_export(
 
     factory = lm_factory or (lambda d, e: Decoder(d, ep=e))
     if dtype in QUANTIZED:
-        quality = _quality(export_dir, ep, dtype, ref_source.path, cfg, factory, gates, timings, quality_thresholds)
+        quality = _quality(export_dir, ep, dtype, activations, ref_source.path, cfg, factory, gates, timings,
+                           quality_thresholds)
         return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, None, quality)
 
     parity = None
@@ -231,12 +233,8 @@ def validate_export(
     timings["reference_cached"] = float(cached)
 
     t0 = time.perf_counter()
-    try:
-        lm = factory(export_dir, ep)
-    except Exception as err:
-        gates.append(GateResult("parity", f"session on {ep}", False, "error", "a session",
-                                f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
-    else:
+    lm = _session(factory, export_dir, ep, "parity", gates)
+    if lm is not None:
         parity_results, result = parity_gates(lm, ref, dtype)
         gates += parity_results
         parity = result.to_dict()
@@ -249,7 +247,17 @@ def validate_export(
 QUANTIZED = ("int4", "int8")
 
 
-def _quality(export_dir, ep, dtype, checkpoint, cfg, factory, gates, timings, thresholds) -> dict | None:
+def _session(factory, export_dir, ep, gate: str, gates: list):
+    """The runtime driver for the export, or None with a failed gate saying why it would not load."""
+    try:
+        return factory(export_dir, ep)
+    except Exception as err:
+        gates.append(GateResult(gate, f"session on {ep}", False, "error", "a session",
+                                f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
+        return None
+
+
+def _quality(export_dir, ep, dtype, activations, checkpoint, cfg, factory, gates, timings, thresholds) -> dict | None:
     """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity."""
     from exporter.validation.gates.quality import WINDOW, export_logits, quality_gates, reference_logits, score, \
         text_tokens, windows
@@ -263,16 +271,13 @@ def _quality(export_dir, ep, dtype, checkpoint, cfg, factory, gates, timings, th
     del ref_model
     timings["reference"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    try:
-        lm = factory(export_dir, ep)
-    except Exception as err:
-        gates.append(GateResult("quality", f"session on {ep}", False, "error", "a session",
-                                f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
+    lm = _session(factory, export_dir, ep, "quality", gates)
+    if lm is None:
         return None
     got = export_logits(lm, chunks)
     result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds)
-    gates.append(_decode_consistency(lm, chunks[0], got[0], cfg.get("activations", "fp32")))
+    gates.append(_decode_consistency(lm, chunks[0], got[0], activations))
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
 

@@ -20,6 +20,7 @@ import time
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.requests import cookie_parser
 from starlette.responses import JSONResponse, RedirectResponse
 
 from services.api.context import ApiContext
@@ -76,17 +77,10 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def _cookie(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
-    from http.cookies import SimpleCookie
-
+    """``name``'s value from the Cookie header, parsed as Starlette parses it for the routes."""
     for key, value in headers:
         if key == b"cookie":
-            jar = SimpleCookie()
-            try:
-                jar.load(value.decode("latin-1"))
-            except Exception:  # a malformed Cookie header authenticates nothing
-                return None
-            if name in jar and jar[name].value:
-                return jar[name].value
+            return cookie_parser(value.decode("latin-1")).get(name) or None
     return None
 
 

@@ -23,6 +23,7 @@ from sqlalchemy import select
 
 from exporter.contract import MANIFEST_FILE
 from exporter.errors import ExportError
+from exporter.validation.validate import cell
 from exporter.reports.bench_report import recommend
 from services import jobs
 from services.api.deps import ContextDep, SessionDep
@@ -48,15 +49,7 @@ def csrf_token(secret: str, session_token: str) -> str:
     return hmac.new(secret.encode(), f"csrf:{digest}".encode(), hashlib.sha256).hexdigest()[:40]
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    return "" if value is None else str(value)
-
-
-templates.env.globals["cell"] = _cell
+templates.env.globals["cell"] = lambda value: "" if value is None else cell(value)
 
 
 def _page(request: Request, name: str, context: ContextDep, status_code: int = 200, **values) -> HTMLResponse:

@@ -30,7 +30,7 @@ class QuantScheme:
     block_size: int
     symmetric: bool
 
-    def layout(self, k: int, n: int) -> tuple[int, int, int]:
+    def layout(self, k: int) -> tuple[int, int, int]:
         """(k_blocks, blob bytes per block, zero-point bytes per column)."""
         k_blocks = -(-k // self.block_size)
         per_byte = 8 // self.bits
@@ -46,7 +46,7 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
     k, n = weight_kn.shape
-    k_blocks, blob, zp_bytes = scheme.layout(k, n)
+    k_blocks, blob, zp_bytes = scheme.layout(k)
     if k_blocks * scheme.block_size != k:  # ORT's tool pads K the same way
         weight_kn = np.pad(weight_kn, ((0, k_blocks * scheme.block_size - k), (0, 0)))
     weight_kn = np.ascontiguousarray(weight_kn)
@@ -99,7 +99,7 @@ class _Quantization:
         with self._lock:
             if self._small is not None and packed_file is None:
                 return self._small
-            k_blocks, _, zp_bytes = self.scheme.layout(self.k, self.n)
+            k_blocks, _, zp_bytes = self.scheme.layout(self.k)
             scales = np.empty((self.n, k_blocks), self.source.dtype.numpy())
             zero_points = np.empty((self.n, zp_bytes), np.uint8)
             for offset, packed, s, zp in self.blocks():
@@ -116,7 +116,7 @@ class QuantizedPart(ir.LazyTensor):
 
     def __init__(self, quantization: _Quantization, role: str, name: str):
         self.quantization, self.role = quantization, role
-        k_blocks, blob, zp_bytes = quantization.scheme.layout(quantization.k, quantization.n)
+        k_blocks, blob, zp_bytes = quantization.scheme.layout(quantization.k)
         n = quantization.n
         dtype, shape = {
             "packed": (ir.DataType.UINT8, (n, k_blocks, blob)),

@@ -155,7 +155,7 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
 
     scheme = QuantScheme(quant["bits"], quant["block_size"], quant["symmetric"])
     k, n_total = quant["K"], quant["N"]
-    k_blocks, _, zp_bytes = scheme.layout(k, n_total)
+    k_blocks, _, zp_bytes = scheme.layout(k)
     stem = name[: -len(".packed")]
     packed = arrays[name]
     scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)

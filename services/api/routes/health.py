@@ -28,26 +28,19 @@ def healthz() -> dict:
 def readyz(context: ContextDep):
     """Whether the catalog, the broker and the object store answer now. Details go to the log, not
     to the (unauthenticated) caller."""
-    checks = {}
-    try:
+    def database() -> None:
         with session_scope(context.settings.catalog_url) as session:
             session.execute(text("SELECT 1"))
-        checks["database"] = "ok"
-    except Exception as err:
-        log.warning("readyz: catalog: %s", err)
-        checks["database"] = "unavailable"
-    try:
-        context.queue.check()
-        checks["broker"] = "ok"
-    except BrokerUnavailable as err:
-        log.warning("readyz: broker: %s", err)
-        checks["broker"] = "unavailable"
-    try:
-        context.store.check()
-        checks["storage"] = "ok"
-    except StorageError as err:
-        log.warning("readyz: storage: %s", err)
-        checks["storage"] = "unavailable"
+
+    checks = {}
+    for name, check, failure in (("database", database, Exception), ("broker", context.queue.check, BrokerUnavailable),
+                                 ("storage", context.store.check, StorageError)):
+        try:
+            check()
+            checks[name] = "ok"
+        except failure as err:
+            log.warning("readyz: %s: %s", name, err)
+            checks[name] = "unavailable"
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks}, status_code=200 if ready else 503,
                         headers=None if ready else {"Retry-After": "5"})

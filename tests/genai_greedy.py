@@ -1,0 +1,24 @@
+"""Greedy generation the way onnxruntime-genai's own loop runs it, shared by the genai tests and
+benchmarks/quant_quality.py."""
+
+from __future__ import annotations
+
+
+def genai_greedy(model, prompt: list[int], new_tokens: int, *, through_eos: bool = False) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt`` from an ``og.Model``; ``through_eos`` keeps
+    going past an end of sequence (min_length = max_length, as min_new_tokens does in transformers)."""
+    import onnxruntime_genai as og
+
+    total = len(prompt) + new_tokens
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=total, **({"min_length": total} if through_eos else {}))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt):]
+
+
+def until_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """What a generation loop emits: the tokens up to and including the first end of sequence."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
