@@ -41,8 +41,11 @@ RUN groupadd --system --gid 10001 exportfarm \
 # transformers reference for parity); ONNX Runtime runs the model on the GPU with its own CUDA
 # libraries, so torch's multi-GB CUDA build would only add weight.
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu"
+# TORCH_PIP_SOURCE says where pip finds it; a build without that index names a wheel directory
+# mounted into the build instead (CI: --build-arg TORCH_PIP_SOURCE="--no-index --find-links /wheels"
+# with podman build --volume /opt/wheels:/wheels:ro; deploy/ci/README.md).
+ARG TORCH_PIP_SOURCE="--index-url https://download.pytorch.org/whl/cpu"
+RUN pip install --no-deps ${TORCH_PIP_SOURCE} "torch==${TORCH_VERSION}+cpu"
 
 # onnxruntime-gpu takes the place of the lock's onnxruntime: both install the `onnxruntime` module,
 # and two copies would overwrite each other's files.
