@@ -75,6 +75,8 @@ RUN pip install --no-deps --no-build-isolation /src \
 USER 10001:10001
 WORKDIR /var/lib/exportfarm
 ENTRYPOINT ["exportfarm"]
-# No HEALTHCHECK here: a worker's health is a Celery ping through the broker, which needs REDIS_URL
-# (docker-compose.yml and the Helm chart define it).
+# Healthy while this container's Celery node answers a ping over the broker (REDIS_URL, set where the
+# worker runs); a busy worker answers too, a hung or disconnected one does not.
+HEALTHCHECK --interval=60s --timeout=30s --start-period=120s --retries=3 \
+  CMD ["python", "-m", "services.health", "worker"]
 CMD ["worker", "--queues", "gpu"]

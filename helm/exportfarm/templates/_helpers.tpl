@@ -129,34 +129,19 @@ securityContext:
 {{- end }}
 
 {{/*
-Worker probe: ask this pod's Celery node for a pong over the broker. The worker names itself
-celery@<hostname> (exportfarm worker without --name), and its main process answers control
-messages even while its pool child runs an export, so a hung or disconnected consumer fails this
-while a busy one passes. It imports only celery, not the project (cheap next to a running job).
+Worker probe (services/health.py, as the image's HEALTHCHECK): ask this pod's Celery node for a
+pong over the broker. The worker names itself celery@<hostname> (exportfarm worker without --name),
+and its main process answers control messages even while its pool child runs an export, so a hung
+or disconnected consumer fails this while a busy one passes. It imports only celery, not the export
+code (cheap next to a running job).
 */}}
 {{- define "exportfarm.workerPing" -}}
 exec:
-  command:
-    - python
-    - -c
-    - |
-      import os, socket, sys
-      from celery import Celery
-      app = Celery(broker=os.environ["REDIS_URL"])
-      app.conf.broker_connection_timeout = 5
-      replies = app.control.ping(destination=["celery@" + socket.gethostname()], timeout=10)
-      sys.exit(0 if replies else 1)
+  command: ["python", "-m", "services.health", "worker", "--timeout", "10"]
 {{- end }}
 
 {{/* Beat probe: the broker that beat sends scheduled jobs to answers from this pod. */}}
 {{- define "exportfarm.brokerCheck" -}}
 exec:
-  command:
-    - python
-    - -c
-    - |
-      import os
-      from kombu import Connection
-      with Connection(os.environ["REDIS_URL"], connect_timeout=5) as conn:
-          conn.ensure_connection(max_retries=1)
+  command: ["python", "-m", "services.health", "beat", "--timeout", "5"]
 {{- end }}
