@@ -8,6 +8,7 @@
   probe) and the parity report.
 - ``runtime``: the one ONNX Runtime driver, the decode benchmark, attention-kernel logs.
 - ``reports``: the benchmark plot and summary, the diff between two exports.
+- ``cache``: where computed artifacts (rope tables, reference runs) are kept between runs.
 
 ``pipeline`` runs the stages (``build_export``, ``validate_built``; ``export_model`` for the CLI).
 This package imports no celery, fastapi, boto3 or sqlalchemy.

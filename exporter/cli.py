@@ -172,6 +172,7 @@ def _cmd_export(args) -> int:
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
+    from exporter.cache import rope_cache_default
     from exporter.validation.reference import cache_dir_default
 
     progress = TerminalProgress()
@@ -179,6 +180,7 @@ def _cmd_export(args) -> int:
         result = export_model(
             request, args.out, progress, overwrite=args.overwrite,
             validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=cache_dir_default(),
+            rope_cache=rope_cache_default(),
         )
     except ValidationFailed as failed:
         progress.close()

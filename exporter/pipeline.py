@@ -62,7 +62,7 @@ def _publish_dir(staging: Path, out_dir: Path) -> None:
 
 def build_export(
     request: ExportRequest, source: ResolvedSource, out_dir: Path, progress: Progress | None = None,
-    export_id: str | None = None, timings: dict[str, float] | None = None,
+    export_id: str | None = None, timings: dict[str, float] | None = None, rope_cache: Path | None = None,
 ) -> Manifest:
     """Stages build, fold and package: write the model, its weights and the genai package into ``out_dir``.
 
@@ -76,7 +76,7 @@ def build_export(
 
     t0 = time.perf_counter()
     progress.stage("build")
-    built = build_model(request, source, on_layer=progress.layer)
+    built = build_model(request, source, on_layer=progress.layer, rope_cache=rope_cache)
     timings["build"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def build_export(
         written += n
         progress.bytes_written(written, total)
 
-    write_model(built.model, out_dir, on_bytes)
+    hashed = write_model(built.model, out_dir, on_bytes)  # model.onnx.data, hashed as it was written
     progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
     timings["write"] = time.perf_counter() - t0
     # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
@@ -102,7 +102,8 @@ def build_export(
         out_dir, source.path, built.config, built.variant, request,
         [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs],
     )
-    manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id)
+    manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id,
+                              hashed)
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
@@ -150,6 +151,7 @@ def export_model(
     reference: str | None = None,
     export_id: str | None = None,
     reference_cache: Path | None = None,
+    rope_cache: Path | None = None,
 ) -> ExportResult:
     """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
 
@@ -171,7 +173,7 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
-        manifest = build_export(request, source, staging, progress, export_id, timings)
+        manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache)
         report = None
         if validate:
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,

@@ -56,3 +56,27 @@ def test_rope_tables_equal_transformers_bit_for_bit(name, tmp_path):
         assert our_scale == pytest.approx(float(their_scale), rel=0, abs=0), name
     tables = rope_tables(cfg, 256)
     assert tables.cos.dtype == np.float32 and np.isfinite(tables.cos).all()
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen2"])  # longrope (two stacked halves) and default
+def test_cached_rope_tables_are_the_computed_ones_bit_for_bit(arch, tmp_path, monkeypatch):
+    from exporter.graph import rope as rope_module
+
+    cfg = load_model_config(make_tiny_checkpoint(arch, tmp_path / arch), ARCHITECTURES)
+    computed = rope_tables(cfg, 96)
+    stored = rope_tables(cfg, 96, cache_dir=tmp_path / "rope")
+    (path,) = (tmp_path / "rope").glob("rope-*.npz")
+
+    def no_torch(*args):
+        raise AssertionError("computed again instead of read back")
+
+    monkeypatch.setattr(rope_module, "_compute", no_torch)
+    read = rope_tables(cfg, 96, cache_dir=tmp_path / "rope")
+    for tables in (stored, read):
+        assert tables.cos.tobytes() == computed.cos.tobytes() and tables.sin.tobytes() == computed.sin.tobytes()
+        assert (tables.table_len, tables.switch_at) == (computed.table_len, computed.switch_at)
+    with pytest.raises(AssertionError, match="computed again"):
+        rope_tables(cfg, 128, cache_dir=tmp_path / "rope")  # another length is another entry
+    monkeypatch.undo()
+    path.write_bytes(path.read_bytes()[:100])  # torn: recomputed and replaced
+    assert rope_tables(cfg, 96, cache_dir=tmp_path / "rope").cos.tobytes() == computed.cos.tobytes()

@@ -57,3 +57,31 @@ def test_missing_tensor_names_the_tensor(source):
     checkpoint, _ = source
     with pytest.raises(ExportError, match="no tensor 'v'"):
         CheckpointTensor(checkpoint, (WeightPart("v"),), ir.DataType.FLOAT)
+
+
+def test_bf16_to_fp16_rounds_every_bit_pattern_as_torch_does():
+    bits = np.arange(1 << 16, dtype=np.uint16)  # every bf16 value: normals, subnormals, zeros, infs, NaNs
+    ours = ckpt.bf16_bits_to_fp16(bits)
+    theirs = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float16).numpy()
+    nan = np.isnan(theirs)
+    np.testing.assert_array_equal(np.isnan(ours), nan)
+    assert ours[~nan].view(np.uint16).tolist() == theirs[~nan].view(np.uint16).tolist()  # bits, signed zeros too
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.BFLOAT16])
+def test_numpy_casts_equal_torch_casts(stored, dtype, tmp_path):
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(4000) * scale for scale in (1e-7, 1e-5, 0.02, 1.0, 3e4, 1e6)]).to(stored)
+    save_file({"w": values.reshape(40, 600)}, str(tmp_path / "model.safetensors"))
+    checkpoint = Checkpoint(tmp_path)
+    ours = ckpt.convert(checkpoint.array("w"), checkpoint.stored_dtype("w"), dtype)
+    theirs = ckpt._to_numpy(values.reshape(40, 600), dtype)
+    assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()
+
+
+def test_tiled_transpose_equals_numpy_transpose(monkeypatch):
+    monkeypatch.setattr(ckpt, "TRANSPOSE_TILE", 7)  # tiles that do not divide either side
+    array = np.arange(23 * 45, dtype=np.uint16).reshape(23, 45)
+    out = ckpt.transpose(array[:, 3:40])
+    assert out.flags.c_contiguous and np.array_equal(out, array[:, 3:40].T)

@@ -296,7 +296,8 @@ def build(job: Job, record: JobRecord) -> None:
     shutil.rmtree(job.export_dir, ignore_errors=True)  # a build that died half way is redone whole
     partial = job.work / f".export.partial-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
-    manifest = build_export(record.export_request(), record.resolved_source(), partial, job.progress, record.export_id)
+    manifest = build_export(record.export_request(), record.resolved_source(), partial, job.progress, record.export_id,
+                            rope_cache=job.settings.data_dir / "rope")
     partial.rename(job.export_dir)
     record.manifest = manifest.data
 

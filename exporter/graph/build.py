@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import onnx_ir as ir
 
@@ -52,13 +53,14 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
                 )
 
 
-def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None) -> BuildResult:
+def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None) -> BuildResult:
+    """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports."""
     variant = request.resolved_variant()
     cfg = load_model_config(source.path, ARCHITECTURES)
     check_request_against_config(request, variant, cfg)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[request.activations])
+    builder = GraphBuilder(checkpoint, IR_DTYPES[request.activations], rope_cache)
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=11, producer_name="exportfarm", producer_version=__version__)

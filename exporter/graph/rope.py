@@ -4,11 +4,23 @@ The tables are baked into the graph as initializers indexed by position. longrop
 short to long factors once ``max(position_ids) + 1`` exceeds the pretraining length; instead of an
 ``If`` node (which blocks CUDA graph capture) both tables are stacked, short then long, and the
 graph offsets its position indices by ``table_len`` to select the long half.
+
+They are computed in torch, as transformers computes them, and torch costs an export more than a
+second to import; with a cache directory, tables are kept by everything that decides their bits
+(rope parameters, table length, torch version, machine), so every later export of a checkpoint
+(other variants, other dtypes) or of any model with the same rope reads them back instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import zipfile
+from pathlib import Path
 
 import numpy as np
 
@@ -42,9 +54,66 @@ def _table(inv_freq, scaling: float, length: int) -> tuple[np.ndarray, np.ndarra
     return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
 
 
-def rope_tables(config: ModelConfig, table_len: int, rope: RopeConfig | None = None) -> RopeTables:
-    """cos/sin of ``rope`` (default: the model's) for positions [0, table_len), both halves for longrope."""
+def rope_tables(config: ModelConfig, table_len: int, rope: RopeConfig | None = None,
+                cache_dir: Path | None = None) -> RopeTables:
+    """cos/sin of ``rope`` (default: the model's) for positions [0, table_len), both halves for longrope;
+    read from ``cache_dir`` when computed there before, and stored there when not."""
     rope = rope or config.rope
+    if cache_dir is None:
+        return _compute(config, table_len, rope)
+    path = Path(cache_dir) / f"rope-{_cache_key(config, table_len, rope)}.npz"
+    tables = _load(path, table_len)
+    if tables is None:
+        tables = _compute(config, table_len, rope)
+        _store(path, tables)
+    return tables
+
+
+def _cache_key(config: ModelConfig, table_len: int, rope: RopeConfig) -> str:
+    from exporter.versions import package_version
+
+    payload = {"rope_type": rope.rope_type, "parameters": rope.parameters, "rotary_dim": rope.rotary_dim,
+               "original_max_position_embeddings": rope.original_max_position_embeddings,
+               "max_position_embeddings": config.max_position_embeddings, "table_len": table_len,
+               # torch's float32 cos/sin kernels decide the last bits; they differ by version and CPU.
+               "torch": package_version("torch"), "machine": platform.machine(), "cpu": _cpu_flags()}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (torch picks its vector kernels by them), or "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _load(path: Path, table_len: int) -> RopeTables | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as data:
+            cos, sin = data["cos"], data["sin"]
+            switch_at = int(data["switch_at"])
+            stored_len = int(data["table_len"])
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # a torn or foreign file: compute again and replace it
+    if stored_len != table_len or cos.dtype != np.float32 or cos.shape != sin.shape:
+        return None
+    return RopeTables(cos, sin, table_len, None if switch_at < 0 else switch_at)
+
+
+def _store(path: Path, tables: RopeTables) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, cos=tables.cos, sin=tables.sin, table_len=tables.table_len,
+                 switch_at=-1 if tables.switch_at is None else tables.switch_at)
+    Path(name).replace(path)  # atomic: concurrent exports never read half a file
+
+
+def _compute(config: ModelConfig, table_len: int, rope: RopeConfig) -> RopeTables:
     if rope.rope_type != "longrope":
         inv_freq, scaling = _inv_freq(config, rope, None)
         cos, sin = _table(inv_freq, scaling, table_len)

@@ -83,7 +83,7 @@ def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> 
 def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int, variant: Variant,
             lengths: ir.Value | None, position_ids: ir.Value | None) -> Rotary:
     """cos/sin tables of ``rope`` and this step's way into them (longrope picks its half in-graph)."""
-    tables = rope_tables(cfg, table_len, rope)
+    tables = rope_tables(cfg, table_len, rope, b.rope_cache)
     cos, sin = rope_constants(b, tables, rope.layer_type)
     rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim)
     if variant is Variant.GQA:

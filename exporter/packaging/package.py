@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import datetime
 import hashlib
-import inspect
 import json
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from exporter.packaging.checkpoint import CheckpointTensor
+from exporter.packaging.external_data import write_model_files
 from exporter.graph.passes.quantize import QuantizedPart
 from exporter.request import ExportRequest, Variant, cache_key
 from exporter.packaging.resolve import ResolvedSource
@@ -35,21 +35,13 @@ def file_entry(path: Path) -> dict:
     return {"sha256": sha256_file(path), "size": path.stat().st_size}
 
 
-def write_model(model: ir.Model, out_dir: Path, on_bytes=None, workers: int = 2) -> None:
-    """Save with all weights in one external file, each tensor streamed by its own ``tofile``.
+def write_model(model: ir.Model, out_dir: Path, on_bytes=None) -> dict[str, dict]:
+    """Save with all weights in one external file (onnx-ir's layout), streamed in one forward pass.
 
-    With ``workers`` > 1 (onnx-ir >= 1.1) one tensor is read and converted while another is
-    written; the bytes in flight stay bounded, and the file is byte-identical to a serial write.
+    Returns the manifest entry of model.onnx.data, hashed while it was written, so that
+    ``build_manifest`` need not read a gigabyte back to vouch for it.
     """
-
-    def progress(tensor: ir.TensorProtocol, _info) -> None:
-        if on_bytes:
-            on_bytes(tensor.nbytes)
-
-    options = {}
-    if workers > 1 and "max_workers" in inspect.signature(ir.save).parameters:
-        options = {"max_workers": workers, "max_in_flight_bytes": 256 << 20}
-    ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE, callback=progress, **options)
+    return {DATA_FILE: write_model_files(model, out_dir, on_bytes).to_dict()}
 
 
 def _value_io(value: ir.Value) -> dict:
@@ -104,9 +96,12 @@ def build_manifest(
     timings: dict[str, float],
     extra_files: list[str] = (),
     export_id: str | None = None,
+    written: dict[str, dict] | None = None,
 ) -> Manifest:
+    """The manifest of a packaged export; ``written`` holds entries of files hashed as they were written."""
     versions = runtime_versions()
-    files = {name: file_entry(out_dir / name) for name in (MODEL_FILE, DATA_FILE, *extra_files)}
+    written = written or {}
+    files = {name: written.get(name) or file_entry(out_dir / name) for name in (MODEL_FILE, DATA_FILE, *extra_files)}
     data = {
         "schema": MANIFEST_SCHEMA,
         "export_id": export_id or uuid.uuid4().hex,

@@ -43,20 +43,21 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
 
 def cache_dir_default() -> Path:
     """Where references are kept between validations (EXPORTFARM_CACHE, default ~/.cache/exportfarm)."""
-    import os
+    from exporter.cache import cache_root
 
-    return Path(os.environ.get("EXPORTFARM_CACHE") or Path.home() / ".cache" / "exportfarm") / "references"
+    return cache_root() / "references"
 
 
 def _cache_key(revision: str, what: str, prompt: list[int], steps: int) -> str:
+    """The cache file's key: the checkpoint, the run, and the versions that compute it. The versions
+    come from package metadata, so a cache hit imports neither torch nor transformers (seconds)."""
     import hashlib
     import json
 
-    import torch
-    import transformers
+    from exporter.versions import package_version
 
     payload = {"revision": revision, "what": what, "prompt": prompt, "steps": steps,
-               "transformers": transformers.__version__, "torch": torch.__version__}
+               "transformers": package_version("transformers"), "torch": package_version("torch")}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

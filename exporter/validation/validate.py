@@ -8,6 +8,7 @@ Writes parity_report.json and parity_report.md next to the model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -181,8 +182,7 @@ def validate_export(
     it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
     ep)`` builds the runtime driver (tests pass a deliberately wrong one).
     """
-    from exporter.validation.reference import cached_reference_greedy
-    from exporter.runtime.session import Decoder, read_metadata
+    from exporter.runtime.session import read_metadata
 
     export_dir = Path(export_dir)
     manifest_path = export_dir / MANIFEST_FILE
@@ -209,10 +209,32 @@ def validate_export(
     gates += structure_gates(model_path, variant, activations, cfg["num_layers"])
     timings["structure"] = time.perf_counter() - t0
 
+    # The value check of every weight (numpy over two gigabytes) runs on its own thread while the
+    # runtime probe, the reference and the export's session run here: numpy, torch and onnxruntime
+    # all release the GIL, so the check overlaps them instead of adding its wall time to theirs.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
+        weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
+                              activations)
+        runtime: list[GateResult] = []
+        parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
+                                         lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
+                                         runtime, timings)
+        (weight_results, _), timings["weights"] = weights.result()
+    gates += weight_results + runtime
+    return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality)
+
+
+def _timed(function, *args):
     t0 = time.perf_counter()
-    weight_results, _ = weight_integrity(model_path, manifest, Checkpoint(ref_source.path), dtype, activations)
-    gates += weight_results
-    timings["weights"] = time.perf_counter() - t0
+    return function(*args), time.perf_counter() - t0
+
+
+def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source, lm_factory, peer,
+                   steps, prompt_len, quality_thresholds, reference_cache, gates, timings):
+    """The gates that run the export: the runtime probe, then parity against the reference (or, for
+    quantized exports, the quality gate); appends to ``gates``, returns (parity, quality)."""
+    from exporter.validation.reference import cached_reference_greedy
+    from exporter.runtime.session import Decoder
 
     t0 = time.perf_counter()
     gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
@@ -222,7 +244,7 @@ def validate_export(
     if dtype in QUANTIZED:
         quality = _quality(export_dir, ep, dtype, activations, ref_source.path, cfg, factory, gates, timings,
                            quality_thresholds)
-        return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, None, quality)
+        return None, quality
 
     parity = None
     t0 = time.perf_counter()
@@ -241,7 +263,7 @@ def validate_export(
         if peer is not None:
             gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
     timings["parity"] = time.perf_counter() - t0
-    return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity)
+    return parity, None
 
 
 QUANTIZED = ("int4", "int8")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape
@@ -12,10 +14,11 @@ from exporter.packaging.checkpoint import Checkpoint, CheckpointTensor, WeightPa
 class GraphBuilder:
     """Collects nodes and initializers; weights are lazy ``CheckpointTensor``s, never read here."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType):
+    def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType, rope_cache: Path | None = None):
         self.tape = tape.Tape()
         self.checkpoint = checkpoint
         self.dtype = dtype
+        self.rope_cache = rope_cache  # where rope tables are kept between exports (None: computed)
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 

@@ -4,7 +4,9 @@ Counts and dtypes cannot tell a zeroed or swapped weight from a good one; values
 initializer made from the checkpoint is read back from the serialized file as ORT would read it
 (the declared dtype over the external-data bytes) and each slice of a packed or transposed one
 is compared with its source tensor: Pearson correlation and relative L2 error, block by block,
-so memory stays bounded by one block whatever the model size.
+so memory stays bounded by one block whatever the model size. No element is skipped: the sums
+run over every element of every slice, in numpy (no torch import), and validation runs this gate
+on its own thread alongside the runtime gates.
 """
 
 from __future__ import annotations
@@ -51,32 +53,34 @@ class SliceStats:
 class _Accumulator:
     """Streaming sums for correlation and L2 error, block by block.
 
-    Values are held in float32 (exact for every dtype a weight comes in or is exported to: fp32,
-    fp16, bf16), products taken in float32 (each rounded by at most 2^-24 relative, unbiased) and
-    summed in float64, so the sums keep float64 accuracy at half its memory traffic; the L2 error
-    is summed from the differences themselves, with no cancellation."""
+    Values are held in float64 (exact for every dtype a weight comes in or is exported to: fp32,
+    fp16, bf16) and products and sums taken in float64 (BLAS dot products), over sub-blocks of
+    ``SUB_BLOCK`` elements so that every pass runs in cache; the L2 error is summed from the
+    differences themselves, with no cancellation."""
 
     def __init__(self):
         self.n = 0
         self.sx = self.sy = self.sxx = self.syy = self.sxy = self.sdd = 0.0
         self.max_abs = 0.0
 
-    def add(self, got, want) -> None:
-        """``got`` and ``want``: torch tensors of one shape."""
-        import torch
-
-        x, y = got.reshape(-1).float(), want.reshape(-1).float()
-        d = x - y
-        worst = float(d.abs().max()) if x.numel() else 0.0
-        self.max_abs = max(self.max_abs, worst if math.isfinite(worst) else math.inf)  # NaN never passes
-        self.n += x.numel()
-        f64 = torch.float64
-        self.sdd += float(torch.sum(d * d, dtype=f64))
-        self.sx += float(torch.sum(x, dtype=f64))
-        self.sy += float(torch.sum(y, dtype=f64))
-        self.sxx += float(torch.sum(x * x, dtype=f64))
-        self.syy += float(torch.sum(y * y, dtype=f64))
-        self.sxy += float(torch.sum(x * y, dtype=f64))
+    def add(self, got: np.ndarray, want: np.ndarray) -> None:
+        """``got`` and ``want``: numpy arrays of one shape, any float dtype numpy converts exactly."""
+        x_all, y_all = got.reshape(-1), want.reshape(-1)
+        for start in range(0, x_all.size, SUB_BLOCK):
+            x = x_all[start : start + SUB_BLOCK].astype(np.float64)
+            y = y_all[start : start + SUB_BLOCK].astype(np.float64)
+            d = x - y
+            if d.size:
+                worst = max(float(d.max()), -float(d.min()))
+                self.max_abs = max(self.max_abs, worst if math.isfinite(worst) else math.inf)  # NaN never passes
+            ones = _ones(x.size)
+            self.n += x.size
+            self.sdd += float(np.dot(d, d))
+            self.sx += float(np.dot(x, ones))
+            self.sy += float(np.dot(y, ones))
+            self.sxx += float(np.dot(x, x))
+            self.syy += float(np.dot(y, y))
+            self.sxy += float(np.dot(x, y))
 
     def correlation(self) -> float | None:
         vx = self.n * self.sxx - self.sx**2
@@ -87,6 +91,24 @@ class _Accumulator:
 
     def rel_l2(self) -> float:
         return math.sqrt(self.sdd) / max(math.sqrt(self.syy), 1e-30)
+
+
+# Elements per pass of the accumulator: its float64 arrays stay in L1/L2, and OpenBLAS runs a
+# dot product this short on the calling thread (above 10000 elements it starts threads of its
+# own, which oversubscribe the cores that onnxruntime, running the other gates, already uses).
+SUB_BLOCK = 8192
+_ONES = np.ones(SUB_BLOCK)
+
+
+def _ones(n: int) -> np.ndarray:
+    return _ONES[:n]
+
+
+def _as_float(array: np.ndarray) -> np.ndarray:
+    """A weight block as float32 or wider numpy (bf16 from its raw bits: exact)."""
+    if array.dtype == np.uint16 or array.dtype.name == "bfloat16":  # raw bf16 bits (checkpoint, or ml_dtypes)
+        return (np.ascontiguousarray(array).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return array
 
 
 def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray]:
@@ -112,16 +134,10 @@ def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray
             # The declared type does not match the stored byte count (e.g. fp16 bytes under FLOAT).
             arrays[init.name] = ValueError(f"{length} bytes stored for {count} x {dtype} ({init.name})")
             continue
-        arrays[init.name] = np.memmap(base / info["location"], dtype=dtype, mode="r", offset=offset, shape=shape)
+        # A plain ndarray over the map (it keeps the map alive): np.memmap's slicing costs per call.
+        arrays[init.name] = np.memmap(base / info["location"], dtype=dtype, mode="r", offset=offset,
+                                      shape=shape).view(np.ndarray)
     return arrays
-
-
-def _as_torch(array: np.ndarray):
-    import torch
-
-    if array.dtype.name == "bfloat16":  # ml_dtypes: torch reads it through an int16 view
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
@@ -130,18 +146,22 @@ def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
 
 
 def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict) -> _Accumulator:
+    """Every element of one part against its source, in the source's row order. A transposed
+    initializer's columns are transposed back by numpy, not by the exporter's own tiled transpose,
+    so a fault in that code cannot cancel out here."""
     acc = _Accumulator()
     rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
     n = rows[1] - rows[0]
-    row_elems = max(1, int(np.prod(checkpoint.shape(part["tensor"])[1:], dtype=np.int64)))
+    source = checkpoint.array(part["tensor"])
+    row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
     step = max(1, BLOCK_BYTES // (row_elems * 8))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        want = checkpoint.read(part["tensor"], (rows[0] + r0, rows[0] + r1))
+        want = _as_float(source[rows[0] + r0 : rows[0] + r1])
         if part.get("add"):
-            want = want.float() + part["add"]  # the recipe's offset (Gemma's 1 + weight norms)
-        got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]
-        acc.add(_as_torch(np.array(got, copy=True, order="C")), want)  # a writable copy for torch
+            want = want.astype(np.float32) + np.float32(part["add"])  # the recipe's offset, in fp32 as it was built
+        got = np.ascontiguousarray(out[:, offset + r0 : offset + r1].T) if transposed else out[offset + r0 : offset + r1]
+        acc.add(_as_float(got), want)
     return acc
 
 
@@ -187,7 +207,7 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
         if not same:
             acc.requantized_equal = False
         acc.bound_ratio = max(acc.bound_ratio, ratio if math.isfinite(ratio) and same else math.inf)
-        acc.add(torch.from_numpy(got), want)
+        acc.add(got, want.numpy())
     return acc
 
 
