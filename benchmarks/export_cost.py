@@ -330,11 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     export_cache = work_dir / "export-cache"
     shutil.rmtree(export_cache, ignore_errors=True)
     os.environ["EXPORTFARM_CACHE"] = str(export_cache)
-    rounds = []
+    # The variants' order turns by one each round: a run's place in its round moved its time by up
+    # to 40% here (whichever variant ran last was the slowest, os.sync() before each run or not),
+    # so with as many rounds as variants each one takes every place once.
+    rounds, orders = [], []
     for r in range(args.rounds):
-        print(f"round {r + 1} of {args.rounds}", flush=True)
+        turn = r % len(args.variants)
+        order = args.variants[turn:] + args.variants[:turn]
+        orders.append(order)
+        print(f"round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
         floor, floor_bytes = measure_floor(checkpoint, work_dir)
-        rounds.append((floor, {v: measure_export(checkpoint, v, work_dir, baseline, floor) for v in args.variants}))
+        rounds.append((floor, {v: measure_export(checkpoint, v, work_dir, baseline, floor) for v in order}))
     floor_walls = [f.wall_s for f, _ in rounds]
     floor = min((f for f, _ in rounds), key=lambda f: abs(f.wall_s - statistics.median(floor_walls)))
     cold = rounds[0][1][args.variants[0]]
@@ -373,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "floor": {**floor.to_dict(), "wall_s": round(statistics.median(floor_walls), 3), "rounds_wall_s": floor_walls,
                   "output_bytes": floor_bytes},
         "rounds": args.rounds,
+        "round_orders": orders,
         "cold_first_export": cold_first_export,
         "variants": variants,
         "validation": validation,
