@@ -120,13 +120,8 @@ class Checkpoint:
 
     def read(self, name: str, rows: tuple[int, int] | None = None):
         """Rows [a, b) (or all) of one tensor as a torch tensor in its stored dtype."""
-        import torch
-
         array = self.array(name)
-        copy = np.array(array[rows[0] : rows[1]] if rows else array)  # off the mmap: torch wants writable memory
-        if self._entry(name)["dtype"] == "BF16":
-            return torch.from_numpy(copy.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(copy)
+        return _as_torch(array[rows[0] : rows[1]] if rows else array, self.stored_dtype(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +132,17 @@ class WeightPart:
     name: str
     rows: tuple[int, int] | None = None
     add: float = 0.0
+
+
+def _as_torch(array: np.ndarray, stored: ir.DataType | None):
+    """A block of ``Checkpoint.array`` as a torch tensor in its stored dtype (bf16 from its raw
+    bits), copied off the read-only memory map: torch wants writable memory."""
+    import torch
+
+    copy = np.array(array)
+    if stored is ir.DataType.BFLOAT16:
+        return torch.from_numpy(copy.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(copy)
 
 
 def _to_numpy(tensor, dtype: ir.DataType) -> np.ndarray:
@@ -150,8 +156,11 @@ def _to_numpy(tensor, dtype: ir.DataType) -> np.ndarray:
 
 def bf16_bits_to_fp16(bits: np.ndarray) -> np.ndarray:
     """bf16 (raw uint16 bits) -> fp16 through ml_dtypes' bfloat16, which rounds to nearest even as
-    torch does (tested on every bf16 bit pattern) without importing torch."""
-    return np.ascontiguousarray(bits).view(ml_dtypes.bfloat16).astype(np.float16)
+    torch does (tested on every bf16 bit pattern) without importing torch. Beyond fp16's range the
+    result is inf, as torch's cast gives; the weight gate reports such a weight, so numpy's
+    overflow warning is not printed on top of it."""
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(bits).view(ml_dtypes.bfloat16).astype(np.float16)
 
 
 def convert(block: np.ndarray, stored: ir.DataType | None, dtype: ir.DataType, add: float = 0.0) -> np.ndarray:
@@ -165,11 +174,7 @@ def convert(block: np.ndarray, stored: ir.DataType | None, dtype: ir.DataType, a
         return bf16_bits_to_fp16(block)
     if not add and stored is ir.DataType.BFLOAT16 and dtype is ir.DataType.FLOAT:
         return (block.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    import torch
-
-    source = np.ascontiguousarray(block)
-    tensor = torch.from_numpy(source.view(np.int16)).view(torch.bfloat16) if stored is ir.DataType.BFLOAT16 \
-        else torch.from_numpy(source.copy())
+    tensor = _as_torch(block, stored)
     if add:
         tensor = tensor.float() + add
     return _to_numpy(tensor, dtype)

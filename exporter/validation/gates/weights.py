@@ -15,6 +15,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -105,9 +106,10 @@ def _ones(n: int) -> np.ndarray:
 
 
 def _as_float(array: np.ndarray) -> np.ndarray:
-    """A weight block as float32 or wider numpy (bf16 from its raw bits: exact)."""
+    """A weight block as float32 or wider numpy (bf16 exactly, through ml_dtypes: not the
+    exporter's own bf16 -> fp32 shift, so a fault there cannot cancel out here)."""
     if array.dtype == np.uint16 or array.dtype.name == "bfloat16":  # raw bf16 bits (checkpoint, or ml_dtypes)
-        return (np.ascontiguousarray(array).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return np.ascontiguousarray(array).view(ml_dtypes.bfloat16).astype(np.float32)
     return array
 
 
