@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,8 @@ import pytest
 
 from exporter.tiny_checkpoint import make_tiny_checkpoint
 from services.demo import Api
+from tests.farm import until
+from tests.s3_server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -62,12 +63,6 @@ FARM_ENV = {"LEASE_S": "10", "HEARTBEAT_S": "1", "SWEEP_INTERVAL_S": "2", "BENCH
             "EXPORTFARM_FAILPOINTS": "/failpoints/points.json"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _require_tools() -> None:
     missing = [tool for tool in ("podman", "mmdebstrap", "docker-compose") if shutil.which(tool) is None]
     if missing:
@@ -85,7 +80,7 @@ def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def settings_file(tmp_path_factory) -> dict:
     """deploy/.env for this run: fresh passwords, free published ports, images tagged `ci`."""
-    api_port, s3_port = _free_port(), _free_port()
+    api_port, s3_port = free_ports(2)  # distinct: both held open while chosen
     values = {
         "EXPORTFARM_VERSION": "ci", "POSTGRES_USER": "exportfarm", "POSTGRES_DB": "exportfarm",
         "POSTGRES_PASSWORD": secrets.token_hex(12), "REDIS_PASSWORD": secrets.token_hex(12),
@@ -207,17 +202,6 @@ def test_images_run_as_non_root_with_health_checks(images):
             f"the {service} image has no services.health {process} HEALTHCHECK: {check}"
 
 
-def _until(fetch, done, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fetch()
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {value})")
-        time.sleep(every)
-
-
 def test_stack_finishes_an_export_through_a_killed_worker_container(stack, settings_file, mounted, images):
     for service in FARM:
         assert stack.run("exec", stack.container(service), "id", "-u").stdout.strip() == "10001", service
@@ -241,16 +225,16 @@ def test_stack_finishes_an_export_through_a_killed_worker_container(stack, setti
         assert status == 200, body
         return body
 
-    held = _until(latest, lambda e: e["status"] == "running" and e["stage"] == "validate", 180,
-                  "the first attempt reaching validation")
+    held = until(latest, lambda e: e["status"] == "running" and e["stage"] == "validate", 180,
+                 "the first attempt reaching validation")
     assert held["attempts"] == 1, held
     restarts = int(stack.inspect("cpu-worker", "{{.RestartCount}}"))
     os.kill(int(stack.inspect("cpu-worker", "{{.State.Pid}}")), signal.SIGKILL)
     killed = time.monotonic()
-    _until(lambda: (stack.state("cpu-worker"), int(stack.inspect("cpu-worker", "{{.RestartCount}}"))),
-           lambda s: s == ("running", restarts + 1), 60, "the restart policy bringing the worker back")
+    until(lambda: (stack.state("cpu-worker"), int(stack.inspect("cpu-worker", "{{.RestartCount}}"))),
+          lambda s: s == ("running", restarts + 1), 60, "the restart policy bringing the worker back")
 
-    done = _until(latest, lambda e: e["status"] not in ("queued", "running"), 300, "the export ending", every=0.5)
+    done = until(latest, lambda e: e["status"] not in ("queued", "running"), 300, "the export ending", every=0.5)
     assert done["status"] == "ready", done
     images["timings"]["kill_to_ready_s"] = round(time.monotonic() - killed, 1)
     assert done["attempts"] == 2, f"the killed attempt should have been taken over by a second one: {done}"

@@ -205,7 +205,7 @@ class Stack:
     def start(self, service: str) -> None:
         spec = self.services[service]
         argv = ["run", "--detach", "--pod", self.pod, "--name", self.container(service), "--hostname", service,
-                "--restart", {"no": "no"}.get(str(spec.get("restart", "no")), str(spec.get("restart", "no"))),
+                "--restart", str(spec.get("restart", "no")),
                 "--stop-timeout", str(int(duration_s(spec.get("stop_grace_period"), 10)))]
         if spec.get("entrypoint") is not None:
             argv += ["--entrypoint", json.dumps(spec["entrypoint"])]
@@ -224,10 +224,13 @@ class Stack:
         """Start these services and their dependencies; seconds from the call until each was up."""
         order = self.order(services)
         self._create_pod(order)
-        start, ready = time.monotonic(), {}
+        start, ready, met = time.monotonic(), {}, set()
         for name in order:
             for dep, condition in self.services[name].get("depends_on", {}).items():
-                self.wait(dep, condition.get("condition", "service_started"), timeout)
+                wanted = (dep, condition.get("condition", "service_started"))
+                if wanted not in met:  # several services wait for the same one: check it once
+                    self.wait(*wanted, timeout)
+                    met.add(wanted)
             if self.state(name) is None:
                 self.start(name)
             ready[name] = round(time.monotonic() - start, 1)
