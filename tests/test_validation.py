@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -332,3 +333,53 @@ def test_the_reference_run_is_computed_once_per_checkpoint_and_shared_by_variant
     stored.write_bytes(stored.read_bytes()[:100])
     again = validate_export(exported("qwen3", "attn_dynamic"), reference_cache=cache)
     assert again.timings_s["reference_cached"] == 0.0 and again.passed and len(calls) == 3
+
+
+def test_a_fresh_reference_checks_the_export_s_own_tokens_and_reuses_that_run(exported, tmp_path, monkeypatch):
+    """With no cached reference, the export decodes on its own first and transformers checks those
+    tokens in one pass; where the export chose the reference's tokens at every step that run is the
+    teacher-forced one and is judged as it is, and where it strayed it runs again on the reference's
+    tokens, so a wrong runtime is still caught, on the reference's history."""
+    import exporter.validation.parity as parity
+
+    feeds = []
+    real = parity.export_decode
+    monkeypatch.setattr(parity, "export_decode", lambda lm, prompt, steps, feed=None, **k:
+                        feeds.append(feed) or real(lm, prompt, steps, feed, **k))
+    good = validate_export(exported("llama", "attn_static"), reference_cache=tmp_path / "a")
+    assert good.passed and good.timings_s["reference_cached"] == 0.0 and feeds == [None]
+
+    feeds.clear()
+    bad = validate_export(exported("llama", "attn_static"), reference_cache=tmp_path / "b",
+                          lm_factory=lambda d, ep: NonpadBeforeScatter(d, ep=ep))
+    assert _failed(bad, "parity") and feeds[0] is None and len(feeds) == 2
+    # The second run was fed the reference's tokens: those "b" now caches, which are the tokens the
+    # good export chose (checked in one pass of its draft in "a").
+    again = validate_export(exported("llama", "attn_static"), reference_cache=tmp_path / "b")
+    assert again.timings_s["reference_cached"] == 1.0 and again.parity["tokens"] == good.parity["tokens"]
+    assert feeds[1] == good.parity["tokens"]
+
+
+def test_the_weight_check_on_several_threads_gives_the_one_thread_figures(exported, monkeypatch):
+    from exporter.packaging.checkpoint import Checkpoint
+    from exporter.validation.gates import weights
+
+    export_dir = exported("qwen2", "gqa", "fp16")
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    source = Checkpoint(Path(manifest["source"]["path"]))
+    figures = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(weights, "compare_threads", lambda threads=threads: threads)
+        results, stats = weights.weight_integrity(export_dir / "model.onnx", manifest, source, "fp16")
+        assert results[0].passed
+        figures[threads] = [s.to_dict() for s in stats]
+    assert figures[1] == figures[3]
+
+
+def test_a_session_without_prepacked_weights_computes_the_same_logits(exported):
+    """Validation's sessions skip the CPU's weight prepacking; the logits are those of a default session."""
+    export_dir = exported("qwen2", "attn_dynamic")
+    prompt = np.array([[5, 17, 99, 3, 42, 8]], dtype=np.int64)
+    default, unpacked = Decoder(export_dir), Decoder(export_dir, prepack=False)
+    a, b = default.forward(prompt, default.new_state()), unpacked.forward(prompt, unpacked.new_state())
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(a.max() - a.min()))

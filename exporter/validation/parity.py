@@ -24,33 +24,70 @@ class ParityResult:
         return dataclasses.asdict(self)
 
 
-def run_parity(
-    lm: Decoder, ref: ReferenceRun, near_tie_margin: float, prefill_chunks: int = 1
-) -> ParityResult:
-    """Prefill (optionally in chunks) then decode teacher-forced on the reference's tokens.
+@dataclasses.dataclass
+class ExportRun:
+    """The export's side of a parity run: its prefill logits, its argmax at every decode step, and
+    the tokens it was fed after each step (the reference's, teacher-forced, or its own choices)."""
+
+    prefill_logits: np.ndarray  # [vocab] at the last prompt position
+    chosen: list[int]
+    fed: list[int]
+
+    def follows(self, tokens: list[int]) -> bool:
+        """Whether every step saw the history ``tokens`` gives it: then this run is the
+        teacher-forced run on ``tokens``, input for input."""
+        return len(self.chosen) == len(tokens) and self.fed == list(tokens[: len(self.fed)])
+
+
+def export_decode(lm: Decoder, prompt: list[int], steps: int, feed: list[int] | None = None,
+                  prefill_chunks: int = 1) -> ExportRun:
+    """Prefill ``prompt`` (optionally in chunks), then ``steps`` greedy steps through the export's
+    cache: each step's argmax is recorded, then ``feed[i]`` (teacher forcing) or, without ``feed``,
+    the export's own choice is fed. The last step's choice is not fed: nothing reads its logits."""
+    state = lm.new_state()
+    ids = np.array([prompt], dtype=np.int64)
+    bounds = np.linspace(0, ids.shape[1], prefill_chunks + 1).astype(int)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        logits = lm.forward(ids[:, a:b], state)
+    last = logits[0, -1].astype(np.float32)
+    prefill, chosen, fed = last, [], []
+    for i in range(steps):
+        chosen.append(int(np.argmax(last)))
+        if i == steps - 1:
+            break
+        fed.append(int(feed[i]) if feed is not None else chosen[-1])
+        last = lm.forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32)
+    return ExportRun(prefill, chosen, fed)
+
+
+def judge(run: ExportRun, ref: ReferenceRun, near_tie_margin: float) -> ParityResult:
+    """The export's run against the reference's, step by step on the same history.
 
     Teacher forcing compares every step on the same history, so one near-tie flip does not
-    cascade into a different continuation that would hide (or fake) later mismatches.
+    cascade into a different continuation that would hide (or fake) later mismatches; a run that
+    was fed anything else cannot be judged against ``ref``.
     """
-    state = lm.new_state()
-    prompt = np.array([ref.prompt], dtype=np.int64)
-    bounds = np.linspace(0, prompt.shape[1], prefill_chunks + 1).astype(int)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        logits = lm.forward(prompt[:, a:b], state)
-    last = logits[0, -1].astype(np.float32)
-    prefill_err = float(np.max(np.abs(last - ref.prefill_logits)))
-    tokens, mismatches, near_ties, tie_mismatches = [], [], [], []
-    for i, expected in enumerate(ref.tokens):
-        got = int(np.argmax(last))
-        tokens.append(got)
+    if not run.follows(ref.tokens):
+        raise ValueError("the export's run was not fed the reference's tokens: decode it teacher-forced first")
+    prefill_err = float(np.max(np.abs(run.prefill_logits - ref.prefill_logits)))
+    mismatches, near_ties, tie_mismatches = [], [], []
+    for i, (got, expected) in enumerate(zip(run.chosen, ref.tokens)):
         tie = ref.gaps[i] < near_tie_margin
         if tie:
             near_ties.append(i)
         if got != expected:
             (tie_mismatches if tie else mismatches).append(i)
-        last = lm.forward(np.array([[expected]], dtype=np.int64), state)[0, -1].astype(np.float32)
     logit_range = float(ref.prefill_logits.max() - ref.prefill_logits.min())
-    return ParityResult(prefill_err, logit_range, len(ref.tokens), mismatches, near_ties, tie_mismatches, tokens)
+    return ParityResult(prefill_err, logit_range, len(ref.tokens), mismatches, near_ties, tie_mismatches,
+                        list(run.chosen))
+
+
+def run_parity(
+    lm: Decoder, ref: ReferenceRun, near_tie_margin: float, prefill_chunks: int = 1
+) -> ParityResult:
+    """Prefill (optionally in chunks) then decode teacher-forced on the reference's tokens, and judge."""
+    run = export_decode(lm, ref.prompt, len(ref.tokens), ref.tokens, prefill_chunks)
+    return judge(run, ref, near_tie_margin)
 
 
 def run_batch_parity(lm: Decoder, refs: list[ReferenceRun], near_tie_margin: float) -> list[ParityResult]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.validation.gates import GateResult
-from exporter.validation.parity import ParityResult, run_parity
+from exporter.validation.parity import ExportRun, ParityResult, judge
 from exporter.validation.reference import ReferenceRun
 from exporter.runtime.session import Decoder
 
@@ -16,8 +16,9 @@ PREFILL_TOLERANCE = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 2e-1}
 NEAR_TIE_MARGIN = {"fp32": 0.01, "fp16": 0.1, "bf16": 0.5}
 
 
-def parity_gates(lm: Decoder, ref: ReferenceRun, dtype: str) -> tuple[list[GateResult], ParityResult]:
-    result = run_parity(lm, ref, NEAR_TIE_MARGIN[dtype])
+def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str) -> tuple[list[GateResult], ParityResult]:
+    """The export's teacher-forced run (``export_decode`` fed the reference's tokens) judged."""
+    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
     limit = PREFILL_TOLERANCE[dtype] * result.logit_range
     return [
         GateResult(
