@@ -381,5 +381,7 @@ def test_a_session_without_prepacked_weights_computes_the_same_logits(exported):
     export_dir = exported("qwen2", "attn_dynamic")
     prompt = np.array([[5, 17, 99, 3, 42, 8]], dtype=np.int64)
     default, unpacked = Decoder(export_dir), Decoder(export_dir, prepack=False)
+    # Set under onnxruntime's own key (kOrtSessionOptionsConfigDisablePrepacking): it ignores unknown keys.
+    assert unpacked.session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
     a, b = default.forward(prompt, default.new_state()), unpacked.forward(prompt, unpacked.new_state())
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(a.max() - a.min()))

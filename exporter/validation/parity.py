@@ -35,15 +35,17 @@ class ExportRun:
 
     def follows(self, tokens: list[int]) -> bool:
         """Whether every step saw the history ``tokens`` gives it: then this run is the
-        teacher-forced run on ``tokens``, input for input."""
-        return len(self.chosen) == len(tokens) and self.fed == list(tokens[: len(self.fed)])
+        teacher-forced run on ``tokens``, input for input (the last token fed is read by no step)."""
+        return len(self.chosen) == len(self.fed) == len(tokens) and self.fed[:-1] == list(tokens[:-1])
 
 
 def export_decode(lm: Decoder, prompt: list[int], steps: int, feed: list[int] | None = None,
                   prefill_chunks: int = 1) -> ExportRun:
     """Prefill ``prompt`` (optionally in chunks), then ``steps`` greedy steps through the export's
     cache: each step's argmax is recorded, then ``feed[i]`` (teacher forcing) or, without ``feed``,
-    the export's own choice is fed. The last step's choice is not fed: nothing reads its logits."""
+    the export's own choice is fed. The last token is fed too, though no step reads its logits: it
+    writes the cache's last position, which at the shortest max_seq_len validation accepts is the
+    buffer's last slot."""
     state = lm.new_state()
     ids = np.array([prompt], dtype=np.int64)
     bounds = np.linspace(0, ids.shape[1], prefill_chunks + 1).astype(int)
@@ -53,8 +55,6 @@ def export_decode(lm: Decoder, prompt: list[int], steps: int, feed: list[int] | 
     prefill, chosen, fed = last, [], []
     for i in range(steps):
         chosen.append(int(np.argmax(last)))
-        if i == steps - 1:
-            break
         fed.append(int(feed[i]) if feed is not None else chosen[-1])
         last = lm.forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32)
     return ExportRun(prefill, chosen, fed)

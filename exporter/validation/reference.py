@@ -25,25 +25,73 @@ def top2_gap(logits: np.ndarray) -> float:
 
 
 def load_reference(checkpoint: Path, dtype: str = "float32"):
-    """transformers' model of ``checkpoint`` in ``dtype``. It is loaded in the checkpoint's own dtype
-    (tensors mapped from the file) and then cast by torch in one pass: the same values as loading
-    straight into ``dtype`` (bf16 and fp16 widen to fp32 exactly), in about half the time, since
-    transformers' loader converts tensor by tensor on a thread pool (0.5B, 2 cores: 4.4 -> 1.8 s)."""
+    """transformers' model of ``checkpoint`` in ``dtype``.
+
+    Where every floating tensor is stored in one dtype that widens to ``dtype`` exactly (bf16 or
+    fp16 -> fp32), the model is loaded in that stored dtype (tensors mapped from the file) and cast
+    by torch in one pass: about half the time of transformers' own loader, which converts tensor by
+    tensor on a thread pool (0.5B, 2 cores: 4.4 -> 1.8 s), with the same weights. Buffers the model
+    computes at construction are computed under the stored dtype then; the one a supported model
+    computes that way (Gemma's embedding scale) is set again from its exact value, and a model with
+    any other is loaded straight into ``dtype`` instead (tests/test_reference.py holds every
+    supported architecture to a direct load, bit for bit)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from exporter.errors import ExportError
 
+    target = getattr(torch, dtype)
+    stored = _stored_dtype(Path(checkpoint))
+    fast = stored is not None and stored != target and torch.finfo(stored).bits < torch.finfo(target).bits
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=stored if fast else target)
+        if fast and not _cast_with_buffers(model, target):
+            del model
+            model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=target)
     except (OSError, ValueError) as err:
         raise ExportError(
             f"transformers cannot load the reference checkpoint {checkpoint} ({str(err).splitlines()[0][:200]}): "
             "pass --reference with a loadable checkpoint, or --no-validate"
         ) from None
-    model.to(getattr(torch, dtype))
     model.eval()
     return model
+
+
+def _stored_dtype(checkpoint: Path):
+    """The one torch dtype every floating tensor of the checkpoint's safetensors is stored in, or None."""
+    import torch
+
+    from exporter.errors import ExportError
+    from exporter.packaging.checkpoint import Checkpoint
+
+    try:
+        source = Checkpoint(checkpoint)
+    except ExportError:
+        return None  # not safetensors: transformers loads it its own way
+    floating = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+    kinds = {source._entry(name)["dtype"] for name in source.names()} & set(floating)
+    return floating[kinds.pop()] if len(kinds) == 1 else None
+
+
+def _cast_with_buffers(model, target) -> bool:
+    """Cast ``model`` to ``target``, setting again the construction-time buffers that were made in
+    the load dtype; False (model untouched) if one of them cannot be set from an exact value."""
+    import torch
+
+    redo = []
+    for module in model.modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            buffer = getattr(module, name, None)
+            if buffer is None or not torch.is_floating_point(buffer) or buffer.dtype == target:
+                continue  # e.g. rotary inv_freq: computed in float32 explicitly
+            if name == "embed_scale" and hasattr(module, "scalar_embed_scale"):
+                redo.append(module)
+            else:
+                return False
+    model.to(target)
+    for module in redo:
+        module.embed_scale.fill_(module.scalar_embed_scale)
+    return True
 
 
 def cache_dir_default() -> Path:
@@ -125,7 +173,7 @@ def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | No
     step_logits: list[np.ndarray] = []
     prefill = None
     with torch.no_grad():
-        if draft:
+        if draft and steps:
             checked = list(draft[: steps - 1])
             out = model(input_ids=torch.tensor([list(prompt) + checked], dtype=torch.long), use_cache=False)
             rows = out.logits[0, len(prompt) - 1:].float().numpy()

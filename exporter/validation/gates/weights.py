@@ -4,7 +4,7 @@ Counts and dtypes cannot tell a zeroed or swapped weight from a good one; values
 initializer made from the checkpoint is read back from the serialized file as ORT would read it
 (the declared dtype over the external-data bytes) and each slice of a packed or transposed one
 is compared with its source tensor: Pearson correlation and relative L2 error, block by block,
-so memory stays bounded by one block whatever the model size. No element is skipped: the sums
+so memory stays bounded by one block per comparing thread whatever the model size. No element is skipped: the sums
 run over every element of every slice, in numpy (no torch import), and validation runs this gate
 on its own thread alongside the runtime gates.
 """
@@ -220,7 +220,8 @@ def compare_threads() -> int:
     other half to onnxruntime and the reference, which validation runs at the same time: one on a
     2-core machine (alone, two threads take a 0.5B check from 4.6 to 2.7 s there, but they then slow
     the onnxruntime session beside them by as much)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, usable // 2))
 
 
 def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str,
