@@ -117,7 +117,7 @@ def build_export(
 
 def validate_built(
     out_dir: Path, manifest: Manifest, reference: str, ep: str, progress: Progress | None = None,
-    quality_thresholds: dict | None = None, reference_cache: Path | None = None,
+    quality_thresholds: dict | None = None, reference_cache: Path | None = None, shared_references=None,
 ) -> ValidationReport:
     """Stage validate: run every gate on the export in ``out_dir`` and record the outcome in ``manifest``.
 
@@ -128,7 +128,7 @@ def validate_built(
     t0 = time.perf_counter()
     progress.stage("validate")
     report = validate_export(out_dir, reference, ep, manifest=manifest.data, quality_thresholds=quality_thresholds,
-                             reference_cache=reference_cache)
+                             reference_cache=reference_cache, shared_references=shared_references)
     manifest.add_files(out_dir, [p.name for p in report.write(out_dir)])
     manifest.data["timings_s"]["validate"] = round(time.perf_counter() - t0, 3)
     manifest.data["validation"] = {

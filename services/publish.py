@@ -182,3 +182,33 @@ def read_published(store: ArtifactStore, prefix: str, name: str) -> dict | None:
     """A JSON file published under ``prefix`` (parity report, benchmark, diff), or None."""
     data = store.get_bytes(_directory(prefix) + name)
     return json.loads(data) if data else None
+
+
+# Reference runs (transformers' greedy run of a checkpoint, exporter.validation.reference) shared by
+# every worker. Their keys have two segments; an export's prefix has at least five
+# (export_prefix), so no export's key or prefix deletion can ever reach one.
+REFERENCES_PREFIX = "_references/"
+
+
+class StoreReferences:
+    """``exporter.validation.reference.SharedReferences`` over the farm's object store: a variant
+    validated on one worker reads the reference run another worker computed for the same
+    checkpoint instead of running transformers again. A cache: when the store is down, the run is
+    computed (or kept) locally and the job goes on; ``guard`` (the job's lease) still stops an
+    upload from a worker that lost its job."""
+
+    def __init__(self, store: ArtifactStore, guard: Guard | None = None, on_error: Callable[[str], None] = print):
+        self.store, self.guard, self.on_error = store, guard, on_error
+
+    def fetch(self, name: str) -> bytes | None:
+        try:
+            return self.store.get_bytes(check_key(REFERENCES_PREFIX + name))
+        except StorageError as err:
+            self.on_error(f"reference run {name} not read from the store ({err}); computing it here")
+            return None
+
+    def publish(self, name: str, data: bytes) -> None:
+        try:
+            self.store.put_bytes(check_key(REFERENCES_PREFIX + name), data, guard=self.guard)
+        except StorageError as err:
+            self.on_error(f"reference run {name} not shared through the store ({err}); kept on this worker")

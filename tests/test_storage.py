@@ -539,3 +539,53 @@ def test_presigned_links_name_the_public_endpoint(seaweed):
     assert url.startswith(public)
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.read() == b"hello"
+
+
+def test_workers_share_reference_runs_through_the_store(store, exported, tmp_path, monkeypatch):
+    """A variant validated on a second worker (its own local cache) reads the reference run the first
+    worker computed from the store, and keeps it locally; transformers runs once."""
+    import exporter.validation.reference as reference
+    from exporter.validation.validate import validate_export
+    from services.publish import REFERENCES_PREFIX, StoreReferences
+
+    calls = []
+    real = reference.reference_greedy
+    monkeypatch.setattr(reference, "reference_greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = validate_export(exported("qwen2", "gqa"), reference_cache=tmp_path / "worker-a",
+                            shared_references=StoreReferences(store))
+    second = validate_export(exported("qwen2", "attn_dynamic"), reference_cache=tmp_path / "worker-b",
+                             shared_references=StoreReferences(store))
+    assert first.passed and second.passed and len(calls) == 1
+    assert [first.timings_s["reference_cached"], second.timings_s["reference_cached"]] == [0.0, 1.0]
+    assert second.parity["tokens"] == first.parity["tokens"]
+    (key,) = store.list_keys(REFERENCES_PREFIX)
+    name = key.removeprefix(REFERENCES_PREFIX)
+    assert name.startswith("greedy-") and (tmp_path / "worker-b" / name).read_bytes() == store.get_bytes(key)
+
+
+def test_a_store_that_is_down_costs_the_shared_reference_not_the_validation(exported, tmp_path):
+    from exporter.validation.validate import validate_export
+    from services.publish import StoreReferences
+
+    nobody = S3Store(f"http://127.0.0.1:{free_ports(1)[0]}", BUCKET, "k", "s", attempts=1, backoff_s=0.01,
+                     client_attempts=1)
+    errors = []
+    report = validate_export(exported("qwen2", "gqa"), reference_cache=tmp_path / "worker",
+                             shared_references=StoreReferences(nobody, on_error=errors.append))
+    assert report.passed and report.timings_s["reference_cached"] == 0.0
+    assert len(errors) == 2 and "computing it here" in errors[0] and "kept on this worker" in errors[1]
+
+
+def test_a_worker_that_lost_its_lease_shares_no_reference_run(store):
+    from services.publish import REFERENCES_PREFIX, StoreReferences
+
+    class LeaseLost(Exception):
+        pass
+
+    def lost():
+        raise LeaseLost
+
+    name = f"greedy-{uuid.uuid4().hex}.npz"
+    with pytest.raises(LeaseLost):
+        StoreReferences(store, guard=lost).publish(name, b"run")
+    assert store.get_bytes(REFERENCES_PREFIX + name) is None

@@ -46,7 +46,7 @@ from services.catalog.database import session_scope
 from services.catalog.exports import outcome_fields, request_of
 from services.catalog.models import Export, ExportStatus
 from services.lifecycle import CancelRequested, Fenced, Lease
-from services.publish import export_prefix, publish_export, unpublish
+from services.publish import StoreReferences, export_prefix, publish_export, unpublish
 from services.regressions import diff_with_predecessor
 from services.settings import Settings
 from services.sources import UNRESOLVED_PREFIX, locate_model
@@ -305,8 +305,9 @@ def build(job: Job, record: JobRecord) -> None:
 def validate(job: Job, record: JobRecord) -> None:
     manifest = Manifest(record.manifest)
     ep = job.settings.validate_ep or record.request["ep"]
+    shared = StoreReferences(job.store, job.keeper.check, log.warning)
     report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress,
-                            job.settings.quality_thresholds, job.settings.data_dir / "references")
+                            job.settings.quality_thresholds, job.settings.data_dir / "references", shared)
     record.parity_report = report.to_json()
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import zipfile
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -59,6 +61,7 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
 
 def _stored_dtype(checkpoint: Path):
     """The one torch dtype every floating tensor of the checkpoint's safetensors is stored in, or None."""
+    import onnx_ir as ir
     import torch
 
     from exporter.errors import ExportError
@@ -68,9 +71,10 @@ def _stored_dtype(checkpoint: Path):
         source = Checkpoint(checkpoint)
     except ExportError:
         return None  # not safetensors: transformers loads it its own way
-    floating = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-    kinds = {source._entry(name)["dtype"] for name in source.names()} & set(floating)
-    return floating[kinds.pop()] if len(kinds) == 1 else None
+    floating = {ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.FLOAT16: torch.float16,
+                ir.DataType.FLOAT: torch.float32, ir.DataType.DOUBLE: torch.float64}
+    kinds = {floating.get(source.stored_dtype(name)) for name in source.names()} - {None}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _cast_with_buffers(model, target) -> bool:
@@ -114,43 +118,68 @@ def _cache_key(revision: str, what: str, prompt: list[int], steps: int) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def cached_reference(cache_dir: Path | None, revision: str, prompt: list[int], steps: int
-                     ) -> tuple[Path | None, ReferenceRun | None]:
+class SharedReferences(Protocol):
+    """Reference runs kept beyond one machine (the farm's object store), by file name."""
+
+    def fetch(self, name: str) -> bytes | None: ...
+
+    def publish(self, name: str, data: bytes) -> None: ...
+
+
+def cached_reference(cache_dir: Path | None, revision: str, prompt: list[int], steps: int,
+                     shared: SharedReferences | None = None) -> tuple[Path | None, ReferenceRun | None]:
     """Where the reference run of the checkpoint ``revision`` (a hub sha or a local content
     fingerprint) for this prompt and step count is kept, and the run if it is there: every variant
-    and dtype exported from one checkpoint shares it."""
+    and dtype exported from one checkpoint shares it. A run not in ``cache_dir`` is looked for in
+    ``shared`` (another worker may have computed it) and kept in ``cache_dir`` when found there."""
     if cache_dir is None:
         return None, None
     path = Path(cache_dir) / f"greedy-{_cache_key(revision, 'greedy', prompt, steps)}.npz"
-    if path.is_file():
-        try:
-            with np.load(path) as data:
-                run = ReferenceRun([int(t) for t in data["prompt"]], data["prefill_logits"],
-                                   [int(t) for t in data["tokens"]], list(data["step_logits"]),
-                                   [float(g) for g in data["gaps"]])
-            if run.prompt == list(prompt) and len(run.tokens) == steps:
-                return path, run
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            pass  # a torn or foreign file: computed again and replaced
-    return path, None
+    run = _read_run(path, prompt, steps) if path.is_file() else None
+    if run is None and shared is not None:
+        data = shared.fetch(path.name)
+        if data is not None:
+            run = _read_run(io.BytesIO(data), prompt, steps)
+            if run is not None:
+                _write_atomic(path, data)
+    return path, run
 
 
-def store_reference(path: Path | None, run: ReferenceRun) -> None:
-    """Keep ``run`` at ``path`` (from ``cached_reference``), atomically: concurrent validations never
-    read half a file."""
-    if path is None:
-        return
+def _read_run(source, prompt: list[int], steps: int) -> ReferenceRun | None:
+    try:
+        with np.load(source) as data:
+            run = ReferenceRun([int(t) for t in data["prompt"]], data["prefill_logits"],
+                               [int(t) for t in data["tokens"]], list(data["step_logits"]),
+                               [float(g) for g in data["gaps"]])
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # a torn or foreign file: computed again and replaced
+    return run if run.prompt == list(prompt) and len(run.tokens) == steps else None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Concurrent validations never read half a file."""
     import tempfile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    vocab = run.prefill_logits.shape[-1]
     with os.fdopen(fd, "wb") as f:
-        np.savez(f, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
-                 tokens=np.array(run.tokens, np.int64),
-                 step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
-                 gaps=np.array(run.gaps, np.float64))
+        f.write(data)
     Path(name).replace(path)
+
+
+def store_reference(path: Path | None, run: ReferenceRun, shared: SharedReferences | None = None) -> None:
+    """Keep ``run`` at ``path`` (from ``cached_reference``) and publish it to ``shared``."""
+    if path is None:
+        return
+    buffer = io.BytesIO()
+    vocab = run.prefill_logits.shape[-1]
+    np.savez(buffer, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
+             tokens=np.array(run.tokens, np.int64),
+             step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
+             gaps=np.array(run.gaps, np.float64))
+    _write_atomic(path, buffer.getvalue())
+    if shared is not None:
+        shared.publish(path.name, buffer.getvalue())
 
 
 def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | None = None) -> ReferenceRun:

@@ -175,8 +175,12 @@ def validate_export(
     manifest: dict | None = None,
     quality_thresholds: dict | None = None,
     reference_cache: Path | None = None,
+    shared_references=None,
 ) -> ValidationReport:
     """Run every gate on ``export_dir``; ``reference`` defaults to the checkpoint it was built from.
+
+    Reference runs are kept in ``reference_cache`` and, given ``shared_references`` (a
+    ``reference.SharedReferences``, e.g. the farm's object store), shared beyond this machine.
 
     ``manifest`` is the export's manifest when the caller holds it in memory (the pipeline writes
     it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
@@ -218,7 +222,7 @@ def validate_export(
         runtime: list[GateResult] = []
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
-                                         runtime, timings)
+                                         shared_references, runtime, timings)
         (weight_results, _), timings["weights"] = weights.result()
     gates += weight_results + runtime
     return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality)
@@ -230,7 +234,7 @@ def _timed(function, *args):
 
 
 def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source, lm_factory, peer,
-                   steps, prompt_len, quality_thresholds, reference_cache, gates, timings):
+                   steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
     quantized exports, the quality gate); appends to ``gates``, returns (parity, quality)."""
     from exporter.runtime.session import Decoder
@@ -252,7 +256,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
     t0 = time.perf_counter()
-    cache_path, ref = reference.cached_reference(reference_cache, ref_source.revision, prompt, steps)
+    cache_path, ref = reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
     timings["reference"] = time.perf_counter() - t0
     timings["reference_cached"] = float(ref is not None)
 
@@ -271,7 +275,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         parity_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref = reference.reference_greedy(reference.load_reference(ref_source.path), prompt, steps, free_run.chosen)
-        reference.store_reference(cache_path, ref)
+        reference.store_reference(cache_path, ref, shared_references)
         timings["reference"] += time.perf_counter() - t0
         t0 = time.perf_counter()
     # Parity is judged teacher-forced: the export fed the reference's tokens. Its free run was
