@@ -130,10 +130,10 @@ def _cmd_validate(args) -> int:
         raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
     if args.steps < 1:
         raise ExportError("--steps must be at least 1")
-    from exporter.validation.reference import cache_dir_default
+    from exporter.cache import reference_cache_default
 
     report = validate_export(args.dir, args.reference, args.ep, args.peer, steps=args.steps,
-                             reference_cache=cache_dir_default())
+                             reference_cache=reference_cache_default())
     paths = report.write()
     _print_report(report)
     print(f"report: {paths[0]} and {paths[1].name}")
@@ -172,14 +172,13 @@ def _cmd_export(args) -> int:
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
-    from exporter.cache import rope_cache_default
-    from exporter.validation.reference import cache_dir_default
+    from exporter.cache import reference_cache_default, rope_cache_default
 
     progress = TerminalProgress()
     try:
         result = export_model(
             request, args.out, progress, overwrite=args.overwrite,
-            validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=cache_dir_default(),
+            validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=reference_cache_default(),
             rope_cache=rope_cache_default(),
         )
     except ValidationFailed as failed:

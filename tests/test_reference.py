@@ -89,10 +89,11 @@ def test_the_reference_loads_in_the_checkpoint_dtype_and_casts_to_exactly_the_di
 
 def test_parity_refuses_to_judge_a_run_that_saw_another_history(checkpoint):
     ref = reference_greedy(load_reference(checkpoint("llama")), _prompt(), 4)
-    followed = ExportRun(ref.prefill_logits, list(ref.tokens), list(ref.tokens))
+    logits = [*ref.step_logits, ref.step_logits[-1]]  # the reference's own choices, step by step
+    followed = ExportRun(logits, list(ref.tokens))
     assert judge(followed, ref, 0.0).mismatches == []
-    strayed = ExportRun(ref.prefill_logits, list(ref.tokens), [ref.tokens[0], ref.tokens[1] + 1, *ref.tokens[2:]])
-    unfed = ExportRun(ref.prefill_logits, list(ref.tokens), [])
+    strayed = ExportRun(logits, [ref.tokens[0], ref.tokens[1] + 1, *ref.tokens[2:]])
+    unfed = ExportRun(logits, [])
     for run in (strayed, unfed):
         with pytest.raises(ValueError, match="teacher-forced"):
             judge(run, ref, 0.0)

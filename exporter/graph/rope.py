@@ -14,16 +14,12 @@ second to import; with a cache directory, tables are kept by everything that dec
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import platform
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from exporter.cache import cache_key, read_npz, write_npz
 from exporter.graph.config import ModelConfig, RopeConfig
 
 
@@ -72,12 +68,11 @@ def rope_tables(config: ModelConfig, table_len: int, rope: RopeConfig | None = N
 def _cache_key(config: ModelConfig, table_len: int, rope: RopeConfig) -> str:
     from exporter.versions import package_version
 
-    payload = {"rope_type": rope.rope_type, "parameters": rope.parameters, "rotary_dim": rope.rotary_dim,
-               "original_max_position_embeddings": rope.original_max_position_embeddings,
-               "max_position_embeddings": config.max_position_embeddings, "table_len": table_len,
-               # torch's float32 cos/sin kernels decide the last bits; they differ by version and CPU.
-               "torch": package_version("torch"), "machine": platform.machine(), "cpu": _cpu_flags()}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return cache_key({"rope_type": rope.rope_type, "parameters": rope.parameters, "rotary_dim": rope.rotary_dim,
+                      "original_max_position_embeddings": rope.original_max_position_embeddings,
+                      "max_position_embeddings": config.max_position_embeddings, "table_len": table_len,
+                      # torch's float32 cos/sin kernels decide the last bits; they differ by version and CPU.
+                      "torch": package_version("torch"), "machine": platform.machine(), "cpu": _cpu_flags()})
 
 
 def _cpu_flags() -> str:
@@ -90,27 +85,19 @@ def _cpu_flags() -> str:
 
 
 def _load(path: Path, table_len: int) -> RopeTables | None:
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path) as data:
-            cos, sin = data["cos"], data["sin"]
-            switch_at = int(data["switch_at"])
-            stored_len = int(data["table_len"])
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None  # a torn or foreign file: compute again and replace it
-    if stored_len != table_len or cos.dtype != np.float32 or cos.shape != sin.shape:
+    data = read_npz(path)
+    if data is None or not {"cos", "sin", "switch_at", "table_len"} <= set(data):
+        return None  # absent, torn or foreign: computed again and replaced
+    cos, sin = data["cos"], data["sin"]
+    switch_at = int(data["switch_at"])
+    if int(data["table_len"]) != table_len or cos.dtype != np.float32 or cos.shape != sin.shape:
         return None
     return RopeTables(cos, sin, table_len, None if switch_at < 0 else switch_at)
 
 
 def _store(path: Path, tables: RopeTables) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, cos=tables.cos, sin=tables.sin, table_len=tables.table_len,
-                 switch_at=-1 if tables.switch_at is None else tables.switch_at)
-    Path(name).replace(path)  # atomic: concurrent exports never read half a file
+    write_npz(path, cos=tables.cos, sin=tables.sin, table_len=tables.table_len,
+              switch_at=-1 if tables.switch_at is None else tables.switch_at)
 
 
 def _compute(config: ModelConfig, table_len: int, rope: RopeConfig) -> RopeTables:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -26,38 +27,43 @@ class ParityResult:
 
 @dataclasses.dataclass
 class ExportRun:
-    """The export's side of a parity run: its prefill logits, its argmax at every decode step, and
-    the tokens it was fed after each step (the reference's, teacher-forced, or its own choices)."""
+    """The export's side of a parity run: its logits at the last prompt position and after every
+    token fed, and the tokens it was fed (the reference's, teacher-forced, or its own choices)."""
 
-    prefill_logits: np.ndarray  # [vocab] at the last prompt position
-    chosen: list[int]
+    logits: list[np.ndarray]  # [vocab] fp32 each; len(fed) + 1 of them
     fed: list[int]
+
+    @property
+    def prefill_logits(self) -> np.ndarray:
+        return self.logits[0]
+
+    @functools.cached_property
+    def chosen(self) -> list[int]:
+        """The export's argmax at each step (step i reads the logits after ``fed[:i]``)."""
+        return [int(np.argmax(step)) for step in self.logits[: len(self.fed)]]
 
     def follows(self, tokens: list[int]) -> bool:
         """Whether every step saw the history ``tokens`` gives it: then this run is the
         teacher-forced run on ``tokens``, input for input (the last token fed is read by no step)."""
-        return len(self.chosen) == len(self.fed) == len(tokens) and self.fed[:-1] == list(tokens[:-1])
+        return len(self.fed) == len(tokens) and self.fed[:-1] == list(tokens[:-1])
 
 
 def export_decode(lm: Decoder, prompt: list[int], steps: int, feed: list[int] | None = None,
                   prefill_chunks: int = 1) -> ExportRun:
     """Prefill ``prompt`` (optionally in chunks), then ``steps`` greedy steps through the export's
-    cache: each step's argmax is recorded, then ``feed[i]`` (teacher forcing) or, without ``feed``,
-    the export's own choice is fed. The last token is fed too, though no step reads its logits: it
-    writes the cache's last position, which at the shortest max_seq_len validation accepts is the
-    buffer's last slot."""
+    cache, each feeding ``feed[i]`` (teacher forcing) or, without ``feed``, the export's own choice.
+    The last token is fed too, though no step chooses from its logits: it writes the cache's last
+    position, which at the shortest max_seq_len validation accepts is the buffer's last slot."""
     state = lm.new_state()
     ids = np.array([prompt], dtype=np.int64)
     bounds = np.linspace(0, ids.shape[1], prefill_chunks + 1).astype(int)
     for a, b in zip(bounds[:-1], bounds[1:]):
-        logits = lm.forward(ids[:, a:b], state)
-    last = logits[0, -1].astype(np.float32)
-    prefill, chosen, fed = last, [], []
+        out = lm.forward(ids[:, a:b], state)
+    logits, fed = [out[0, -1].astype(np.float32)], []
     for i in range(steps):
-        chosen.append(int(np.argmax(last)))
-        fed.append(int(feed[i]) if feed is not None else chosen[-1])
-        last = lm.forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32)
-    return ExportRun(prefill, chosen, fed)
+        fed.append(int(feed[i]) if feed is not None else int(np.argmax(logits[-1])))
+        logits.append(lm.forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32))
+    return ExportRun(logits, fed)
 
 
 def judge(run: ExportRun, ref: ReferenceRun, near_tie_margin: float) -> ParityResult:

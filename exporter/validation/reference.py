@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import io
-import os
-import zipfile
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from exporter.cache import read_npz, write_atomic, write_npz
 
 
 @dataclasses.dataclass
@@ -98,24 +97,14 @@ def _cast_with_buffers(model, target) -> bool:
     return True
 
 
-def cache_dir_default() -> Path:
-    """Where references are kept between validations (EXPORTFARM_CACHE, default ~/.cache/exportfarm)."""
-    from exporter.cache import cache_root
-
-    return cache_root() / "references"
-
-
 def _cache_key(revision: str, what: str, prompt: list[int], steps: int) -> str:
     """The cache file's key: the checkpoint, the run, and the versions that compute it. The versions
     come from package metadata, so a cache hit imports neither torch nor transformers (seconds)."""
-    import hashlib
-    import json
-
+    from exporter.cache import cache_key
     from exporter.versions import package_version
 
-    payload = {"revision": revision, "what": what, "prompt": prompt, "steps": steps,
-               "transformers": package_version("transformers"), "torch": package_version("torch")}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_key({"revision": revision, "what": what, "prompt": prompt, "steps": steps,
+                      "transformers": package_version("transformers"), "torch": package_version("torch")})
 
 
 class SharedReferences(Protocol):
@@ -135,51 +124,35 @@ def cached_reference(cache_dir: Path | None, revision: str, prompt: list[int], s
     if cache_dir is None:
         return None, None
     path = Path(cache_dir) / f"greedy-{_cache_key(revision, 'greedy', prompt, steps)}.npz"
-    run = _read_run(path, prompt, steps) if path.is_file() else None
+    run = _read_run(read_npz(path), prompt, steps)
     if run is None and shared is not None:
         data = shared.fetch(path.name)
-        if data is not None:
-            run = _read_run(io.BytesIO(data), prompt, steps)
-            if run is not None:
-                _write_atomic(path, data)
+        run = _read_run(read_npz(data), prompt, steps) if data is not None else None
+        if run is not None:
+            write_atomic(path, data)
     return path, run
 
 
-def _read_run(source, prompt: list[int], steps: int) -> ReferenceRun | None:
-    try:
-        with np.load(source) as data:
-            run = ReferenceRun([int(t) for t in data["prompt"]], data["prefill_logits"],
-                               [int(t) for t in data["tokens"]], list(data["step_logits"]),
-                               [float(g) for g in data["gaps"]])
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None  # a torn or foreign file: computed again and replaced
+def _read_run(data: dict[str, np.ndarray] | None, prompt: list[int], steps: int) -> ReferenceRun | None:
+    """The run in a cache file's arrays, if they hold this prompt's run of ``steps`` steps."""
+    if data is None or not {"prompt", "prefill_logits", "tokens", "step_logits", "gaps"} <= set(data):
+        return None  # absent, torn or foreign: computed again and replaced
+    run = ReferenceRun([int(t) for t in data["prompt"]], data["prefill_logits"], [int(t) for t in data["tokens"]],
+                       list(data["step_logits"]), [float(g) for g in data["gaps"]])
     return run if run.prompt == list(prompt) and len(run.tokens) == steps else None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Concurrent validations never read half a file."""
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    Path(name).replace(path)
 
 
 def store_reference(path: Path | None, run: ReferenceRun, shared: SharedReferences | None = None) -> None:
     """Keep ``run`` at ``path`` (from ``cached_reference``) and publish it to ``shared``."""
     if path is None:
         return
-    buffer = io.BytesIO()
     vocab = run.prefill_logits.shape[-1]
-    np.savez(buffer, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
-             tokens=np.array(run.tokens, np.int64),
-             step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
-             gaps=np.array(run.gaps, np.float64))
-    _write_atomic(path, buffer.getvalue())
+    data = write_npz(path, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
+                     tokens=np.array(run.tokens, np.int64),
+                     step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
+                     gaps=np.array(run.gaps, np.float64))
     if shared is not None:
-        shared.publish(path.name, buffer.getvalue())
+        shared.publish(path.name, data)
 
 
 def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | None = None) -> ReferenceRun:

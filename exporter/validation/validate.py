@@ -338,9 +338,9 @@ def _decode_consistency(lm, tokens: list[int], prefill_logits: np.ndarray, activ
     cache contract the quality windows never reach) and compare with the export's own prefill of
     the same tokens: the same weights either way, so they must agree to the activation dtype."""
     start = max(1, len(tokens) - steps)
-    state = lm.new_state()
-    lm.forward(np.array([tokens[:start]], dtype=np.int64), state)
-    decoded = [lm.forward(np.array([[t]], dtype=np.int64), state)[0, -1].astype(np.float32) for t in tokens[start:]]
+    from exporter.validation.parity import export_decode
+
+    decoded = export_decode(lm, tokens[:start], len(tokens) - start, tokens[start:]).logits[1:]
     # decoding tokens[i] gives the logits at position i, which the prefill computed at row i
     expected = prefill_logits[start:len(tokens)]
     diff = max(float(np.max(np.abs(d - e))) for d, e in zip(decoded, expected))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.validation.gates import GateResult
-from exporter.validation.parity import ExportRun, ParityResult, judge
+from exporter.validation.parity import ExportRun, ParityResult, export_decode, judge
 from exporter.validation.reference import ReferenceRun
 from exporter.runtime.session import Decoder
 
@@ -41,7 +41,7 @@ def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str) -> tuple[list[Ga
 
 def peer_gate(lm: Decoder, peer: Decoder, ref: ReferenceRun, dtype: str) -> GateResult:
     """Two exports of one checkpoint (e.g. attn_static vs attn_dynamic) agree step by step."""
-    logits_a, logits_b = _teacher_forced_logits(lm, ref), _teacher_forced_logits(peer, ref)
+    logits_a, logits_b = (export_decode(d, ref.prompt, len(ref.tokens), ref.tokens).logits for d in (lm, peer))
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits_a, logits_b))
     limit = PREFILL_TOLERANCE[dtype] * float(ref.prefill_logits.max() - ref.prefill_logits.min())
     gaps = [float("inf"), *ref.gaps]  # step 0 is the prefill
@@ -53,10 +53,3 @@ def peer_gate(lm: Decoder, peer: Decoder, ref: ReferenceRun, dtype: str) -> Gate
         "" if passed else f"max logit difference {diff:.4g}, argmax differs at steps {flips}",
     )
 
-
-def _teacher_forced_logits(lm: Decoder, ref: ReferenceRun) -> list[np.ndarray]:
-    state = lm.new_state()
-    out = [lm.forward(np.array([ref.prompt], dtype=np.int64), state)[0, -1].astype(np.float32)]
-    for token in ref.tokens:
-        out.append(lm.forward(np.array([[token]], dtype=np.int64), state)[0, -1].astype(np.float32))
-    return out
