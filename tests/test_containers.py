@@ -23,6 +23,7 @@ EXPORTFARM_CONTAINER_TIMINGS=<file> the build and start times are written there 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -96,13 +97,10 @@ def settings_file(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def podman_conf():
     """CI's podman settings (deploy/ci/containers.conf) for every podman call of this module."""
-    old = os.environ.get("CONTAINERS_CONF")
-    os.environ["CONTAINERS_CONF"] = str(CI / "containers.conf")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CONTAINERS_CONF", str(CI / "containers.conf"))
     yield
-    if old is None:
-        os.environ.pop("CONTAINERS_CONF", None)
-    else:
-        os.environ["CONTAINERS_CONF"] = old
+    mp.undo()
 
 
 def _build_inputs() -> tuple[list[str], str]:
@@ -130,26 +128,20 @@ def images(podman_conf, settings_file) -> dict:
     timings["base_image_s"] = round(time.monotonic() - start, 1)
 
     volumes, torch_source = _build_inputs()
+    stack = compose_podman.Stack(compose_podman.resolve(settings_file["path"]), project=PROJECT)
     stand_ins = {}
     for service, name in STAND_INS.items():
         image = f"localhost/{PROJECT}/{name}:{base_image.rsplit(':', 1)[-1]}"
-        argv = ["build", "--format", "docker", "--network", "host", "--file", str(CI / f"{name}.Containerfile"),
-                "--build-arg", f"BASE_IMAGE={base_image}", "--tag", image]
-        for volume in volumes:
-            argv += ["--volume", volume]
-        start = time.monotonic()
-        result = _podman(*argv, str(CI), timeout=1200)
-        assert result.returncode == 0, f"building the {name} stand-in failed:\n{(result.stdout + result.stderr)[-3000:]}"
-        timings[f"{name}_s"] = round(time.monotonic() - start, 1)
+        timings[f"{name}_s"] = stack.build_image(CI, CI / f"{name}.Containerfile", image,
+                                                 {"BASE_IMAGE": base_image}, volumes, timeout=1200)
         stand_ins[service] = image
 
-    stack = compose_podman.Stack(compose_podman.resolve(settings_file["path"]), project=PROJECT)
     timings["farm_images_s"] = stack.build(
         FARM, {"PYTHON_IMAGE": base_image, "TORCH_PIP_SOURCE": torch_source}, volumes)
     timings["gpu_worker_image_s"] = stack.build(
         ["gpu-worker"], {"CUDA_IMAGE": base_image, "TORCH_PIP_SOURCE": torch_source}, volumes)
     return {"base": base_image, "stand_ins": stand_ins, "names": {s: stack.image(s) for s in IMAGES},
-            "timings": timings}
+            "timings": timings, "stack": stack}
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +158,10 @@ def mounted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(images, settings_file, mounted):
+def stack(images, mounted):
     """The compose stack up (api, cpu-worker, beat and what they depend on); down at the end."""
-    stack = compose_podman.Stack(
-        compose_podman.resolve(settings_file["path"]), project=PROJECT, images=images["stand_ins"],
-        binds={"models": str(mounted / "models")}, env=FARM_ENV,
+    stack = dataclasses.replace(  # the compose file as the images fixture resolved it
+        images["stack"], images=images["stand_ins"], binds={"models": str(mounted / "models")}, env=FARM_ENV,
         mounts=[f"{mounted / 'failpoints'}:/failpoints:ro"])
     stack.down(volumes=True)  # what a crashed earlier run left
     start = time.monotonic()

@@ -139,22 +139,27 @@ class Stack:
         took = {}
         for image, (spec, name) in todo.items():
             context = Path(spec["context"])
-            argv = ["build", "--format", "docker", "--network", "host", "--file",
-                    str(context / spec.get("dockerfile", "Dockerfile")), "--tag", image]
-            if spec.get("target"):
-                argv += ["--target", spec["target"]]
-            for key, value in {**spec.get("args", {}), **(build_args or {})}.items():
-                argv += ["--build-arg", f"{key}={value}"]
-            for volume in volumes:
-                argv += ["--volume", volume]
             self.say(f"building {image} (for {name})")
-            start = time.monotonic()
-            result = subprocess.run([self.podman, *argv, str(context)], capture_output=True, text=True,
-                                    timeout=timeout, check=False)
-            if result.returncode != 0:
-                raise StackError(f"building {image} failed:\n{(result.stdout + result.stderr)[-4000:]}")
-            took[image] = round(time.monotonic() - start, 1)
+            took[image] = self.build_image(context, context / spec.get("dockerfile", "Dockerfile"), image,
+                                           {**spec.get("args", {}), **(build_args or {})}, volumes,
+                                           spec.get("target"), timeout)
         return took
+
+    def build_image(self, context: Path, dockerfile: Path, image: str, build_args: dict[str, str],
+                    volumes: Iterable[str] = (), target: str | None = None, timeout: float = 3600) -> float:
+        """``podman build`` of one image; the seconds it took."""
+        argv = ["build", "--format", "docker", "--network", "host", "--file", str(dockerfile), "--tag", image]
+        if target:
+            argv += ["--target", target]
+        for key, value in build_args.items():
+            argv += ["--build-arg", f"{key}={value}"]
+        for volume in volumes:
+            argv += ["--volume", volume]
+        start = time.monotonic()
+        result = self.run(*argv, str(context), timeout=timeout, check=False)
+        if result.returncode != 0:
+            raise StackError(f"building {image} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+        return round(time.monotonic() - start, 1)
 
     # ---- up / down ----------------------------------------------------------------------------
 
