@@ -4,9 +4,9 @@ Counts and dtypes cannot tell a zeroed or swapped weight from a good one; values
 initializer made from the checkpoint is read back from the serialized file as ORT would read it
 (the declared dtype over the external-data bytes) and each slice of a packed or transposed one
 is compared with its source tensor: Pearson correlation and relative L2 error, block by block,
-so memory stays bounded by one block per comparing thread whatever the model size. No element is skipped: the sums
-run over every element of every slice, in numpy (no torch import), and validation runs this gate
-on its own thread alongside the runtime gates.
+so memory stays bounded by one block per comparing thread whatever the model size. No element is
+skipped: the sums run over every element of every slice, in numpy (no torch import), and
+validation runs this gate on its own thread alongside the runtime gates.
 """
 
 from __future__ import annotations
