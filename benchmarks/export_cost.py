@@ -14,7 +14,7 @@ What is measured
   casts it to fp16 and appends its bytes to one file (no fsync, as the exporter does not fsync).
   That is the least work an fp16 export can do, measured on the same machine in the same run.
 
-* Validation: ``exportfarm validate OUT --ep cpu`` on each export, in a fresh process, sampled the
+* Validation: ``exportfarm validate OUT --ep EP`` on each export, in a fresh process, sampled the
   same way; its per-gate timings come from the parity report. It should cost less than the export.
 * Caches start empty: exports keep rope tables in ``$EXPORTFARM_CACHE`` (a fresh directory per
   benchmark run), so the very first export computes them (importing torch) and every later one
