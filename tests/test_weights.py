@@ -85,3 +85,47 @@ def test_tiled_transpose_equals_numpy_transpose(monkeypatch):
     array = np.arange(23 * 45, dtype=np.uint16).reshape(23, 45)
     out = ckpt.transpose(array[:, 3:40])
     assert out.flags.c_contiguous and np.array_equal(out, array[:, 3:40].T)
+
+
+@pytest.mark.parametrize("add", [0.0, 1.0])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.BFLOAT16])
+def test_the_weight_gates_own_conversion_equals_torchs(stored, dtype, add, tmp_path):
+    """The weight gate converts the source itself (numpy / ml_dtypes) to hold the stored bytes to
+    the exact answer: every conversion it makes must be torch's (the exporter's and the
+    reference's), bit for bit, over normals, subnormals and overflow."""
+    from exporter.validation.gates.weights import converted
+
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(4000) * scale for scale in (1e-7, 1e-5, 0.02, 1.0, 3e4, 1e6)]).to(stored)
+    save_file({"w": values.reshape(40, 600)}, str(tmp_path / "model.safetensors"))
+    theirs = ckpt._to_numpy(values.reshape(40, 600).float() + add if add else values.reshape(40, 600), dtype)
+    ours = converted(Checkpoint(tmp_path).array("w"), theirs.dtype, add)
+    assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_exact_test_takes_the_conversion_only_bit_for_bit_and_finite(source, transposed, monkeypatch):
+    from exporter.validation.gates import weights
+
+    checkpoint, arrays = source
+    monkeypatch.setattr(weights, "EXACT_BLOCK_ELEMS", 20)  # two rows per block: many blocks
+    parts = ({"tensor": "q", "rows": None}, {"tensor": "fused", "rows": [4, 9]})
+    stored = np.concatenate([arrays["q"], arrays["fused"][4:9]]).astype(np.float16)
+    stored = np.ascontiguousarray(stored.T) if transposed else stored
+
+    def exact(out):
+        return [weights._exact_part(out, transposed, offset, checkpoint, part)
+                for offset, part in ((0, parts[0]), (12, parts[1]))]
+
+    assert exact(stored) == [True, True]
+    nudged = stored.copy()
+    element = (7, 14) if transposed else (14, 7)  # row 2 of the fused part, column 7
+    nudged.view(np.uint16)[element] += 1  # one fp16 step
+    assert exact(nudged) == [True, False]
+    # The source's own overflow: converted faithfully (inf), which is still no weight.
+    overflowing = {"tensor": "k", "rows": None}
+    big = np.full((6, 10), np.inf, dtype=np.float16)
+    monkeypatch.setattr(checkpoint, "array", lambda name: np.full((6, 10), 0x4780, dtype=np.uint16))  # bf16 65536
+    assert not weights._exact_part(big.T.copy() if transposed else big, transposed, 0, checkpoint, overflowing)
+    assert weights.converted(checkpoint.array("k"), np.dtype(np.float16)).view(np.uint16)[0, 0] == 0x7C00

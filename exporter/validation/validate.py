@@ -136,7 +136,11 @@ def render_markdown(data: dict) -> str:
     if parity:
         lines += ["", f"Near ties (reference top-1/top-2 gap below the margin): {len(parity['near_ties'])} "
                   f"at steps {parity['near_ties']}; tokens that differed there: {parity['tie_mismatches']}."]
-    worst = next((g["details"]["worst"] for g in data["gates"] if g["gate"] == "weights" and g.get("details")), [])
+    details = next((g["details"] for g in data["gates"] if g["gate"] == "weights" and g.get("details")), {})
+    worst = details.get("worst", [])
+    if "bit_exact" in details:
+        lines += ["", f"Weight slices: {details['bit_exact']} bit-exact (the stored bytes are their source converted "
+                  f"independently of the exporter), {details['compared_by_statistics']} compared by statistics."]
     if worst:
         lines += ["", "Worst weight slices:", "", "| initializer | slice | source | correlation | rel L2 | max abs |",
                   "| --- | --- | --- | --- | --- | --- |"]

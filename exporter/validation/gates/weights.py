@@ -3,10 +3,19 @@
 Counts and dtypes cannot tell a zeroed or swapped weight from a good one; values can. Every
 initializer made from the checkpoint is read back from the serialized file as ORT would read it
 (the declared dtype over the external-data bytes) and each slice of a packed or transposed one
-is compared with its source tensor: Pearson correlation and relative L2 error, block by block,
-so memory stays bounded by one block per comparing thread whatever the model size. No element is
-skipped: the sums run over every element of every slice, in numpy (no torch import), and
-validation runs this gate on its own thread alongside the runtime gates.
+is compared with its source tensor, every element of it, block by block, so memory stays bounded
+by one block per comparing thread whatever the model size, in numpy (no torch import); validation
+runs this gate on its own thread alongside the runtime gates.
+
+A slice is first held to the exact answer: its source rows converted to the initializer's dtype
+here, by numpy / ml_dtypes (round to nearest even, the recipe's offset added in fp32; tests pin
+every conversion to torch's bit for bit), not by the exporter's code, must give the stored bytes
+bit for bit, and finite. That is stricter than any statistical bound (one wrong element fails it)
+and costs a cast and a comparison per element. A slice that is not bit-exact is compared by
+statistics, Pearson correlation and relative L2 error in float64, against its dtype's bounds
+(a conversion that rounds differently still passes them; a zeroed, swapped or shifted weight
+does not), and those figures are what the report lists. Quantized weights are always compared
+that way (dequantized, against the quantization's own error bound).
 """
 
 from __future__ import annotations
@@ -41,10 +50,12 @@ class SliceStats:
     initializer: str
     region: str  # e.g. "[:, 64:96]" of the initializer
     source: str
-    correlation: float | None
-    rel_l2: float
-    max_abs: float
-    exact: bool
+    exact: bool  # bit-exact: the stored bytes are the source converted here (or, compared by value, equal to it)
+    # Figures of the statistical comparison; None for a bit-exact slice, which is not compared that way.
+    correlation: float | None = None  # also None for a constant source (undefined)
+    rel_l2: float | None = None
+    max_abs: float | None = None
+    finite: bool = True
     passed: bool = True
     step_ratio: float | None = None  # quantized weights: worst |error| in quantization steps
     requantized_equal: bool | None = None  # quantized weights: the source quantized again gives these bytes
@@ -113,6 +124,50 @@ def _as_float(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.uint16 or array.dtype.name == "bfloat16":  # raw bf16 bits (checkpoint, or ml_dtypes)
         return np.ascontiguousarray(array).view(ml_dtypes.bfloat16).astype(np.float32)
     return array
+
+
+# Elements per block of the exact test: the block's cast and comparison stay in cache, and each
+# numpy call is long enough that threads comparing side by side rarely wait for the GIL.
+EXACT_BLOCK_ELEMS = 1 << 19
+_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+# Exponent bits all set: inf or NaN.
+_NON_FINITE = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float32): 0x7F800000}
+
+
+def converted(block: np.ndarray, dtype: np.dtype, add: float | None = None) -> np.ndarray:
+    """A source block (as ``Checkpoint.array`` gives it: bf16 as raw uint16 bits) in ``dtype``, cast
+    by numpy / ml_dtypes (round to nearest even), ``add`` added in fp32 first: what a correct export
+    stores, computed without the exporter's conversion code."""
+    if block.dtype == np.uint16:
+        block = np.ascontiguousarray(block).view(ml_dtypes.bfloat16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if add:
+            block = block.astype(np.float32) + np.float32(add)
+        return block.astype(dtype, copy=False)
+
+
+def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict) -> bool:
+    """Whether one part's slice of ``out`` is its source converted (``converted``) bit for bit, and
+    finite. The transposed case compares against the output's columns as a strided view (numpy's
+    own transpose, not the exporter's tiled one)."""
+    bits = _BITS.get(out.dtype.itemsize)
+    if bits is None or out.dtype.kind not in "fV":
+        return False
+    non_finite = _NON_FINITE.get(out.dtype)
+    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
+    n = rows[1] - rows[0]
+    source = checkpoint.array(part["tensor"])
+    row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
+    step = max(1, EXACT_BLOCK_ELEMS // row_elems)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        want = converted(source[rows[0] + r0 : rows[0] + r1], out.dtype, part.get("add")).view(bits)
+        got = (out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]).view(bits)
+        if want.shape != got.shape or not np.array_equal(want, got):
+            return False
+        if non_finite is not None and (np.bitwise_and(want, non_finite) == non_finite).any():
+            return False  # an overflow (bf16 -> fp16) is converted faithfully but is no weight: the statistics report it
+    return True
 
 
 def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray]:
@@ -255,10 +310,13 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             offset += _part_rows(checkpoint, part)
 
     def compare(job):
+        """The slice's accumulator, or None when it is bit-exact."""
         name, data, transposed, offset, part = job
         quant = sources[name].get("quantization")
         if quant:
             return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations)
+        if _exact_part(data, transposed, offset, checkpoint, part):
+            return None
         return _compare_part(data, transposed, offset, checkpoint, part)
 
     # Slices are independent, and numpy releases the GIL inside each pass over a sub-block.
@@ -268,6 +326,10 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         n = _part_rows(checkpoint, part)
         quant = sources[name].get("quantization")
         region = f"[{offset}:{offset + n}]" if quant else (f"[:, {offset}:{offset + n}]" if transposed else f"[{offset}:{offset + n}]")
+        rows = f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else ""
+        if acc is None:
+            stats.append(SliceStats(name, region, part["tensor"] + rows, exact=True))
+            continue
         corr, rel = acc.correlation(), acc.rel_l2()
         exact = acc.max_abs == 0.0
         if quant:
@@ -278,30 +340,39 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             passed = exact
         else:
             passed = rel <= REL_L2_MAX[activations] and (corr is None or corr >= CORRELATION_MIN[activations])
-        rows = f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else ""
         ratio = getattr(acc, "bound_ratio", None)
-        stats.append(SliceStats(name, region, part["tensor"] + rows, corr, rel,
-                                acc.max_abs if math.isfinite(acc.max_abs) else None, exact, passed,
+        finite = math.isfinite(acc.max_abs)
+        stats.append(SliceStats(name, region, part["tensor"] + rows, exact, corr, rel,
+                                acc.max_abs if finite else None, finite, passed,
                                 ratio if ratio is None or math.isfinite(ratio) else None,
                                 getattr(acc, "requantized_equal", None)))
     missing = [s for s in checkpoint.names() if s not in used_sources and not s.endswith(IGNORED_SOURCES)]
     failed = [s for s in stats if not s.passed]
-    worst = sorted(stats, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))
+    measured = [s for s in stats if s.rel_l2 is not None]  # the bit-exact ones carry no figures
+    worst = sorted(measured, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))
+    bit_exact = sum(s.rel_l2 is None for s in stats)
+    # Within bounds, but not what this file's own conversion gives: said, not failed.
+    inexact = [s for s in worst if s.passed and not s.exact and s.step_ratio is None]
     if dtype in ("int4", "int8"):
         threshold = f"quantized: |dequantized - source| <= {QUANT_BOUND} x block step; others: " + (
             "exact" if activations == "fp32" else f"corr >= {CORRELATION_MIN[activations]}, rel L2 <= {REL_L2_MAX[activations]}")
     else:
         threshold = "exact" if dtype == "fp32" else f"corr >= {CORRELATION_MIN[dtype]}, rel L2 <= {REL_L2_MAX[dtype]}"
+    threshold = f"bit-exact conversion of the source, else {threshold}"
     results = [
         GateResult(
             "weights", "every checkpoint slice matches its source by value", not failed and not problems,
-            f"{len(stats) - len(failed)}/{len(stats)} slices ok", threshold,
+            f"{len(stats) - len(failed)}/{len(stats)} slices ok ({bit_exact} bit-exact)", threshold,
             "; ".join(problems[:5] + [f"{s.initializer}{s.region} vs {s.source}: corr {_fmt(s.correlation)}, rel L2 {s.rel_l2:.3g}"
                                  + (", not the quantization of its source" if s.requantized_equal is False else
                                     f", {s.step_ratio:.3g} quantization steps off" if s.step_ratio is not None else
-                                    ", non-finite values" if s.max_abs is None else "")
-                                 for s in failed[:5]]),
-            details={"worst": [s.to_dict() for s in worst[:10]]},
+                                    ", non-finite values" if not s.finite else "")
+                                 for s in failed[:5]])
+            or (f"{len(inexact)} slices within bounds but not the exact conversion of their source, e.g. "
+                + ", ".join(f"{s.initializer}{s.region} (rel L2 {s.rel_l2:.3g})" for s in inexact[:3])
+                if inexact else ""),
+            details={"bit_exact": bit_exact, "compared_by_statistics": len(measured),
+                     "worst": [s.to_dict() for s in worst[:10]]},
         ),
         GateResult(
             "weights", "every checkpoint tensor is exported", not missing, len(missing), 0,
