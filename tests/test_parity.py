@@ -8,6 +8,7 @@ import pytest
 from exporter.validation.parity import run_batch_parity, run_parity
 from exporter.runtime.session import Decoder
 from tests.conftest import ARCHITECTURES, DECODE_STEPS, VARIANTS
+from tests.test_bench import needs_cuda
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -91,3 +92,33 @@ def test_static_rows_prefilled_one_by_one_leave_the_other_rows_untouched(exporte
     for cache in state.caches:  # [batch, positions, kv]: each row written up to its own length only
         assert np.abs(cache[0, :12]).sum() > 0 and np.all(cache[0, 12:] == 0)
         assert np.abs(cache[1, :7]).sum() > 0 and np.all(cache[1, 7:] == 0)
+
+
+@pytest.mark.parametrize("ep", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_caches_kept_on_the_device_give_the_host_fed_run(variant, dtype, ep, exported, reference):
+    """Validation on CUDA keeps the caches on the device (GQA's past and present one buffer, as
+    onnxruntime-genai binds it); the same binding runs on the CPU too, and must give the run whose
+    caches are host arrays fed to every step: the same tokens, logits to the dtype's rounding."""
+    from exporter.validation.parity import export_decode
+
+    if ep == "cuda" and dtype == "fp32" and variant == "gqa":
+        pytest.skip("GroupQueryAttention on CUDA is fp16/bf16 only")
+    ref = reference("qwen3")
+    lm = Decoder(exported("qwen3", variant) if dtype == "fp32" else exported("qwen3", variant, dtype), ep)
+    for chunks in (1, 2):
+        host = export_decode(lm, ref.prompt, len(ref.tokens), ref.tokens, chunks, device_caches=False)
+        device = export_decode(lm, ref.prompt, len(ref.tokens), ref.tokens, chunks, device_caches=True)
+        assert device.fed == host.fed and device.chosen == host.chosen
+        span = float(np.ptp(host.prefill_logits))
+        np.testing.assert_allclose(np.stack(device.logits), np.stack(host.logits), rtol=0,
+                                   atol=(1e-5 if dtype == "fp32" else 2e-3) * span)
+    free = export_decode(lm, ref.prompt, len(ref.tokens), device_caches=True)  # greedy, its own choices
+    assert free.follows(free.chosen)
+    state = lm.new_device_state(8)
+    with pytest.raises(ValueError, match="one row"):
+        lm.forward_device(np.ones((2, 1), np.int64), state)
+    if variant != "attn_dynamic":
+        with pytest.raises(ValueError, match="do not fit"):
+            lm.forward_device(np.ones((1, lm.max_seq_len + 1 if variant == "attn_static" else 9), np.int64), state)

@@ -49,20 +49,27 @@ class ExportRun:
 
 
 def export_decode(lm: Decoder, prompt: list[int], steps: int, feed: list[int] | None = None,
-                  prefill_chunks: int = 1) -> ExportRun:
+                  prefill_chunks: int = 1, device_caches: bool | None = None) -> ExportRun:
     """Prefill ``prompt`` (optionally in chunks), then ``steps`` greedy steps through the export's
     cache, each feeding ``feed[i]`` (teacher forcing) or, without ``feed``, the export's own choice.
     The last token is fed too, though no step chooses from its logits: it writes the cache's last
-    position, which at the shortest max_seq_len validation accepts is the buffer's last slot."""
-    state = lm.new_state()
+    position, which at the shortest max_seq_len validation accepts is the buffer's last slot.
+    ``device_caches`` (default: on CUDA) keeps the caches on the device between steps; otherwise
+    they are host arrays fed to every step."""
+    if device_caches is None:
+        device_caches = lm.device == "cuda"
+    if device_caches:  # the caches stay on the device, as a runtime keeps them (Decoder.forward_device)
+        state, forward = lm.new_device_state(len(prompt) + steps + 1), lm.forward_device
+    else:
+        state, forward = lm.new_state(), lm.forward
     ids = np.array([prompt], dtype=np.int64)
     bounds = np.linspace(0, ids.shape[1], prefill_chunks + 1).astype(int)
     for a, b in zip(bounds[:-1], bounds[1:]):
-        out = lm.forward(ids[:, a:b], state)
+        out = forward(ids[:, a:b], state)
     logits, fed = [out[0, -1].astype(np.float32)], []
     for i in range(steps):
         fed.append(int(feed[i]) if feed is not None else int(np.argmax(logits[-1])))
-        logits.append(lm.forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32))
+        logits.append(forward(np.array([[fed[-1]]], dtype=np.int64), state)[0, -1].astype(np.float32))
     return ExportRun(logits, fed)
 
 

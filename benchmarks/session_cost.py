@@ -1,0 +1,163 @@
+"""Where a validation's onnxruntime time goes: session creation and the parity decode, per export.
+
+For each export directory given, in one process (the CUDA libraries are loaded once, by a warm-up
+session of the first export, as the runtime probe does before parity in a validation):
+
+* session creation as validation makes it (``Decoder(prepack=False)``), and with onnxruntime's
+  graph optimizations at ``basic`` and ``disabled``, each ``--repeats`` times, interleaved;
+* the parity decode (``export_decode``: a 16-token prompt, 24 greedy steps) on that session, its
+  first step and the median of the rest;
+* the same decode with the caches kept on the device (IO binding: attn_static and GroupQueryAttention
+  caches bound in place, dynamic presents taken as the next step's past), logits copied back each step;
+* onnxruntime's own profile of the host decode: time per operator type and execution provider.
+
+Usage::
+
+    python benchmarks/session_cost.py EXPORT_DIR [EXPORT_DIR ...] --ep cuda [--repeats 2]
+                                      [--out benchmarks/results/session_cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LEVELS = ("validation", "basic", "disabled")
+
+
+def make_session(export_dir: Path, ep: str, level: str):
+    import onnxruntime as ort
+
+    from exporter.runtime.session import Decoder
+
+    if level == "validation":
+        return Decoder(export_dir, ep=ep, prepack=False)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[level]
+    return Decoder(export_dir, ep=ep, session_options=options)
+
+
+def timed_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
+    """export_decode's loop, each forward timed."""
+    import numpy as np
+
+    state = lm.new_state()
+    prompt = np.arange(3, 3 + prompt_len, dtype=np.int64)[None]
+    t0 = time.perf_counter()
+    out = lm.forward(prompt, state)
+    times = [time.perf_counter() - t0]
+    for _ in range(steps):
+        token = int(np.argmax(out[0, -1]))
+        t0 = time.perf_counter()
+        out = lm.forward(np.array([[token]], dtype=np.int64), state)
+        times.append(time.perf_counter() - t0)
+    return {"prefill_s": round(times[0], 4), "first_step_s": round(times[1], 4),
+            "median_step_s": round(statistics.median(times[2:]), 5), "total_s": round(sum(times), 3)}
+
+
+def device_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
+    """The decode with the caches on the device; logits come back to the host every step."""
+    import numpy as np
+
+    from exporter.runtime.session import DYNAMIC, LOGITS, STATIC
+
+    buffer = lm.max_seq_len if lm.mode == STATIC else prompt_len + steps + 1
+    caches = lm.new_caches(buffer)
+    prompt = np.arange(3, 3 + prompt_len, dtype=np.int64)[None]
+    t0 = time.perf_counter()
+    _, logits = lm.prefill_bound(prompt, caches, buffer)
+    token = int(np.argmax(lm.to_host(logits)[0, -1]))
+    times = [time.perf_counter() - t0]
+    for i in range(steps):
+        t0 = time.perf_counter()
+        binding = lm.session.io_binding()
+        for name, array in lm._bound_feeds(np.array([[token]], np.int64), prompt_len + i, buffer).items():
+            binding.bind_ortvalue_input(name, lm._device_value(array))
+        binding.bind_output(LOGITS, "cpu")
+        lm._bind_caches(binding, caches)
+        lm._run_device(binding, -1)
+        if lm.mode == DYNAMIC:
+            lm._take_presents(binding, caches)
+        token = int(np.argmax(binding.get_outputs()[0].numpy()[0, -1]))
+        times.append(time.perf_counter() - t0)
+    return {"prefill_s": round(times[0], 4), "first_step_s": round(times[1], 4),
+            "median_step_s": round(statistics.median(times[2:]), 5), "total_s": round(sum(times), 3)}
+
+
+def op_profile(export_dir: Path, ep: str, top: int = 12) -> list[dict]:
+    """onnxruntime's profile of the host decode: total microseconds per (operator, provider)."""
+    import collections
+
+    import onnxruntime as ort
+
+    from exporter.runtime.session import Decoder
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.enable_profiling = True
+    options.profile_file_prefix = f"/tmp/session_cost_{export_dir.name}"
+    lm = Decoder(export_dir, ep=ep, session_options=options)
+    timed_decode(lm)
+    events = json.loads(Path(lm.session.end_profiling()).read_text())
+    totals, counts = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            key = (event["args"].get("op_name", "?"), event["args"].get("provider", "?"))
+            totals[key] += event["dur"]
+            counts[key] += 1
+    return [{"op": op, "provider": provider, "total_us": us, "calls": counts[(op, provider)]}
+            for (op, provider), us in totals.most_common(top)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("exports", nargs="+", type=Path)
+    parser.add_argument("--ep", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/session_cost.json"))
+    args = parser.parse_args(argv)
+
+    import onnxruntime as ort
+
+    t0 = time.perf_counter()
+    make_session(args.exports[0], args.ep, "validation")
+    warm_up_s = time.perf_counter() - t0
+    creation = {str(e): {level: [] for level in LEVELS} for e in args.exports}
+    decode, device = {}, {}
+    for _ in range(args.repeats):
+        for export_dir in args.exports:
+            for level in LEVELS:
+                t0 = time.perf_counter()
+                lm = make_session(export_dir, args.ep, level)
+                creation[str(export_dir)][level].append(round(time.perf_counter() - t0, 3))
+                if level == "validation":
+                    decode.setdefault(str(export_dir), []).append(timed_decode(lm))
+                    device.setdefault(str(export_dir), []).append(device_decode(lm))
+                del lm
+    profiles = {str(e): op_profile(e, args.ep) for e in args.exports}
+    result = {
+        "benchmark": "session_cost", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ep": args.ep, "onnxruntime": ort.__version__,
+        "first_session_s": round(warm_up_s, 3),
+        "creation_s": creation, "decode": decode, "decode_device_caches": device, "op_profile": profiles,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
