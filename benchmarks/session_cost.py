@@ -71,7 +71,7 @@ def device_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
 
     from exporter.runtime.session import DYNAMIC, LOGITS, STATIC
 
-    buffer = lm.max_seq_len if lm.mode == STATIC else prompt_len + steps + 1
+    buffer = lm.max_seq_len if lm.mode == STATIC else prompt_len + steps
     caches = lm.new_caches(buffer)
     prompt = np.arange(3, 3 + prompt_len, dtype=np.int64)[None]
     t0 = time.perf_counter()
@@ -83,12 +83,12 @@ def device_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
         binding = lm.session.io_binding()
         for name, array in lm._bound_feeds(np.array([[token]], np.int64), prompt_len + i, buffer).items():
             binding.bind_ortvalue_input(name, lm._device_value(array))
-        binding.bind_output(LOGITS, "cpu")
+        binding.bind_output(LOGITS, lm.device)
         lm._bind_caches(binding, caches)
         lm._run_device(binding, -1)
         if lm.mode == DYNAMIC:
             lm._take_presents(binding, caches)
-        token = int(np.argmax(binding.get_outputs()[0].numpy()[0, -1]))
+        token = int(np.argmax(lm.to_host(binding.get_outputs()[0])[0, -1]))  # bf16: cast on the device
         times.append(time.perf_counter() - t0)
     return {"prefill_s": round(times[0], 4), "first_step_s": round(times[1], 4),
             "median_step_s": round(statistics.median(times[2:]), 5), "total_s": round(sum(times), 3)}

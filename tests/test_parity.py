@@ -122,3 +122,22 @@ def test_caches_kept_on_the_device_give_the_host_fed_run(variant, dtype, ep, exp
     if variant != "attn_dynamic":
         with pytest.raises(ValueError, match="do not fit"):
             lm.forward_device(np.ones((1, lm.max_seq_len + 1 if variant == "attn_static" else 9), np.int64), state)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "attn_static"])
+def test_caches_on_the_device_at_the_shortest_max_seq_len_validation_takes(variant, checkpoint, tmp_path):
+    """prompt + steps positions exactly: the device buffer must not outgrow the export's rotary tables."""
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.validation.parity import export_decode
+    from exporter.validation.validate import PARITY_PROMPT_LEN, PARITY_STEPS
+
+    shortest = PARITY_PROMPT_LEN + PARITY_STEPS
+    request = ExportRequest(model=str(checkpoint("qwen3")), variant=variant, static_cache=variant == "attn_static",
+                            max_seq_len=shortest)
+    lm = Decoder(export_model(request, tmp_path / variant, validate=False).out_dir)
+    prompt = list(range(3, 3 + PARITY_PROMPT_LEN))
+    host = export_decode(lm, prompt, PARITY_STEPS, device_caches=False)
+    device = export_decode(lm, prompt, PARITY_STEPS, device_caches=True)
+    assert device.fed == host.fed
+    np.testing.assert_allclose(np.stack(device.logits), np.stack(host.logits), rtol=0, atol=1e-4)

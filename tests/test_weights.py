@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -114,11 +115,16 @@ def test_the_exact_test_takes_the_conversion_only_bit_for_bit_and_finite(source,
     stored = np.concatenate([arrays["q"], arrays["fused"][4:9]]).astype(np.float16)
     stored = np.ascontiguousarray(stored.T) if transposed else stored
 
-    def exact(out):
-        return [weights._exact_part(out, transposed, offset, checkpoint, part)
+    def exact(out, storage=np.dtype(np.float16)):
+        return [weights._exact_part(out, transposed, offset, checkpoint, part, storage)
                 for offset, part in ((0, parts[0]), (12, parts[1]))]
 
     assert exact(stored) == [True, True]
+    # The right bytes for another dtype than the build stores: not exact (bf16 weights in an fp16
+    # build were rounded twice as coarsely as the build's bound allows; the statistics say so).
+    as_bf16 = np.concatenate([arrays["q"], arrays["fused"][4:9]]).astype(ml_dtypes.bfloat16)
+    as_bf16 = np.ascontiguousarray(as_bf16.T) if transposed else as_bf16
+    assert exact(as_bf16) == [False, False] and exact(as_bf16, as_bf16.dtype) == [True, True]
     nudged = stored.copy()
     element = (7, 14) if transposed else (14, 7)  # row 2 of the fused part, column 7
     nudged.view(np.uint16)[element] += 1  # one fp16 step
@@ -127,5 +133,6 @@ def test_the_exact_test_takes_the_conversion_only_bit_for_bit_and_finite(source,
     overflowing = {"tensor": "k", "rows": None}
     big = np.full((6, 10), np.inf, dtype=np.float16)
     monkeypatch.setattr(checkpoint, "array", lambda name: np.full((6, 10), 0x4780, dtype=np.uint16))  # bf16 65536
-    assert not weights._exact_part(big.T.copy() if transposed else big, transposed, 0, checkpoint, overflowing)
+    assert not weights._exact_part(big.T.copy() if transposed else big, transposed, 0, checkpoint, overflowing,
+                                   np.dtype(np.float16))
     assert weights.converted(checkpoint.array("k"), np.dtype(np.float16)).view(np.uint16)[0, 0] == 0x7C00

@@ -83,7 +83,8 @@ def run_bound(session, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarr
 class CacheState:
     """What a runtime carries between steps, per batch row.
 
-    ``caches`` follows ``Decoder.pairs`` (one array per cache input); ``lengths`` counts the real
+    ``caches`` follows ``Decoder.pairs`` (one array per cache input; device caches, from
+    ``Decoder.new_device_state``: a dict of OrtValues by input name); ``lengths`` counts the real
     tokens each row holds; ``width`` is the cache's extent along its positions axis (the static
     buffer, or the past length); ``pads`` is attn_dynamic's left padding per row.
     """
@@ -377,9 +378,12 @@ class Decoder:
     def new_device_state(self, buffer: int) -> CacheState:
         """Empty caches of one row on the device, for ``forward_device``: attn_static's and
         GroupQueryAttention's a buffer of ``buffer`` positions each (attn_static: the exported
-        max_seq_len when it has one), a dynamic past of none. ``caches`` is a dict by input name."""
+        max_seq_len; GroupQueryAttention: at most that, as far as its rotary tables reach), a
+        dynamic past of none. ``caches`` is a dict by cache input name, not a list."""
         if self.mode == STATIC and self.max_seq_len:
             buffer = self.max_seq_len
+        elif self.mode == GQA and self.max_seq_len:
+            buffer = min(buffer, self.max_seq_len)
         width = 0 if self.mode == DYNAMIC else buffer
         return CacheState(self.new_caches(buffer), np.zeros(1, np.int64), width, np.zeros(1, np.int64))
 

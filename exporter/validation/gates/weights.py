@@ -131,7 +131,10 @@ def _as_float(array: np.ndarray) -> np.ndarray:
 EXACT_BLOCK_ELEMS = 1 << 19
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Exponent bits all set: inf or NaN.
-_NON_FINITE = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float32): 0x7F800000}
+_NON_FINITE = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float32): 0x7F800000,
+               np.dtype(np.float64): 0x7FF0000000000000}
+# The dtype a weight that is not quantized is stored in: the build's activations dtype.
+STORAGE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def converted(block: np.ndarray, dtype: np.dtype, add: float | None = None) -> np.ndarray:
@@ -146,12 +149,14 @@ def converted(block: np.ndarray, dtype: np.dtype, add: float | None = None) -> n
         return block.astype(dtype, copy=False)
 
 
-def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict) -> bool:
-    """Whether one part's slice of ``out`` is its source converted (``converted``) bit for bit, and
-    finite. The transposed case compares against the output's columns as a strided view (numpy's
-    own transpose, not the exporter's tiled one)."""
+def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
+                storage: np.dtype) -> bool:
+    """Whether one part's slice of ``out`` is stored as ``storage`` and is its source converted to
+    it (``converted``) bit for bit, and finite. The transposed case compares against the output's
+    columns as a strided view (numpy's own transpose, not the exporter's tiled one). A weight in
+    another dtype is not exact whatever its bytes: the statistics judge it against the build's bounds."""
     bits = _BITS.get(out.dtype.itemsize)
-    if bits is None or out.dtype.kind not in "fV":
+    if bits is None or out.dtype != storage:
         return False
     non_finite = _NON_FINITE.get(out.dtype)
     rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
@@ -315,7 +320,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         quant = sources[name].get("quantization")
         if quant:
             return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations)
-        if _exact_part(data, transposed, offset, checkpoint, part):
+        if _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations]):
             return None
         return _compare_part(data, transposed, offset, checkpoint, part)
 
