@@ -22,6 +22,11 @@ VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
 MAX_SEQ_LEN = 128
 DECODE_STEPS = 24
 
+import onnxruntime  # noqa: E402
+
+HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with a CUDA device (CUDAExecutionProvider)")
+
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:

@@ -9,16 +9,13 @@ import subprocess
 import sys
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from exporter.runtime.bench import run_bench
 from exporter.runtime.session import Decoder
 from exporter.reports.bench_report import markdown, write_report
 from exporter.runtime.kernel_log import PHASE_MARK, parse_kernel_lines
-
-HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with a CUDA device (CUDAExecutionProvider)")
+from tests.conftest import needs_cuda
 
 # Lines ORT 1.31.1 printed on an H200 (benchmarks/results/h200/*.json, "kernels" -> "lines").
 RECORDED = f"""{PHASE_MARK}prefill

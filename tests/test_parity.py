@@ -7,8 +7,7 @@ import pytest
 
 from exporter.validation.parity import run_batch_parity, run_parity
 from exporter.runtime.session import Decoder
-from tests.conftest import ARCHITECTURES, DECODE_STEPS, VARIANTS
-from tests.test_bench import needs_cuda
+from tests.conftest import ARCHITECTURES, DECODE_STEPS, VARIANTS, needs_cuda
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
