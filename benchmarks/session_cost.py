@@ -7,8 +7,9 @@ session of the first export, as the runtime probe does before parity in a valida
   graph optimizations at ``basic`` and ``disabled``, each ``--repeats`` times, interleaved;
 * the parity decode (``export_decode``: a 16-token prompt, 24 greedy steps) on that session, its
   first step and the median of the rest;
-* the same decode with the caches kept on the device (IO binding: attn_static and GroupQueryAttention
-  caches bound in place, dynamic presents taken as the next step's past), logits copied back each step;
+* the same decode with the caches kept on the device (``Decoder.forward_device``, validation's way:
+  attn_static and GroupQueryAttention caches bound in place, dynamic presents taken as the next
+  step's past), logits copied back each step;
 * onnxruntime's own profile of the host decode: time per operator type and execution provider.
 
 Usage::
@@ -47,48 +48,24 @@ def make_session(export_dir: Path, ep: str, level: str):
     return Decoder(export_dir, ep=ep, session_options=options)
 
 
-def timed_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
-    """export_decode's loop, each forward timed."""
+def timed_decode(lm, steps: int = 24, prompt_len: int = 16, device_caches: bool = False) -> dict:
+    """export_decode's loop (greedy), each forward timed: the caches host arrays fed to every step
+    (``Decoder.forward``), or kept where the session runs (``Decoder.forward_device``, what
+    validation does)."""
     import numpy as np
 
-    state = lm.new_state()
+    if device_caches:
+        state, forward = lm.new_device_state(prompt_len + steps), lm.forward_device
+    else:
+        state, forward = lm.new_state(), lm.forward
     prompt = np.arange(3, 3 + prompt_len, dtype=np.int64)[None]
     t0 = time.perf_counter()
-    out = lm.forward(prompt, state)
+    out = forward(prompt, state)
     times = [time.perf_counter() - t0]
     for _ in range(steps):
         token = int(np.argmax(out[0, -1]))
         t0 = time.perf_counter()
-        out = lm.forward(np.array([[token]], dtype=np.int64), state)
-        times.append(time.perf_counter() - t0)
-    return {"prefill_s": round(times[0], 4), "first_step_s": round(times[1], 4),
-            "median_step_s": round(statistics.median(times[2:]), 5), "total_s": round(sum(times), 3)}
-
-
-def device_decode(lm, steps: int = 24, prompt_len: int = 16) -> dict:
-    """The decode with the caches on the device; logits come back to the host every step."""
-    import numpy as np
-
-    from exporter.runtime.session import DYNAMIC, LOGITS, STATIC
-
-    buffer = lm.max_seq_len if lm.mode == STATIC else prompt_len + steps
-    caches = lm.new_caches(buffer)
-    prompt = np.arange(3, 3 + prompt_len, dtype=np.int64)[None]
-    t0 = time.perf_counter()
-    _, logits = lm.prefill_bound(prompt, caches, buffer)
-    token = int(np.argmax(lm.to_host(logits)[0, -1]))
-    times = [time.perf_counter() - t0]
-    for i in range(steps):
-        t0 = time.perf_counter()
-        binding = lm.session.io_binding()
-        for name, array in lm._bound_feeds(np.array([[token]], np.int64), prompt_len + i, buffer).items():
-            binding.bind_ortvalue_input(name, lm._device_value(array))
-        binding.bind_output(LOGITS, lm.device)
-        lm._bind_caches(binding, caches)
-        lm._run_device(binding, -1)
-        if lm.mode == DYNAMIC:
-            lm._take_presents(binding, caches)
-        token = int(np.argmax(lm.to_host(binding.get_outputs()[0])[0, -1]))  # bf16: cast on the device
+        out = forward(np.array([[token]], dtype=np.int64), state)
         times.append(time.perf_counter() - t0)
     return {"prefill_s": round(times[0], 4), "first_step_s": round(times[1], 4),
             "median_step_s": round(statistics.median(times[2:]), 5), "total_s": round(sum(times), 3)}
@@ -143,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 creation[str(export_dir)][level].append(round(time.perf_counter() - t0, 3))
                 if level == "validation":
                     decode.setdefault(str(export_dir), []).append(timed_decode(lm))
-                    device.setdefault(str(export_dir), []).append(device_decode(lm))
+                    device.setdefault(str(export_dir), []).append(timed_decode(lm, device_caches=True))
                 del lm
     profiles = {str(e): op_profile(e, args.ep) for e in args.exports}
     result = {
