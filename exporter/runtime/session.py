@@ -316,11 +316,20 @@ class Decoder:
 
     def prefill_bound(self, tokens: np.ndarray, caches: dict, buffer: int):
         """Run the prompts [batch, ctx] (never captured); returns (elapsed seconds, logits OrtValue)."""
+        return self._run_bound(tokens, caches, 0, buffer)
+
+    def _run_bound(self, tokens: np.ndarray, caches: dict, past: int, buffer: int):
+        """One uncaptured run of ``tokens`` after ``past`` cached positions, the caches bound as
+        ``_bind_caches`` binds them (a dynamic present taken as the next past); returns (elapsed
+        seconds of the run, logits OrtValue on the device)."""
         binding = self.session.io_binding()
-        # GroupQueryAttention's first prompt: the mask as wide as the prompt (as onnxruntime-genai
-        # feeds it); a buffer-wide one reads as a later chunk of a prompt, which takes batch 1 only.
-        feeds = self._bound_feeds(tokens, 0, buffer) if self.mode != GQA else self.step_feeds(
-            tokens, np.zeros(tokens.shape[0], np.int64), np.full(tokens.shape[0], tokens.shape[1], np.int64), 0)
+        if self.mode == GQA and past == 0:
+            # GroupQueryAttention's first prompt: the mask as wide as the prompt (as onnxruntime-genai
+            # feeds it); a buffer-wide one reads as a later chunk of a prompt, which takes batch 1 only.
+            batch, seq = tokens.shape
+            feeds = self.step_feeds(tokens, np.zeros(batch, np.int64), np.full(batch, seq, np.int64), 0)
+        else:
+            feeds = self._bound_feeds(tokens, past, buffer)
         for name, array in feeds.items():
             binding.bind_ortvalue_input(name, self._device_value(array))
         binding.bind_output(LOGITS, self.device)  # first: outputs come back in binding order
@@ -400,20 +409,9 @@ class Decoder:
         seq, past = input_ids.shape[1], int(state.lengths[0])
         if self.mode != DYNAMIC and past + seq > state.width:
             raise ValueError(f"{past + seq} tokens do not fit a {state.width}-position cache buffer")
-        if self.mode == GQA and past == 0:
-            feeds = self.step_feeds(input_ids, state.lengths, np.array([seq]), 0)
-        else:
-            feeds = self._bound_feeds(input_ids, past, state.width)
-        binding = self.session.io_binding()
-        for name, array in feeds.items():
-            binding.bind_ortvalue_input(name, self._device_value(array))
-        binding.bind_output(LOGITS, self.device)  # first: outputs come back in binding order
-        self._bind_caches(binding, state.caches)
-        self._run_device(binding, -1)
-        if self.mode == DYNAMIC:
-            self._take_presents(binding, state.caches)
+        _, logits = self._run_bound(input_ids, state.caches, past, state.width)
         state.lengths = state.lengths + seq
-        return self.to_host(binding.get_outputs()[0])
+        return self.to_host(logits)
 
     def to_host(self, value) -> np.ndarray:
         """A device OrtValue as a host array; bfloat16 comes back as float32 (numpy has no bfloat16
