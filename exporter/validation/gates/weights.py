@@ -159,15 +159,9 @@ def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Chec
     if bits is None or out.dtype != storage:
         return False
     non_finite = _NON_FINITE.get(out.dtype)
-    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
-    n = rows[1] - rows[0]
-    source = checkpoint.array(part["tensor"])
-    row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
-    step = max(1, EXACT_BLOCK_ELEMS // row_elems)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        want = converted(source[rows[0] + r0 : rows[0] + r1], out.dtype, part.get("add")).view(bits)
-        got = (out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]).view(bits)
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, EXACT_BLOCK_ELEMS):
+        want = converted(source, out.dtype, part.get("add")).view(bits)
+        got = got.view(bits)
         if want.shape != got.shape or not np.array_equal(want, got):
             return False
         if non_finite is not None and (np.bitwise_and(want, non_finite) == non_finite).any():
@@ -204,28 +198,41 @@ def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray
     return arrays
 
 
-def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
+def _part_range(checkpoint: Checkpoint, part: dict) -> tuple[int, int]:
+    """The source rows [a, b) one part takes."""
     rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
-    return rows[1] - rows[0]
+    return rows[0], rows[1]
+
+
+def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
+    a, b = _part_range(checkpoint, part)
+    return b - a
+
+
+def _part_blocks(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
+                 block_elems: int):
+    """One part, block by block of about ``block_elems`` elements: (source rows as
+    ``Checkpoint.array`` gives them, the slice of ``out`` made from them in the source's row order).
+    A transposed initializer's columns come as numpy's transposed view, not through the exporter's
+    own tiled transpose, so a fault in that code cannot cancel out here."""
+    a, b = _part_range(checkpoint, part)
+    source = checkpoint.array(part["tensor"])
+    row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
+    step = max(1, block_elems // row_elems)
+    for r0 in range(0, b - a, step):
+        r1 = min(b - a, r0 + step)
+        got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]
+        yield source[a + r0 : a + r1], got
 
 
 def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict) -> _Accumulator:
-    """Every element of one part against its source, in the source's row order. A transposed
-    initializer's columns are transposed back by numpy, not by the exporter's own tiled transpose,
-    so a fault in that code cannot cancel out here."""
+    """Every element of one part against its source, in the source's row order."""
     acc = _Accumulator()
-    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
-    n = rows[1] - rows[0]
-    source = checkpoint.array(part["tensor"])
-    row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
-    step = max(1, BLOCK_BYTES // (row_elems * 8))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        want = _as_float(source[rows[0] + r0 : rows[0] + r1])
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, BLOCK_BYTES // 8):
+        want = _as_float(source)
         if part.get("add"):
             want = want.astype(np.float32) + np.float32(part["add"])  # the recipe's offset, in fp32 as it was built
-        got = np.ascontiguousarray(out[:, offset + r0 : offset + r1].T) if transposed else out[offset + r0 : offset + r1]
-        acc.add(_as_float(got), want)
+        acc.add(_as_float(np.ascontiguousarray(got) if transposed else got), want)
     return acc
 
 
@@ -246,13 +253,13 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
     zero_points = None if scheme.symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, zp_bytes)
     acc = _Accumulator()
     acc.bound_ratio, acc.requantized_equal = 0.0, True
-    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
-    n = rows[1] - rows[0]
+    first, end = _part_range(checkpoint, part)
+    n = end - first
     step = max(1, BLOCK_BYTES // (k * 16))
     cast = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[activations]
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        want = checkpoint.read(part["tensor"], (rows[0] + r0, rows[0] + r1))
+        want = checkpoint.read(part["tensor"], (first + r0, first + r1))
         if part.get("add"):
             want = want.float() + part["add"]
         want = want.to(cast).float()
