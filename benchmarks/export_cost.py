@@ -252,6 +252,12 @@ def export_command(checkpoint: Path, variant: str, out_dir: Path, ep: str) -> li
     return cmd + ["--out", str(out_dir), "--overwrite", "--no-validate"]
 
 
+def validation_limit(order: int) -> float:
+    """The validation target, as a multiple of the export: the checkpoint's first variant (order 0)
+    computes the reference, the following ones read it back."""
+    return 1.0 if order == 0 else FOLLOWING_VALIDATION_RATIO
+
+
 def measure_worker(checkpoint: Path, variants: list[str], work_dir: Path, ep: str) -> dict:
     """The worker path (WORKER_CODE) with fresh caches; each variant's validation against its export."""
     cache = work_dir / "worker-cache"
@@ -266,7 +272,7 @@ def measure_worker(checkpoint: Path, variants: list[str], work_dir: Path, ep: st
     jobs = json.loads(out.read_text())
     for i, variant in enumerate(variants):
         job = jobs[variant]
-        limit = 1.0 if i == 0 else FOLLOWING_VALIDATION_RATIO
+        limit = validation_limit(i)
         job["validation_ratio_vs_export"] = round(job["validate_s"] / job["export_s"], 3)
         job["time_target"] = f"validate <= {limit} x export"
         job["time_target_met"] = job["validation_ratio_vs_export"] <= limit
@@ -452,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["EXPORTFARM_CACHE"] = str(reference_cache)
     validation = {v: measure_validate(v, work_dir, variants[v]["wall_s"], args.ep) for v in args.variants}
     for i, v in enumerate(args.variants):  # the first computes the reference, the others read it back
-        limit = 1.0 if i == 0 else FOLLOWING_VALIDATION_RATIO
+        limit = validation_limit(i)
         validation[v]["time_target"] = f"wall <= {limit} x export wall"
         validation[v]["time_target_met"] = validation[v]["time_ratio_vs_export"] <= limit
 
