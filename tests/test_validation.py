@@ -371,6 +371,37 @@ def test_a_fresh_reference_checks_the_export_s_own_tokens_and_reuses_that_run(ex
     assert feeds[1] == good.parity["tokens"]
 
 
+def test_the_reference_loaded_beside_the_session_gives_the_same_report(exported, tmp_path, monkeypatch):
+    """Where the export runs on a device, transformers' model loads on a thread while the probe and
+    the export's session run; here (CPU) that path is forced: the same tokens and figures as loading
+    after the session, the load on the other thread, and a load that fails still fails the run."""
+    import threading
+
+    import exporter.validation.reference as reference
+    import exporter.validation.validate as validate
+
+    export_dir = exported("qwen3", "attn_static")
+    after = validate_export(export_dir, reference_cache=tmp_path / "after")
+    threads = []
+    real = reference.load_reference
+    monkeypatch.setattr(reference, "load_reference",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    monkeypatch.setattr(validate, "reference_beside_session", lambda ep: True)
+    beside = validate_export(export_dir, reference_cache=tmp_path / "beside")
+    assert beside.passed and after.passed and threads and threads[0].startswith("reference")
+    assert beside.parity == after.parity and beside.timings_s["reference_load"] > 0
+    assert [g.to_dict() for g in beside.gates if g.gate != "weights"] == [g.to_dict() for g in after.gates if g.gate != "weights"]
+
+    from exporter.errors import ExportError
+
+    def broken(*a, **k):
+        raise ExportError("transformers cannot load the reference checkpoint")
+
+    monkeypatch.setattr(reference, "load_reference", broken)
+    with pytest.raises(ExportError, match="cannot load the reference"):
+        validate_export(export_dir, reference_cache=tmp_path / "broken")
+
+
 def test_the_weight_check_on_several_threads_gives_the_one_thread_figures(exported, monkeypatch):
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.validation.gates import weights
@@ -389,12 +420,18 @@ def test_the_weight_check_on_several_threads_gives_the_one_thread_figures(export
     assert figures[1] == figures[3]
 
 
-def test_a_session_without_prepacked_weights_computes_the_same_logits(exported):
-    """Validation's sessions skip the CPU's weight prepacking; the logits are those of a default session."""
+def test_validation_s_session_computes_a_default_session_s_logits(exported):
+    """Validation's sessions skip the CPU's weight prepacking and keep their threads from spinning;
+    the logits are those of a default session."""
+    from exporter.validation.validate import validation_session
+
     export_dir = exported("qwen2", "attn_dynamic")
     prompt = np.array([[5, 17, 99, 3, 42, 8]], dtype=np.int64)
-    default, unpacked = Decoder(export_dir), Decoder(export_dir, prepack=False)
-    # Set under onnxruntime's own key (kOrtSessionOptionsConfigDisablePrepacking): it ignores unknown keys.
-    assert unpacked.session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
-    a, b = default.forward(prompt, default.new_state()), unpacked.forward(prompt, unpacked.new_state())
+    default, validating = Decoder(export_dir), validation_session(export_dir, "cpu", "fp32")
+    # Set under onnxruntime's own keys (kOrtSessionOptionsConfigDisablePrepacking,
+    # kOrtSessionOptionsConfigAllowIntraOpSpinning): it ignores unknown keys.
+    options = validating.session.get_session_options()
+    assert options.get_session_config_entry("session.disable_prepacking") == "1"
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    a, b = default.forward(prompt, default.new_state()), validating.forward(prompt, validating.new_state())
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(a.max() - a.min()))

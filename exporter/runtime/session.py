@@ -97,10 +97,18 @@ class CacheState:
 
 class Decoder:
     def __init__(self, model: Path, ep: str = "cpu", *, session_options=None, cuda_graph: bool = False,
-                 in_place: bool = False, mode: str | None = None, gqa_mask: str = "buffer", prepack: bool = True):
+                 in_place: bool = False, mode: str | None = None, gqa_mask: str = "buffer", prepack: bool = True,
+                 spin: bool = True):
         """``prepack=False`` leaves weights as stored instead of repacking them for the CPU's GEMM at
         session creation: for a session that runs a few dozen steps (validation) that repacking costs
         more than it saves (0.5B fp16 on 2 cores: 1.5-1.7 s vs 4.3-4.6 s of session creation, +0.5 s over 24 steps).
+        ``spin=False``: the intra-op threads sleep between ops instead of spinning, which a serving
+        session does to cut each op's wake-up latency; a session that shares the cores with other
+        work (validation's weight check and reference) would spin on cores that work needs. 0.5B
+        fp16 on 2 cores beside the weight check (benchmarks/results/session_cost_cpu.json, 4 rounds
+        each first in turn, medians): session creation 0.63 s against 0.85 s spinning; session, 24
+        steps and the check done in 2.10 / 2.81 s (gqa / attn_static) against 2.32 / 2.97 s. On
+        the 16-core H200 host no difference was measured.
         ``gqa_mask`` (device binding, GroupQueryAttention): ``buffer`` feeds a mask as wide as the
         shared KV buffer (what onnxruntime-genai does under CUDA graph capture, and the only way to
         capture); ``grow`` one as wide as the tokens so far (what genai does without a graph)."""
@@ -126,6 +134,8 @@ class Decoder:
             session_options.log_severity_level = 3
             if not prepack:
                 session_options.add_session_config_entry("session.disable_prepacking", "1")
+            if not spin:
+                session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.ep, self.device, self.cuda_graph = ep, "cuda" if ep == "cuda" else "cpu", cuda_graph
         self.session = ort.InferenceSession(str(self.model_path), session_options, providers=providers)
         self.inputs = {i.name: i for i in self.session.get_inputs()}

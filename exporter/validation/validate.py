@@ -1,8 +1,9 @@
 """Stage: validate an export. A gate, not a warning: any failed check fails the export.
 
-Gates (docs/validation.md): structure (read from model.onnx), weight integrity by value (read
-from model.onnx.data), numeric parity against transformers on the same weights through the
-variant's own cache contract, and a known-answer runtime probe of the target execution provider.
+Gates (the architecture's "Validation" section, ../shared/DESIGN.md): structure (read from
+model.onnx), weight integrity by value (read from model.onnx.data), numeric parity against
+transformers on the same weights through the variant's own cache contract, and a known-answer
+runtime probe of the target execution provider.
 Writes parity_report.json and parity_report.md next to the model.
 """
 
@@ -219,7 +220,8 @@ def validate_export(
 
     # The value check of every weight (numpy over two gigabytes) runs on its own thread while the
     # runtime probe, the reference and the export's session run here: numpy, torch and onnxruntime
-    # all release the GIL, so the check overlaps them instead of adding its wall time to theirs.
+    # all release the GIL, so the check overlaps them instead of adding its wall time to theirs
+    # (and, for an export on a device, transformers' model loads on a third: reference_beside_session).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations)
@@ -241,21 +243,18 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
                    steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
     quantized exports, the quality gate); appends to ``gates``, returns (parity, quality)."""
-    from exporter.runtime.session import Decoder
     from exporter.validation import reference
-    from exporter.validation.parity import export_decode
 
-    t0 = time.perf_counter()
-    gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
-    timings["runtime_probe"] = time.perf_counter() - t0
+    def probe():
+        t0 = time.perf_counter()
+        gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
+        timings["runtime_probe"] = time.perf_counter() - t0
 
-    # Parity runs a few dozen steps: repacking the weights first would cost more than it saves.
-    # Quantized exports keep it: MatMulNBits runs its CPU kernels on the repacked layout.
-    factory = lm_factory or (lambda d, e: Decoder(d, ep=e, prepack=dtype in QUANTIZED))
+    factory = lm_factory or (lambda d, e: validation_session(d, e, dtype))
     if dtype in QUANTIZED:
-        quality = _quality(export_dir, ep, dtype, activations, ref_source.path, cfg, factory, gates, timings,
-                           quality_thresholds)
-        return None, quality
+        probe()
+        return None, _quality(export_dir, ep, dtype, activations, ref_source.path, cfg, factory, gates, timings,
+                              quality_thresholds)
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
@@ -263,12 +262,53 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     cache_path, ref = reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
     timings["reference"] = time.perf_counter() - t0
     timings["reference_cached"] = float(ref is not None)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference") as pool:
+        loading = pool.submit(_timed, reference.load_reference, ref_source.path) \
+            if ref is None and reference_beside_session(ep) else None
+        probe()
+        return _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
+                       shared_references, gates, timings), None
+
+
+def validation_session(export_dir: Path, ep: str, dtype: str):
+    """The session parity and the quality gate run the export in. It runs a few dozen steps:
+    repacking the weights first would cost more than it saves (quantized exports keep it:
+    MatMulNBits runs its CPU kernels on the repacked layout). It shares the cores with the weight
+    check and the reference, so its threads sleep between ops rather than spin."""
+    from exporter.runtime.session import Decoder
+
+    return Decoder(export_dir, ep=ep, prepack=dtype in QUANTIZED, spin=False)
+
+
+def reference_beside_session(ep: str) -> bool:
+    """Whether transformers' model loads while the probe and the export's session run (on a
+    thread). An export that runs on a device leaves the host's cores and memory to it (and, in a
+    fresh process, the torch import); beside a CPU session it would share both, so there it loads
+    after that session is gone."""
+    return ep != "cpu"
+
+
+def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
+            shared_references, gates, timings) -> dict | None:
+    """The export decodes teacher-forced on the reference's tokens and is judged; without a cached
+    reference it decodes freely first and transformers checks those tokens (loaded by ``loading``,
+    a future of (model, seconds), or here)."""
+    from exporter.validation import reference
+    from exporter.validation.parity import export_decode
+
+    timings["parity_session"] = 0.0
+
+    def session():
+        t = time.perf_counter()
+        lm = _session(factory, export_dir, ep, "parity", gates)
+        timings["parity_session"] += time.perf_counter() - t
+        return lm
 
     t0 = time.perf_counter()
-    lm = _session(factory, export_dir, ep, "parity", gates)
+    lm = session()
     if lm is None:
         timings["parity"] = time.perf_counter() - t0
-        return None, None
+        return None
     free_run, parity_s = None, 0.0
     if ref is None:
         # The export decodes greedily on its own first; the reference then checks those tokens in
@@ -278,7 +318,10 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
             lm = None  # the reference model and this session need not share the host's memory
         parity_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ref = reference.reference_greedy(reference.load_reference(ref_source.path), prompt, steps, free_run.chosen)
+        model, timings["reference_load"] = loading.result() if loading else _timed(reference.load_reference,
+                                                                                   ref_source.path)
+        ref = reference.reference_greedy(model, prompt, steps, free_run.chosen)
+        del model
         reference.store_reference(cache_path, ref, shared_references)
         timings["reference"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -286,7 +329,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     # exactly that run when it chose the reference's tokens at every step; otherwise it runs again.
     run = free_run if free_run is not None and free_run.follows(ref.tokens) else None
     if run is None:
-        lm = lm or _session(factory, export_dir, ep, "parity", gates)
+        lm = lm or session()
         run = export_decode(lm, prompt, steps, ref.tokens) if lm is not None else None
     parity = None
     if run is not None:
@@ -296,7 +339,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         if peer is not None:
             gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
     timings["parity"] = parity_s + time.perf_counter() - t0
-    return parity, None
+    return parity
 
 
 QUANTIZED = ("int4", "int8")
