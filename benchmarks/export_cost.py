@@ -27,7 +27,11 @@ What is measured
   run the runtime probe once on --ep (as an earlier job would have) then exports and validates
   every variant in turn, as successive jobs (``export_model`` with validation, fresh rope and
   reference caches): the first variant's validation computes the reference, the following ones
-  read it back. Export and validation times come from the manifest's own stage timings.
+  read it back. Export and validation times come from the manifest's own stage timings. It does
+  that for ``--worker-checkpoints`` checkpoints in turn (the same one, each time with empty
+  rope and reference caches, so nothing computed is reused): the first is a worker's first
+  checkpoint, whose first job of each variant also loads that variant's kernels on the device; a
+  later one is what the worker pays from then on.
 
 Why RssAnon and not RSS
 -----------------------
@@ -105,10 +109,12 @@ import exporter.pipeline, exporter.cli, torch, transformers, onnx_ir, onnxruntim
 time.sleep(1)
 """
 
-# The worker path: one warm process, one export job per variant (validated), in turn.
-# argv: checkpoint, out root, ep, variants (comma-separated), attn_static max_seq_len, result file.
+# The worker path: one warm process, one export job per variant (validated), in turn, for each of
+# a number of checkpoints (the same one with empty caches each time).
+# argv: checkpoint, out root, ep, variants (comma-separated), attn_static max_seq_len, result file,
+# checkpoints, cache root.
 WORKER_CODE = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 import torch, transformers  # what a worker child holds after its first job, with the modeling code
@@ -118,22 +124,26 @@ from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.validation.gates.runtime_probe import runtime_gate
 
-checkpoint, root, ep, variants, static_len, out = sys.argv[1:7]
+checkpoint, root, ep, variants, static_len, out, checkpoints, cache_root = sys.argv[1:9]
 runtime_gate("attn_static", ep, "fp16")  # the execution provider initialised, as an earlier job left it
-jobs = {"warm_up_s": round(time.perf_counter() - t0, 3)}
-for variant in variants.split(","):
-    static = variant == "attn_static"
-    request = ExportRequest(model=checkpoint, dtype="fp16", ep=ep, variant=variant, static_cache=static,
-                            max_seq_len=int(static_len) if static else None)
-    t0 = time.perf_counter()
-    result = export_model(request, Path(root) / variant, overwrite=True, validate=True, validate_ep=ep,
-                          reference_cache=reference_cache_default(), rope_cache=rope_cache_default())
-    wall = time.perf_counter() - t0
-    timings = result.manifest.data["timings_s"]
-    jobs[variant] = {"job_wall_s": round(wall, 3), "validate_s": timings["validate"],
-                     "export_s": round(wall - timings["validate"], 3), "status": result.manifest.data["status"],
-                     "stage_timings_s": timings, "validation_stage_timings_s": result.report.to_dict()["timings_s"]}
-Path(out).write_text(json.dumps(jobs))
+result = {"warm_up_s": round(time.perf_counter() - t0, 3), "checkpoints": []}
+for n in range(int(checkpoints)):
+    os.environ["EXPORTFARM_CACHE"] = str(Path(cache_root) / f"checkpoint-{n}")  # nothing computed is reused
+    jobs = {}
+    for variant in variants.split(","):
+        static = variant == "attn_static"
+        request = ExportRequest(model=checkpoint, dtype="fp16", ep=ep, variant=variant, static_cache=static,
+                                max_seq_len=int(static_len) if static else None)
+        t0 = time.perf_counter()
+        done = export_model(request, Path(root) / variant, overwrite=True, validate=True, validate_ep=ep,
+                            reference_cache=reference_cache_default(), rope_cache=rope_cache_default())
+        wall = time.perf_counter() - t0
+        timings = done.manifest.data["timings_s"]
+        jobs[variant] = {"job_wall_s": round(wall, 3), "validate_s": timings["validate"],
+                         "export_s": round(wall - timings["validate"], 3), "status": done.manifest.data["status"],
+                         "stage_timings_s": timings, "validation_stage_timings_s": done.report.to_dict()["timings_s"]}
+    result["checkpoints"].append(jobs)
+Path(out).write_text(json.dumps(result))
 """
 
 # The floor: every tensor read whole, cast to fp16, appended to one file. argv: checkpoint dir, out file.
@@ -258,25 +268,26 @@ def validation_limit(order: int) -> float:
     return 1.0 if order == 0 else FOLLOWING_VALIDATION_RATIO
 
 
-def measure_worker(checkpoint: Path, variants: list[str], work_dir: Path, ep: str) -> dict:
-    """The worker path (WORKER_CODE) with fresh caches; each variant's validation against its export."""
+def measure_worker(checkpoint: Path, variants: list[str], work_dir: Path, ep: str, checkpoints: int) -> dict:
+    """The worker path (WORKER_CODE), each checkpoint with empty caches; each variant's validation
+    against its own export."""
     cache = work_dir / "worker-cache"
     shutil.rmtree(cache, ignore_errors=True)
     out = work_dir / "worker.json"
     cmd = [sys.executable, "-c", WORKER_CODE, str(checkpoint), str(work_dir / "worker-exports"), ep,
-           ",".join(variants), str(STATIC_MAX_SEQ_LEN), str(out)]
-    print("worker path (one warm process, a job per variant) ...", flush=True)
-    env = {**os.environ, "EXPORTFARM_CACHE": str(cache)}
+           ",".join(variants), str(STATIC_MAX_SEQ_LEN), str(out), str(checkpoints), str(cache)]
+    print(f"worker path (one warm process, a job per variant, {checkpoints} checkpoints) ...", flush=True)
     with open(work_dir / "worker.log", "wb") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
-    jobs = json.loads(out.read_text())
-    for i, variant in enumerate(variants):
-        job = jobs[variant]
-        limit = validation_limit(i)
-        job["validation_ratio_vs_export"] = round(job["validate_s"] / job["export_s"], 3)
-        job["time_target"] = f"validate <= {limit} x export"
-        job["time_target_met"] = job["validation_ratio_vs_export"] <= limit
-    return jobs
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+    result = json.loads(out.read_text())
+    for jobs in result["checkpoints"]:
+        for i, variant in enumerate(variants):
+            job = jobs[variant]
+            limit = validation_limit(i)
+            job["validation_ratio_vs_export"] = round(job["validate_s"] / job["export_s"], 3)
+            job["time_target"] = f"validate <= {limit} x export"
+            job["time_target_met"] = job["validation_ratio_vs_export"] <= limit
+    return result
 
 
 def measure_validate(variant: str, work_dir: Path, export_wall_s: float, ep: str) -> dict:
@@ -382,12 +393,14 @@ def print_table(result: dict) -> None:
               f"{r['peak_rss_anon_bytes'] / mib:>13.1f}{r['peak_rss_bytes'] / mib:>11.1f}  {r['status']}, {stages}")
     worker = result["worker"]
     print(f"\nworker path (warm process, warm-up {worker['warm_up_s']:.1f} s)")
-    print(f"{'job':<13}{'export s':>9}{'validate s':>11}{'x export':>10}{'time ok':>9}  status, validation stages (s)")
-    for variant in result["variants"]:
-        r = worker[variant]
-        stages = ", ".join(f"{k} {v:.1f}" for k, v in r["validation_stage_timings_s"].items())
-        print(f"{variant:<13}{r['export_s']:>9.2f}{r['validate_s']:>11.2f}{r['validation_ratio_vs_export']:>10.2f}"
-              f"{str(r['time_target_met']):>9}  {r['status']}, {stages}")
+    print(f"{'checkpoint, job':<17}{'export s':>9}{'validate s':>11}{'x export':>10}{'time ok':>9}  "
+          f"status, validation stages (s)")
+    for n, jobs in enumerate(worker["checkpoints"]):
+        for variant in result["variants"]:
+            r = jobs[variant]
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in r["validation_stage_timings_s"].items())
+            print(f"{f'{n + 1} {variant}':<17}{r['export_s']:>9.2f}{r['validate_s']:>11.2f}"
+                  f"{r['validation_ratio_vs_export']:>10.2f}{str(r['time_target_met']):>9}  {r['status']}, {stages}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -399,6 +412,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of floor + every export (medians)")
     parser.add_argument("--ep", choices=("cpu", "cuda"), default="cpu",
                         help="the exports' target execution provider, where validation runs them (default: %(default)s)")
+    parser.add_argument("--worker-checkpoints", type=int, default=2,
+                        help="checkpoints the worker path exports in turn, each with empty caches (default: %(default)s)")
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
                         help="comma-separated variants to export (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -462,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         validation[v]["time_target"] = f"wall <= {limit} x export wall"
         validation[v]["time_target_met"] = validation[v]["time_ratio_vs_export"] <= limit
 
-    worker = measure_worker(checkpoint, args.variants, work_dir, args.ep)
+    worker = measure_worker(checkpoint, args.variants, work_dir, args.ep, args.worker_checkpoints)
 
     result = {
         "benchmark": "export_cost",

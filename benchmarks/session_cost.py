@@ -3,18 +3,28 @@
 For each export directory given, in one process (the CUDA libraries are loaded once, by a warm-up
 session of the first export, as the runtime probe does before parity in a validation):
 
-* session creation as validation makes it (``Decoder(prepack=False)``), and with onnxruntime's
-  graph optimizations at ``basic`` and ``disabled``, each ``--repeats`` times, interleaved;
+* session creation as validation makes it (``validate.validation_session``), the same with
+  spinning intra-op threads, and with onnxruntime's graph optimizations at ``basic`` and
+  ``disabled``, each ``--repeats`` times, interleaved;
 * the parity decode (``export_decode``: a 16-token prompt, 24 greedy steps) on that session, its
   first step and the median of the rest;
 * the same decode with the caches kept on the device (``Decoder.forward_device``, validation's way:
   attn_static and GroupQueryAttention caches bound in place, dynamic presents taken as the next
   step's past), logits copied back each step;
-* onnxruntime's own profile of the host decode: time per operator type and execution provider.
+* onnxruntime's own profile of the host decode: time per operator type and execution provider;
+* ``--beside-weights``: session creation and the device-caches decode again while the weight check
+  (``weight_integrity``, on its own threads) runs beside them, as validation runs the two, and the
+  check's own time alone; with validation's session (its intra-op threads sleep between ops) and
+  with one whose threads spin (``spinning``, onnxruntime's default), ``--repeats`` rounds, each
+  of the two first in turn: which of them the other slows;
+* ``--profile-validation``: ``validate_export`` of each export in turn (one reference cache: the
+  first computes the reference, the rest read it back), its stage timings, and Python's profile of
+  the validating thread (the 25 costliest calls by cumulative time).
 
 Usage::
 
     python benchmarks/session_cost.py EXPORT_DIR [EXPORT_DIR ...] --ep cuda [--repeats 2]
+                                      [--beside-weights] [--profile-validation] [--skip-op-profile]
                                       [--out benchmarks/results/session_cost.json]
 """
 
@@ -30,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LEVELS = ("validation", "basic", "disabled")
+LEVELS = ("validation", "spinning", "basic", "disabled")
 
 
 def make_session(export_dir: Path, ep: str, level: str):
@@ -38,7 +48,11 @@ def make_session(export_dir: Path, ep: str, level: str):
 
     from exporter.runtime.session import Decoder
 
+    from exporter.validation.validate import validation_session
+
     if level == "validation":
+        return validation_session(export_dir, ep, "fp16")
+    if level == "spinning":  # validation's session before its threads stopped spinning between ops
         return Decoder(export_dir, ep=ep, prepack=False)
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -97,11 +111,77 @@ def op_profile(export_dir: Path, ep: str, top: int = 12) -> list[dict]:
             for (op, provider), us in totals.most_common(top)]
 
 
+def beside_weights(export_dir: Path, ep: str, repeats: int) -> dict:
+    """Session creation and the device-caches decode with the weight check running beside them,
+    with validation's session and with one whose intra-op threads spin between ops; ``repeats``
+    rounds, the two in turn first (whichever ran first in a round was the slower by up to 2x here)."""
+    import concurrent.futures
+
+    from exporter.packaging.checkpoint import Checkpoint
+    from exporter.validation.gates.weights import weight_integrity
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    model_path = export_dir / "model.onnx"
+
+    def check():
+        return weight_integrity(model_path, manifest, Checkpoint(Path(manifest["source"]["path"])), "fp16", "fp16")
+
+    result = {"weights_alone_s": [], "validation": [], "spinning": []}
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        check()
+        result["weights_alone_s"].append(round(time.perf_counter() - t0, 3))
+        for level in ("validation", "spinning")[:: 1 if r % 2 == 0 else -1]:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                t0 = time.perf_counter()
+                checking = pool.submit(check)
+                lm = make_session(export_dir, ep, level)
+                creation_s = time.perf_counter() - t0
+                decode = timed_decode(lm, device_caches=True)
+                decode_done_s = time.perf_counter() - t0
+                checking.result()
+                check_s = time.perf_counter() - t0
+            del lm
+            result[level].append({"round": r, "creation_s": round(creation_s, 3), "decode": decode,
+                                  "session_and_decode_s": round(decode_done_s, 3), "weights_done_s": round(check_s, 3)})
+    return result
+
+
+def profile_validation(exports: list[Path], ep: str, cache: Path, top: int = 25) -> dict:
+    """validate_export of each export (the first computes the reference into ``cache``), with its
+    stage timings and the validating thread's profile."""
+    import cProfile
+    import io
+    import pstats
+
+    from exporter.validation.validate import validate_export
+
+    out = {}
+    for export_dir in exports:
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        report = validate_export(export_dir, ep=ep, reference_cache=cache)
+        profile.disable()
+        wall = time.perf_counter() - t0
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+        out[str(export_dir)] = {"wall_s": round(wall, 3), "passed": report.passed,
+                                "timings_s": {k: round(v, 3) for k, v in report.timings_s.items()},
+                                "profile": text.getvalue().splitlines()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exports", nargs="+", type=Path)
     parser.add_argument("--ep", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--beside-weights", action="store_true")
+    parser.add_argument("--profile-validation", action="store_true")
+    parser.add_argument("--skip-op-profile", action="store_true")
+    parser.add_argument("--reference-cache", type=Path, default=Path("/tmp/session_cost_references"),
+                        help="--profile-validation's reference cache (emptied first)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/session_cost.json"))
     args = parser.parse_args(argv)
 
@@ -122,13 +202,21 @@ def main(argv: list[str] | None = None) -> int:
                     decode.setdefault(str(export_dir), []).append(timed_decode(lm))
                     device.setdefault(str(export_dir), []).append(timed_decode(lm, device_caches=True))
                 del lm
-    profiles = {str(e): op_profile(e, args.ep) for e in args.exports}
+    profiles = {} if args.skip_op_profile else {str(e): op_profile(e, args.ep) for e in args.exports}
+    beside = {str(e): beside_weights(e, args.ep, args.repeats) for e in args.exports} if args.beside_weights else None
+    validations = None
+    if args.profile_validation:
+        import shutil
+
+        shutil.rmtree(args.reference_cache, ignore_errors=True)
+        validations = profile_validation(args.exports, args.ep, args.reference_cache)
     result = {
         "benchmark": "session_cost", "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ep": args.ep, "onnxruntime": ort.__version__,
         "first_session_s": round(warm_up_s, 3),
         "creation_s": creation, "decode": decode, "decode_device_caches": device, "op_profile": profiles,
+        **({"beside_weights": beside} if beside else {}), **({"validations": validations} if validations else {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
