@@ -373,33 +373,75 @@ def test_a_fresh_reference_checks_the_export_s_own_tokens_and_reuses_that_run(ex
 
 def test_the_reference_loaded_beside_the_session_gives_the_same_report(exported, tmp_path, monkeypatch):
     """Where the export runs on a device, transformers' model loads on a thread while the probe and
-    the export's session run; here (CPU) that path is forced: the same tokens and figures as loading
-    after the session, the load on the other thread, and a load that fails still fails the run."""
+    the export's session run; here (CPU) that path is forced: the session is made while the load
+    is under way, the report holds the same tokens and figures as loading after the session, and a
+    load that fails on the thread still fails the run."""
+    import threading
+
+    import exporter.validation.reference as reference
+    import exporter.validation.validate as validate
+    from exporter.errors import ExportError
+
+    export_dir = exported("qwen3", "attn_static")
+    after = validate_export(export_dir, reference_cache=tmp_path / "after")
+    loads, loading = [], threading.Event()
+    real = reference.load_reference
+
+    def load(*a, **k):
+        loads.append(threading.current_thread().name)
+        loading.set()
+        return real(*a, **k)
+
+    def session(d, ep):
+        # Made only once the load has started: if the load waited for the session, this times out.
+        assert loading.wait(timeout=60), "the reference did not load while the session was made"
+        return validate.validation_session(d, ep, "fp32")
+
+    monkeypatch.setattr(reference, "load_reference", load)
+    monkeypatch.setattr(validate, "reference_beside_session", lambda ep: True)
+    beside = validate_export(export_dir, reference_cache=tmp_path / "beside", lm_factory=session)
+    assert beside.passed and after.passed and len(loads) == 1 and loads[0].startswith("reference")
+    assert beside.parity == after.parity and beside.timings_s["reference_load"] > 0
+    assert [g.to_dict() for g in beside.gates if g.gate != "weights"] == [g.to_dict() for g in after.gates if g.gate != "weights"]
+
+    def broken(*a, **k):
+        loads.append(threading.current_thread().name)
+        raise ExportError("transformers cannot load the reference checkpoint")
+
+    loads.clear()
+    monkeypatch.setattr(reference, "load_reference", broken)
+    with pytest.raises(ExportError, match="cannot load the reference"):
+        validate_export(export_dir, reference_cache=tmp_path / "broken")
+    assert len(loads) == 1 and loads[0].startswith("reference")
+
+
+def test_a_session_that_fails_does_not_wait_for_the_reference_loading_beside_it(exported, tmp_path, monkeypatch):
+    """The parity gate fails at once when the export's session cannot be made; the reference model
+    loading on its thread is not waited for (it is dropped when done)."""
     import threading
 
     import exporter.validation.reference as reference
     import exporter.validation.validate as validate
 
-    export_dir = exported("qwen3", "attn_static")
-    after = validate_export(export_dir, reference_cache=tmp_path / "after")
-    threads = []
-    real = reference.load_reference
-    monkeypatch.setattr(reference, "load_reference",
-                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    release, finished = threading.Event(), threading.Event()
+
+    def slow_load(*a, **k):
+        release.wait(timeout=60)
+        finished.set()
+        return None
+
+    def no_session(d, ep):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(reference, "load_reference", slow_load)
     monkeypatch.setattr(validate, "reference_beside_session", lambda ep: True)
-    beside = validate_export(export_dir, reference_cache=tmp_path / "beside")
-    assert beside.passed and after.passed and threads and threads[0].startswith("reference")
-    assert beside.parity == after.parity and beside.timings_s["reference_load"] > 0
-    assert [g.to_dict() for g in beside.gates if g.gate != "weights"] == [g.to_dict() for g in after.gates if g.gate != "weights"]
-
-    from exporter.errors import ExportError
-
-    def broken(*a, **k):
-        raise ExportError("transformers cannot load the reference checkpoint")
-
-    monkeypatch.setattr(reference, "load_reference", broken)
-    with pytest.raises(ExportError, match="cannot load the reference"):
-        validate_export(export_dir, reference_cache=tmp_path / "broken")
+    try:
+        report = validate_export(exported("qwen3", "attn_static"), reference_cache=tmp_path / "r", lm_factory=no_session)
+        assert not finished.is_set()  # returned while the load was still under way
+    finally:
+        release.set()
+    assert _failed(report, "parity") and "no such device" in report.summary()
+    assert finished.wait(timeout=60)
 
 
 def test_the_weight_check_on_several_threads_gives_the_one_thread_figures(exported, monkeypatch):

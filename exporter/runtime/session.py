@@ -106,9 +106,11 @@ class Decoder:
         session does to cut each op's wake-up latency; a session that shares the cores with other
         work (validation's weight check and reference) would spin on cores that work needs. 0.5B
         fp16 on 2 cores beside the weight check (benchmarks/results/session_cost_cpu.json, 4 rounds
-        each first in turn, medians): session creation 0.63 s against 0.85 s spinning; session, 24
-        steps and the check done in 2.10 / 2.81 s (gqa / attn_static) against 2.32 / 2.97 s. On
-        the 16-core H200 host no difference was measured.
+        each first in turn, medians, gqa / attn_static): session creation 0.63 / 0.68 s against
+        0.81 / 0.88 s spinning; session, 24 steps and the check done in 2.10 / 2.81 s against
+        2.32 / 2.97 s. One round on the 16-core H200 host showed no consistent difference.
+        ``prepack`` and ``spin`` set up the default options; given ``session_options``, those are
+        used as they are.
         ``gqa_mask`` (device binding, GroupQueryAttention): ``buffer`` feeds a mask as wide as the
         shared KV buffer (what onnxruntime-genai does under CUDA graph capture, and the only way to
         capture); ``grow`` one as wide as the tokens so far (what genai does without a graph)."""

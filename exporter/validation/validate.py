@@ -1,6 +1,6 @@
 """Stage: validate an export. A gate, not a warning: any failed check fails the export.
 
-Gates (the architecture's "Validation" section, ../shared/DESIGN.md): structure (read from
+Gates (DESIGN.md, "Validation"): structure (read from
 model.onnx), weight integrity by value (read from model.onnx.data), numeric parity against
 transformers on the same weights through the variant's own cache contract, and a known-answer
 runtime probe of the target execution provider.
@@ -40,6 +40,11 @@ class ValidationReport:
     ep: str
     reference: str
     gates: list[GateResult]
+    # Seconds per stage. Some overlap and some include others: weights runs beside everything;
+    # parity includes parity_session (creating the export's session); reference is what the
+    # validating thread spent on the reference (the cache, the forward pass, and the load where it
+    # waited for it), reference_load the load itself, which for an export on a device ran beside
+    # the probe and the export's session. They do not add up to the wall time.
     timings_s: dict[str, float]
     parity: dict | None = None
     quality: dict | None = None  # quantized exports: the quality gate's figures
@@ -204,12 +209,7 @@ def validate_export(
     variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
     activations = cfg.get("activations", dtype)  # quantized exports compute in fp16 / fp32
     ep = ep or meta["ep"]
-    if reference is None:
-        source = manifest.get("source", {})
-        reference = source.get("path") if source.get("kind") == "local" else (
-            f"{source.get('repo_id')}@{source.get('revision')}" if source.get("repo_id") else None)
-        if reference is None:
-            raise ExportError(f"{export_dir} has no manifest naming its checkpoint: pass --reference SRC")
+    reference = reference or manifest_reference(manifest, export_dir)
     ref_source = resolve_source(reference)
     timings: dict[str, float] = {}
     gates: list[GateResult] = []
@@ -221,7 +221,8 @@ def validate_export(
     # The value check of every weight (numpy over two gigabytes) runs on its own thread while the
     # runtime probe, the reference and the export's session run here: numpy, torch and onnxruntime
     # all release the GIL, so the check overlaps them instead of adding its wall time to theirs
-    # (and, for an export on a device, transformers' model loads on a third: reference_beside_session).
+    # (and where parity computes the reference for an export on a device, transformers' model
+    # loads on a third: reference_beside_session; the quantized quality gate loads it after).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations)
@@ -232,6 +233,17 @@ def validate_export(
         (weight_results, _), timings["weights"] = weights.result()
     gates += weight_results + runtime
     return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality)
+
+
+def manifest_reference(manifest: dict, export_dir: Path) -> str:
+    """The checkpoint an export was built from, as its manifest names it (a local path or
+    repo@revision), for resolve_source."""
+    source = manifest.get("source", {})
+    reference = source.get("path") if source.get("kind") == "local" else (
+        f"{source.get('repo_id')}@{source.get('revision')}" if source.get("repo_id") else None)
+    if reference is None:
+        raise ExportError(f"{export_dir} has no manifest naming its checkpoint: pass --reference SRC")
+    return reference
 
 
 def _timed(function, *args):
@@ -262,12 +274,24 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     cache_path, ref = reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
     timings["reference"] = time.perf_counter() - t0
     timings["reference_cached"] = float(ref is not None)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference") as pool:
-        loading = pool.submit(_timed, reference.load_reference, ref_source.path) \
-            if ref is None and reference_beside_session(ep) else None
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+    try:
+        loading = pool.submit(_loaded, ref_source.path) if ref is None and reference_beside_session(ep) else None
         probe()
         return _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
                        shared_references, gates, timings), None
+    finally:
+        # Not waited for: a run that ended before it needed the model (no session, an error) does
+        # not sit out the load, whose model nobody then holds once it is done.
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _loaded(checkpoint: Path) -> list:
+    """[(transformers' model, seconds)], a list its taker empties (``.pop()``), so the future that
+    carried it does not keep the model alive."""
+    from exporter.validation import reference
+
+    return [_timed(reference.load_reference, checkpoint)]
 
 
 def validation_session(export_dir: Path, ep: str, dtype: str):
@@ -291,8 +315,8 @@ def reference_beside_session(ep: str) -> bool:
 def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
             shared_references, gates, timings) -> dict | None:
     """The export decodes teacher-forced on the reference's tokens and is judged; without a cached
-    reference it decodes freely first and transformers checks those tokens (loaded by ``loading``,
-    a future of (model, seconds), or here)."""
+    reference it decodes freely first and transformers checks those tokens (the model loaded by
+    ``loading``, a future of ``_loaded``, or here)."""
     from exporter.validation import reference
     from exporter.validation.parity import export_decode
 
@@ -318,8 +342,7 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cac
             lm = None  # the reference model and this session need not share the host's memory
         parity_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model, timings["reference_load"] = loading.result() if loading else _timed(reference.load_reference,
-                                                                                   ref_source.path)
+        model, timings["reference_load"] = (loading.result() if loading else _loaded(ref_source.path)).pop()
         ref = reference.reference_greedy(model, prompt, steps, free_run.chosen)
         del model
         reference.store_reference(cache_path, ref, shared_references)
