@@ -418,6 +418,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated variants to export (default: %(default)s)")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.worker_checkpoints < 1:
+        parser.error("--worker-checkpoints must be 1 or more")
     unknown = sorted(set(args.variants) - set(ALL_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}: use {', '.join(ALL_VARIANTS)}")

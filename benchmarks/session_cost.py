@@ -43,20 +43,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LEVELS = ("validation", "spinning", "basic", "disabled")
 
 
-def make_session(export_dir: Path, ep: str, level: str):
+def validation_options():
+    """Session options as validation's session sets them (no prepacking, threads not spinning),
+    for the levels that change one thing more."""
     import onnxruntime as ort
 
-    from exporter.runtime.session import Decoder
-
-    from exporter.validation.validate import validation_session
-
-    if level == "validation":
-        return validation_session(export_dir, ep, "fp16")
-    if level == "spinning":  # validation's session before its threads stopped spinning between ops
-        return Decoder(export_dir, ep=ep, prepack=False)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def make_session(export_dir: Path, ep: str, level: str):
+    import onnxruntime as ort
+
+    from exporter.runtime.session import Decoder, read_metadata
+    from exporter.validation.validate import QUANTIZED, validation_session
+
+    dtype = read_metadata(Path(export_dir) / "model.onnx")["dtype"]
+    if level == "validation":
+        return validation_session(export_dir, ep, dtype)
+    if level == "spinning":  # validation's session, its threads spinning between ops (onnxruntime's default)
+        return Decoder(export_dir, ep=ep, prepack=dtype in QUANTIZED)
+    options = validation_options()
     options.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                                         "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[level]
     return Decoder(export_dir, ep=ep, session_options=options)
@@ -89,13 +99,9 @@ def op_profile(export_dir: Path, ep: str, top: int = 12) -> list[dict]:
     """onnxruntime's profile of the host decode: total microseconds per (operator, provider)."""
     import collections
 
-    import onnxruntime as ort
-
     from exporter.runtime.session import Decoder
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    options = validation_options()
     options.enable_profiling = True
     options.profile_file_prefix = f"/tmp/session_cost_{export_dir.name}"
     lm = Decoder(export_dir, ep=ep, session_options=options)
@@ -118,13 +124,22 @@ def beside_weights(export_dir: Path, ep: str, repeats: int) -> dict:
     import concurrent.futures
 
     from exporter.packaging.checkpoint import Checkpoint
+    from exporter.packaging.resolve import resolve_source
+    from exporter.runtime.session import read_metadata
     from exporter.validation.gates.weights import weight_integrity
+    from exporter.validation.validate import manifest_reference
 
     manifest = json.loads((export_dir / "manifest.json").read_text())
     model_path = export_dir / "model.onnx"
+    meta = read_metadata(model_path)
+    checkpoint = resolve_source(manifest_reference(manifest, export_dir)).path
+    dtype, activations = meta["dtype"], meta["config"].get("activations", meta["dtype"])
 
     def check():
-        return weight_integrity(model_path, manifest, Checkpoint(Path(manifest["source"]["path"])), "fp16", "fp16")
+        gates, _ = weight_integrity(model_path, manifest, Checkpoint(checkpoint), dtype, activations)
+        failed = [g for g in gates if g.status == "fail"]
+        if failed:
+            raise SystemExit(f"{export_dir}: the weight check failed ({failed[0].message}): nothing to time")
 
     result = {"weights_alone_s": [], "validation": [], "spinning": []}
     for r in range(repeats):
