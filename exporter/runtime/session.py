@@ -108,7 +108,9 @@ class Decoder:
         fp16 on 2 cores beside the weight check (benchmarks/results/session_cost_cpu.json, 4 rounds
         each first in turn, medians, gqa / attn_static): session creation 0.63 / 0.68 s against
         0.81 / 0.88 s spinning; session, 24 steps and the check done in 2.10 / 2.81 s against
-        2.32 / 2.97 s. One round on the 16-core H200 host showed no consistent difference.
+        2.32 / 2.97 s. On the 16-core H200 host (2 rounds, h200/session_cost_beside_weights.json):
+        session and 24 steps 0.46-0.61 s against 0.52-0.67 s, the check done in 0.66-0.71 s
+        against 0.67-0.82 s.
         ``prepack`` and ``spin`` set up the default options; given ``session_options``, those are
         used as they are.
         ``gqa_mask`` (device binding, GroupQueryAttention): ``buffer`` feeds a mask as wide as the
