@@ -19,7 +19,8 @@ session of the first export, as the runtime probe does before parity in a valida
   of the two first in turn: which of them the other slows;
 * ``--profile-validation``: ``validate_export`` of each export in turn (one reference cache: the
   first computes the reference, the rest read it back), its stage timings, and Python's profile of
-  the validating thread (the 25 costliest calls by cumulative time).
+  it (the 25 costliest calls by cumulative time: the calling thread's on Python 3.11; on the GPU
+  machine's 3.12 it held the other threads' calls too).
 
 Usage::
 
@@ -164,7 +165,7 @@ def beside_weights(export_dir: Path, ep: str, repeats: int) -> dict:
 
 def profile_validation(exports: list[Path], ep: str, cache: Path, top: int = 25) -> dict:
     """validate_export of each export (the first computes the reference into ``cache``), with its
-    stage timings and the validating thread's profile."""
+    stage timings and its profile."""
     import cProfile
     import io
     import pstats
