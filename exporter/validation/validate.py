@@ -1,9 +1,8 @@
 """Stage: validate an export. A gate, not a warning: any failed check fails the export.
 
-Gates (DESIGN.md, "Validation"): structure (read from
-model.onnx), weight integrity by value (read from model.onnx.data), numeric parity against
-transformers on the same weights through the variant's own cache contract, and a known-answer
-runtime probe of the target execution provider.
+Gates (DESIGN.md, "Validation"): structure (read from model.onnx), weight integrity by value
+(read from model.onnx.data), numeric parity against transformers on the same weights through the
+variant's own cache contract, and a known-answer runtime probe of the target execution provider.
 Writes parity_report.json and parity_report.md next to the model.
 """
 

@@ -362,7 +362,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
     failed = [s for s in stats if not s.passed]
     measured = [s for s in stats if s.rel_l2 is not None]  # the bit-exact ones carry no figures
     worst = sorted(measured, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))
-    bit_exact = sum(s.rel_l2 is None for s in stats)
+    bit_exact = len(stats) - len(measured)
     # Within bounds, but not what this file's own conversion gives: said, not failed.
     inexact = [s for s in worst if s.passed and not s.exact and s.step_ratio is None]
     if dtype in ("int4", "int8"):
