@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 
 from exporter.request import Variant
+from exporter.runtime.device import cuda_provider
 from exporter.contract import (
     ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, META_CONFIG, META_PREFIX,
     META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, numpy_of_ort,
@@ -129,7 +130,8 @@ class Decoder:
                 raise RuntimeError(f"CUDAExecutionProvider is not available in this onnxruntime ({ort.__version__})")
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()
-            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
+            # On the device this process is bound to (one worker per GPU: exporter.runtime.device).
+            providers = [cuda_provider(enable_cuda_graph="1" if cuda_graph else "0")]
         else:
             providers = ["CPUExecutionProvider"]
         if session_options is None:
@@ -141,6 +143,8 @@ class Decoder:
             if not spin:
                 session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.ep, self.device, self.cuda_graph = ep, "cuda" if ep == "cuda" else "cpu", cuda_graph
+        self.device_id = int(providers[0][1]["device_id"]) if ep == "cuda" else 0
+        self.providers = providers
         self.session = ort.InferenceSession(str(self.model_path), session_options, providers=providers)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -291,10 +295,10 @@ class Decoder:
             value = self._device_empty(array.shape, self.dtype)
             value.update_inplace(array.view(np.uint16))
             return value
-        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
 
     def _device_empty(self, shape, dtype: DType):
-        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.onnx, self.device, 0)
+        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.onnx, self.device, self.device_id)
 
     def _run_device(self, binding, graph_id: int) -> None:
         options = self.ort.RunOptions()
@@ -318,7 +322,7 @@ class Decoder:
         for name_in, name_out in self.pairs:
             binding.bind_ortvalue_input(name_in, caches[name_in])
             if self.mode == DYNAMIC:
-                binding.bind_output(name_out, self.device)
+                binding.bind_output(name_out, self.device, self.device_id)
             else:
                 binding.bind_ortvalue_output(name_out, caches[name_in])
 
@@ -346,7 +350,7 @@ class Decoder:
             feeds = self._bound_feeds(tokens, past, buffer)
         for name, array in feeds.items():
             binding.bind_ortvalue_input(name, self._device_value(array))
-        binding.bind_output(LOGITS, self.device)  # first: outputs come back in binding order
+        binding.bind_output(LOGITS, self.device, self.device_id)  # first: outputs come back in binding order
         self._bind_caches(binding, caches)
         start = time.perf_counter()
         self._run_device(binding, -1)
@@ -441,7 +445,7 @@ class Decoder:
             y.name, y.type, y.shape = "y", ir.TensorType(ir.DataType.FLOAT), ir.Shape(["d0", "d1", "d2"])
             graph = ir.Graph([x], [y], nodes=[node], opset_imports={"": 21})
             proto = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
-            self._cast = self.ort.InferenceSession(proto, providers=self.session.get_providers())
+            self._cast = self.ort.InferenceSession(proto, providers=self.providers)
         binding = self._cast.io_binding()
         binding.bind_ortvalue_input("x", value)
         binding.bind_output("y", "cpu")

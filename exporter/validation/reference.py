@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from exporter.cache import read_npz, write_atomic, write_npz
+from exporter.cache import cache_key, read_npz, write_atomic, write_npz
 
 
 @dataclasses.dataclass
@@ -56,6 +56,16 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
         ) from None
     model.eval()
     return model
+
+
+def open_reference(checkpoint: Path, ep: str = "cpu"):
+    """The reference validation runs: transformers' model of ``checkpoint`` in fp32, its weights
+    streamed one decoder layer at a time (``streamed.StreamedReference``), on the device the export
+    is validated on where this torch reaches it (the GPU this process is bound to), else the CPU."""
+    from exporter.runtime.device import cuda_device
+    from exporter.validation.streamed import StreamedReference, reference_device
+
+    return StreamedReference(Path(checkpoint), reference_device(ep, cuda_device()))
 
 
 def _stored_dtype(checkpoint: Path):
@@ -155,48 +165,87 @@ def store_reference(path: Path | None, run: ReferenceRun, shared: SharedReferenc
         shared.publish(path.name, data)
 
 
-def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | None = None) -> ReferenceRun:
+def cached_window_logits(cache_dir: Path | None, revision: str, chunks: list[list[int]],
+                         shared: SharedReferences | None = None) -> tuple[Path | None, list[np.ndarray] | None]:
+    """The quality gate's reference: the logits of the checkpoint ``revision`` over each window of
+    ``chunks`` (token ids), where they are kept, and the logits if they are there (locally, or in
+    ``shared``): every quantized dtype and variant of one checkpoint shares them."""
+    if cache_dir is None:
+        return None, None
+    digest = cache_key({"chunks": chunks})
+    path = Path(cache_dir) / f"windows-{_cache_key(revision, 'windows-' + digest, [], len(chunks))}.npz"
+    logits = _read_windows(read_npz(path), chunks)
+    if logits is None and shared is not None:
+        data = shared.fetch(path.name)
+        logits = _read_windows(read_npz(data), chunks) if data is not None else None
+        if logits is not None:
+            write_atomic(path, data)
+    return path, logits
+
+
+def _read_windows(data: dict[str, np.ndarray] | None, chunks: list[list[int]]) -> list[np.ndarray] | None:
+    if data is None or len(data) != 2 * len(chunks):
+        return None
+    for i, chunk in enumerate(chunks):
+        ids, logits = data.get(f"ids_{i}"), data.get(f"logits_{i}")
+        if ids is None or logits is None or ids.tolist() != list(chunk) or logits.shape[0] != len(chunk):
+            return None
+    return [data[f"logits_{i}"] for i in range(len(chunks))]
+
+
+def store_window_logits(path: Path | None, chunks: list[list[int]], logits: list[np.ndarray],
+                        shared: SharedReferences | None = None) -> None:
+    """Keep the quality reference at ``path`` (from ``cached_window_logits``), and in ``shared``."""
+    if path is None:
+        return
+    arrays = {}
+    for i, (chunk, rows) in enumerate(zip(chunks, logits)):
+        arrays[f"ids_{i}"], arrays[f"logits_{i}"] = np.array(chunk, np.int64), np.asarray(rows, np.float32)
+    data = write_npz(path, **arrays)
+    if shared is not None:
+        shared.publish(path.name, data)
+
+
+def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | None = None,
+                     redraft=None) -> ReferenceRun:
     """Greedy decode of ``steps`` tokens after ``prompt``; logits kept in fp32 for comparison.
 
-    With a ``draft`` (the export's own greedy tokens) the draft is checked in one forward pass over
-    prompt + draft, as speculative decoding verifies one: every step's logits from one pass instead
-    of one pass per step, each reading every weight again. The tokens are still the reference's own
+    Every forward pass runs over the whole sequence so far (prompt, the tokens chosen, and the
+    tokens still to check), without a KV cache: a pass reads every weight once, which for a
+    streamed reference (``streamed.StreamedReference``) is the cost of the pass, while the few
+    dozen positions cost next to nothing. A ``draft`` (the export's own greedy tokens) is checked
+    in one pass, as speculative decoding verifies one. The tokens are still the reference's own
     argmax: where it departs from the draft, the positions after that saw a history it did not
-    choose, so from there it decodes one token at a time through its own KV cache, as it does from
-    the start without a draft.
+    choose, so the next pass starts there, checking ``redraft(tokens)`` (the export's greedy
+    continuation of the reference's tokens so far) if given, else one token at a time. A redraft
+    whose first token already misses says the export does not follow the reference (a broken
+    export): from there it goes one token at a time, without asking for more drafts.
     """
-    import inspect
-
     import torch
 
-    # transformers renamed past_key_values to cache (5.2x); pass whichever this version takes.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens: list[int] = []
     step_logits: list[np.ndarray] = []
     prefill = None
+    check, drafted = list(draft or []), False
     with torch.no_grad():
-        if draft and steps:
-            checked = list(draft[: steps - 1])
-            out = model(input_ids=torch.tensor([list(prompt) + checked], dtype=torch.long), use_cache=False)
-            rows = out.logits[0, len(prompt) - 1:].float().numpy()
-            prefill = rows[0].copy()
-            for i in range(min(steps, len(rows))):
-                logits = rows[i].copy()
-                tokens.append(int(np.argmax(logits)))
-                step_logits.append(logits)
-                if i >= len(checked) or tokens[-1] != checked[i]:
-                    break  # the reference's own choice differs from the draft's (or the draft ends)
-        if len(tokens) < steps or prefill is None:
-            out = model(input_ids=torch.tensor([list(prompt) + tokens], dtype=torch.long), use_cache=True)
-            logits = out.logits[0, -1].float().numpy()
+        while len(tokens) < steps:
+            start = len(tokens)
+            ahead = check[: steps - start - 1]
+            out = model(input_ids=torch.tensor([list(prompt) + tokens + ahead], dtype=torch.long), use_cache=False)
+            rows = out.logits[0, len(prompt) - 1 + start:].float().cpu().numpy()
             if prefill is None:
-                prefill = logits.copy()
-            while len(tokens) < steps:
-                tokens.append(int(np.argmax(logits)))
-                step_logits.append(logits)
-                if len(tokens) == steps:
+                prefill = rows[0].copy()
+            agreed = False
+            for j, row in enumerate(rows):
+                tokens.append(int(np.argmax(row)))
+                step_logits.append(row.copy())
+                agreed = j < len(check) and tokens[-1] == check[j]
+                if len(tokens) == steps or not agreed:
                     break
-                past = getattr(out, cache_arg, None) or out.past_key_values
-                out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_arg: past})
-                logits = out.logits[0, -1].float().numpy()
+            if len(tokens) < steps and agreed:
+                check = check[j + 1:]
+            elif len(tokens) < steps:
+                if drafted and j == 0:
+                    redraft = None  # a fresh draft that misses at once: the export does not follow, stop asking
+                check, drafted = (list(redraft(list(tokens))), True) if redraft else ([], False)
     return ReferenceRun(list(prompt), prefill, tokens, step_logits, [top2_gap(g) for g in step_logits])

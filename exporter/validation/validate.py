@@ -264,8 +264,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     factory = lm_factory or (lambda d, e: validation_session(d, e, dtype))
     if dtype in QUANTIZED:
         probe()
-        return None, _quality(export_dir, ep, dtype, activations, ref_source.path, cfg, factory, gates, timings,
-                              quality_thresholds)
+        return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
+                              quality_thresholds, reference_cache, shared_references)
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
@@ -275,7 +275,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     timings["reference_cached"] = float(ref is not None)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
     try:
-        loading = pool.submit(_loaded, ref_source.path) if ref is None and reference_beside_session(ep) else None
+        loading = pool.submit(_loaded, ref_source.path, ep) if ref is None and reference_beside_session(ep) else None
         probe()
         return _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
                        shared_references, gates, timings), None
@@ -285,12 +285,12 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _loaded(checkpoint: Path) -> list:
-    """[(transformers' model, seconds)], a list its taker empties (``.pop()``), so the future that
-    carried it does not keep the model alive."""
+def _loaded(checkpoint: Path, ep: str) -> list:
+    """[(the streamed reference model, seconds)], a list its taker empties (``.pop()``), so the
+    future that carried it does not keep it alive."""
     from exporter.validation import reference
 
-    return [_timed(reference.load_reference, checkpoint)]
+    return [_timed(reference.open_reference, checkpoint, ep)]
 
 
 def validation_session(export_dir: Path, ep: str, dtype: str):
@@ -304,18 +304,19 @@ def validation_session(export_dir: Path, ep: str, dtype: str):
 
 
 def reference_beside_session(ep: str) -> bool:
-    """Whether transformers' model loads while the probe and the export's session run (on a
-    thread). An export that runs on a device leaves the host's cores and memory to it (and, in a
-    fresh process, the torch import); beside a CPU session it would share both, so there it loads
-    after that session is gone."""
+    """Whether transformers' model is set up while the probe and the export's session run (on a
+    thread: in a fresh process that is mostly importing torch and transformers). An export that
+    runs on a device leaves the host's cores to it; beside a CPU session the import would take
+    the cores the session is being made on, so there it comes after."""
     return ep != "cpu"
 
 
 def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
             shared_references, gates, timings) -> dict | None:
     """The export decodes teacher-forced on the reference's tokens and is judged; without a cached
-    reference it decodes freely first and transformers checks those tokens (the model loaded by
-    ``loading``, a future of ``_loaded``, or here)."""
+    reference it decodes freely first and transformers checks those tokens (the streamed model
+    set up by ``loading``, a future of ``_loaded``, or here), from a departure on checking the
+    export's continuation of the reference's own tokens."""
     from exporter.validation import reference
     from exporter.validation.parity import export_decode
 
@@ -335,14 +336,25 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cac
     free_run, parity_s = None, 0.0
     if ref is None:
         # The export decodes greedily on its own first; the reference then checks those tokens in
-        # one forward pass (reference_greedy) rather than one pass per step.
+        # one forward pass (reference_greedy) rather than one pass per step. The streamed
+        # reference holds about one layer, so the session stays: where the reference departs from
+        # the export's tokens, the export drafts again from the reference's tokens so far.
         free_run = export_decode(lm, prompt, steps)
-        if peer is None:
-            lm = None  # the reference model and this session need not share the host's memory
         parity_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model, timings["reference_load"] = (loading.result() if loading else _loaded(ref_source.path)).pop()
-        ref = reference.reference_greedy(model, prompt, steps, free_run.chosen)
+        model, timings["reference_load"] = (loading.result() if loading else _loaded(ref_source.path, ep)).pop()
+        drafts = [0]
+
+        def redraft(tokens: list[int]) -> list[int]:
+            drafts[0] += 1
+            return export_decode(lm, prompt + tokens, steps - len(tokens)).chosen
+
+        try:
+            ref = reference.reference_greedy(model, prompt, steps, free_run.chosen, redraft)
+            timings["reference_passes"] = float(getattr(model, "passes", 0))
+            timings["reference_redrafts"] = float(drafts[0])
+        finally:
+            getattr(model, "close", lambda: None)()
         del model
         reference.store_reference(cache_path, ref, shared_references)
         timings["reference"] += time.perf_counter() - t0
@@ -351,15 +363,12 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cac
     # exactly that run when it chose the reference's tokens at every step; otherwise it runs again.
     run = free_run if free_run is not None and free_run.follows(ref.tokens) else None
     if run is None:
-        lm = lm or session()
-        run = export_decode(lm, prompt, steps, ref.tokens) if lm is not None else None
-    parity = None
-    if run is not None:
-        parity_results, result = parity_gates(run, ref, dtype)
-        gates += parity_results
-        parity = result.to_dict()
-        if peer is not None:
-            gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
+        run = export_decode(lm, prompt, steps, ref.tokens)
+    parity_results, result = parity_gates(run, ref, dtype)
+    gates += parity_results
+    parity = result.to_dict()
+    if peer is not None:
+        gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
     timings["parity"] = parity_s + time.perf_counter() - t0
     return parity
 
@@ -377,18 +386,30 @@ def _session(factory, export_dir, ep, gate: str, gates: list):
         return None
 
 
-def _quality(export_dir, ep, dtype, activations, checkpoint, cfg, factory, gates, timings, thresholds) -> dict | None:
-    """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity."""
+def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings, thresholds,
+             reference_cache, shared_references) -> dict | None:
+    """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity. The
+    reference's logits over the quality text come from the streamed reference (one pass over the
+    weights for every window of one length) and are kept per checkpoint and text, like parity's."""
+    from exporter.validation import reference
     from exporter.validation.gates.quality import WINDOW, export_logits, quality_gates, reference_logits, score, \
         text_tokens, windows
-    from exporter.validation.reference import load_reference
 
     t0 = time.perf_counter()
-    tokens, tokenizer = text_tokens(Path(checkpoint), cfg["vocab_size"])
+    checkpoint = Path(ref_source.path)
+    tokens, tokenizer = text_tokens(checkpoint, cfg["vocab_size"])
     chunks = windows(tokens, min(WINDOW, cfg.get("max_seq_len") or WINDOW))
-    ref_model = load_reference(checkpoint)
-    ref = reference_logits(ref_model, chunks)
-    del ref_model
+    cache_path, ref = reference.cached_window_logits(reference_cache, ref_source.revision, chunks, shared_references)
+    timings["reference_cached"] = float(ref is not None)
+    if ref is None:
+        model, timings["reference_load"] = _loaded(checkpoint, ep).pop()
+        try:
+            ref = reference_logits(model, chunks)
+            timings["reference_passes"] = float(getattr(model, "passes", 0))
+        finally:
+            getattr(model, "close", lambda: None)()
+        del model
+        reference.store_window_logits(cache_path, chunks, ref, shared_references)
     timings["reference"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     lm = _session(factory, export_dir, ep, "quality", gates)

@@ -73,10 +73,21 @@ def windows(tokens: list[int], window: int) -> list[list[int]]:
 
 
 def reference_logits(model, chunks: list[list[int]]) -> list[np.ndarray]:
+    """The reference's logits over each window; windows of one length go through as one batch (a
+    streamed reference reads every weight once a pass)."""
     import torch
 
+    by_length: dict[int, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        by_length.setdefault(len(chunk), []).append(i)
+    out: list[np.ndarray] = [np.empty(0)] * len(chunks)
     with torch.no_grad():
-        return [model(input_ids=torch.tensor([c], dtype=torch.long)).logits[0].float().numpy() for c in chunks]
+        for indices in by_length.values():
+            ids = torch.tensor([chunks[i] for i in indices], dtype=torch.long)
+            logits = model(input_ids=ids, use_cache=False).logits.float().cpu().numpy()
+            for row, i in enumerate(indices):
+                out[i] = logits[row]
+    return out
 
 
 def export_logits(lm, chunks: list[list[int]]) -> list[np.ndarray]:

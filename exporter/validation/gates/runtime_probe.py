@@ -129,7 +129,10 @@ def probe(variant: Variant, ep: str, dtype: str, packed_qkv: bool = False) -> tu
     try:
         if ep == "cuda" and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=[provider])
+        from exporter.runtime.device import cuda_provider
+
+        chosen = cuda_provider() if ep == "cuda" else provider  # the device this worker is bound to
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=[chosen])
         out = np.empty((1, 1, SHAPE.num_heads * SHAPE.head_dim), DTYPES[dtype].numpy)
         got = run_bound(session, feeds, {"y": out})["y"].astype(np.float32)
     except Exception as err:  # any failure to build or run is a classification, not a crash

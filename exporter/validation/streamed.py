@@ -1,0 +1,268 @@
+"""transformers' own model of a checkpoint, run with one decoder layer's weights in memory at a time.
+
+The whole-model reference needs the model in fp32 (4 bytes a parameter: 32 GB for an 8B, 282 GB
+for a 70B), which no worker holds beside the export it checks. ``StreamedReference`` builds
+transformers' model class with its parameters on the meta device (its buffers, computed at
+construction, stay real: rotary frequencies, Gemma's embedding scale) and runs transformers' own
+``forward``: each decoder layer's weights are read from the memory-mapped safetensors, widened to
+fp32 on the reference's device just before the layer runs and dropped right after it; the embedding
+gathers only the rows of the tokens it is given; the LM head computes the logits a block of
+vocabulary rows at a time. Everything between the layers (masks, rotary, norms, soft-capping,
+scaling) is transformers' code as it is, so the numbers are the whole-model reference's
+(tests/test_streamed_reference.py holds every architecture to it).
+
+One forward pass reads every weight once, so callers give it the whole teacher-forced sequence at
+once (``reference.reference_greedy`` with a draft, the quality gate's windows in one batch) rather
+than one token per pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from exporter.errors import ExportError
+
+# The LM head's weight is read in blocks of vocabulary rows of about this many fp32 bytes.
+VOCAB_BLOCK_BYTES = 256 * 1024 * 1024
+
+
+def reference_device(ep: str, device_index: int | None = None) -> str:
+    """Where the reference computes: the worker's GPU when the export runs on CUDA and this torch
+    can reach one (``cuda:<device_index>``), else the host's CPU (the GPU worker image carries a CPU
+    build of torch: there the reference runs on the host's cores, streamed all the same)."""
+    if ep != "cuda":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = device_index or 0
+    if index >= torch.cuda.device_count():
+        raise ExportError(f"the worker is bound to GPU {index}, but torch sees {torch.cuda.device_count()} GPU(s): "
+                          "set GPU_DEVICE to an index below that")
+    return f"cuda:{index}"
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory), their buffers
+    where they are computed: transformers' rotary tables and scales are made at construction and
+    are not in the checkpoint. (accelerate's ``init_empty_weights(include_buffers=False)`` does the
+    same; accelerate is not a dependency of the exporter.)"""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=False)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+class StreamedReference:
+    """A callable like transformers' model (``model(input_ids=..., use_cache=..., cache=...)``) whose
+    weights stream from ``checkpoint``; logits come back on the CPU in fp32."""
+
+    def __init__(self, checkpoint: Path, device: str = "cpu", prefetch: bool | None = None,
+                 vocab_block_bytes: int = VOCAB_BLOCK_BYTES):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from exporter.packaging.checkpoint import Checkpoint
+
+        self.checkpoint = Path(checkpoint)
+        self.device = torch.device(device)
+        self.vocab_block_bytes = vocab_block_bytes
+        self.source = Checkpoint(self.checkpoint)
+        try:
+            config = AutoConfig.from_pretrained(str(self.checkpoint))
+            with _parameters_on_meta():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ExportError(
+                f"transformers cannot build the reference model of {self.checkpoint} "
+                f"({str(err).splitlines()[0][:200]}): pass --reference with a loadable checkpoint, or --no-validate"
+            ) from None
+        model.eval()
+        self.model, self.config = model, config
+        decoder = model.get_decoder()
+        self.layers = list(decoder.layers)
+        self.embedding = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self._names = self._checkpoint_names()
+        # Every parameter outside the layers, the embedding and the LM head (final norm, ...) is small
+        # and used by every pass: materialized once.
+        streamed = {id(p) for m in (*self.layers, self.embedding, self.lm_head) for p in m.parameters()}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and id(param) not in streamed:
+                    setattr(module, name, self._parameter(self._names[id(param)]))
+        for buffer_owner in model.modules():
+            for name, buffer in list(buffer_owner._buffers.items()):
+                if buffer is not None and buffer.device != self.device:
+                    buffer_owner._buffers[name] = buffer.to(self.device)
+        # On a GPU the next layer's weights are read and copied while this one computes; on the
+        # host's cores that would take the cores and the memory of a second layer for little gain.
+        self.prefetch = self.device.type != "cpu" if prefetch is None else prefetch
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-weights")
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._meta = {i: {n: p for n, p in layer.named_parameters()} for i, layer in enumerate(self.layers)}
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(lambda module, args, i=i: self._enter_layer(i))
+            layer.register_forward_hook(lambda module, args, out, i=i: self._leave_layer(i))
+        self.embedding.register_forward_pre_hook(self._embed_rows, with_kwargs=True)
+        self.embedding.register_forward_hook(self._embed_done)
+        self._embedding_meta = self.embedding.weight
+        self.lm_head.forward = self._lm_head_forward
+        self.passes = 0
+        self.layer_bytes = max(sum(p.numel() * 4 for p in self._meta[i].values()) for i in range(len(self.layers)))
+
+    def materialized_layers(self) -> list[int]:
+        """Indices of the decoder layers whose weights are in memory now (at most one, between passes none)."""
+        return [i for i, layer in enumerate(self.layers) if any(p.device.type != "meta" for p in layer.parameters())]
+
+    # --- what transformers' callers use ----------------------------------------------------------
+
+    @property
+    def forward(self):
+        return self.model.forward
+
+    def __call__(self, input_ids=None, **kwargs):
+        import torch
+
+        self.passes += 1
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids.to(self.device), **kwargs)
+        out.logits = out.logits.float().cpu()
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+    # --- names and tensors -----------------------------------------------------------------------
+
+    def _checkpoint_names(self) -> dict[int, str]:
+        """The checkpoint tensor of every parameter (by identity): the first of its names the
+        checkpoint has; an LM head tied to the embedding reads the embedding's tensor."""
+        candidates: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            candidates.setdefault(id(param), []).append(name)
+        embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source), None)
+        names, missing = {}, []
+        for key, options in candidates.items():
+            found = next((n for n in options if n in self.source), None)
+            if found is None and key == id(self.lm_head.weight) and getattr(self.config, "tie_word_embeddings", False):
+                found = embedding
+            if found is None:
+                missing.append(options[0])
+            else:
+                names[key] = found
+        if missing:
+            raise ExportError(f"{self.checkpoint} has no tensors for {', '.join(sorted(missing)[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}: the reference reads transformers' own names")
+        return names
+
+    def _tensor(self, name: str, rows=None):
+        """A checkpoint tensor (or rows of it) in fp32 on the reference's device."""
+        import torch
+
+        array = self.source.array(name)
+        if rows is not None:
+            array = array[rows]
+        stored = self.source.stored_dtype(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the memory map is read-only; nothing writes it
+            tensor = torch.from_numpy(np.ascontiguousarray(array) if rows is not None else array)
+        if stored is not None and stored.name == "BFLOAT16":
+            tensor = tensor.view(torch.bfloat16)
+        tensor = tensor.to(self.device)
+        return tensor.to(torch.float32) if tensor.is_floating_point() else tensor
+
+    def _parameter(self, name: str, rows=None):
+        import torch
+
+        return torch.nn.Parameter(self._tensor(name, rows), requires_grad=False)
+
+    # --- decoder layers --------------------------------------------------------------------------
+
+    def _load_layer(self, i: int) -> dict:
+        return {local: self._parameter(self._names[id(meta)]) for local, meta in self._meta[i].items()}
+
+    def _take_layer(self, i: int) -> dict:
+        with self._lock:
+            future = self._pending.pop(i, None)
+        return future.result() if future is not None else self._load_layer(i)
+
+    def _enter_layer(self, i: int) -> None:
+        weights = self._take_layer(i)
+        if self.prefetch and i + 1 < len(self.layers):
+            with self._lock:
+                self._pending[i + 1] = self._pool.submit(self._load_layer, i + 1)
+        _assign(self.layers[i], weights)
+
+    def _leave_layer(self, i: int) -> None:
+        _assign(self.layers[i], self._meta[i])
+
+    # --- embedding and LM head -------------------------------------------------------------------
+
+    def _embed_rows(self, module, args, kwargs):
+        """Only the rows of the tokens asked for, and the ids renumbered into them."""
+        import torch
+
+        ids = args[0] if args else kwargs["input"]
+        if self.prefetch and self.layers:
+            with self._lock:
+                if 0 not in self._pending:
+                    self._pending[0] = self._pool.submit(self._load_layer, 0)
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        module.weight = self._parameter(self._names[id(self._embedding_meta)], rows.cpu().numpy())
+        # padding_idx only keeps a row's gradient at zero; renumbered, it would name another row.
+        self._padding_idx, module.padding_idx = getattr(module, "padding_idx", None), None
+        inverse = inverse.reshape(ids.shape)
+        return ((inverse, *args[1:]), kwargs) if args else (args, {**kwargs, "input": inverse})
+
+    def _embed_done(self, module, args, out):
+        module.weight, module.padding_idx = self._embedding_meta, self._padding_idx
+
+    def _lm_head_forward(self, hidden):
+        import torch
+
+        head = self.lm_head
+        name = self._names[id(head.weight)]
+        vocab, width = head.weight.shape
+        step = max(1, self.vocab_block_bytes // (width * 4))
+        bias_name = self._names.get(id(head.bias)) if getattr(head, "bias", None) is not None else None
+        out = torch.empty((*hidden.shape[:-1], vocab), dtype=torch.float32, device=self.device)
+        blocks = [(a, min(vocab, a + step)) for a in range(0, vocab, step)]
+        ahead = self._pool.submit(self._tensor, name, slice(*blocks[0])) if self.prefetch else None
+        for n, (a, b) in enumerate(blocks):
+            weight = ahead.result() if ahead is not None else self._tensor(name, slice(a, b))
+            ahead = (self._pool.submit(self._tensor, name, slice(*blocks[n + 1]))
+                     if self.prefetch and n + 1 < len(blocks) else None)
+            bias = self._tensor(bias_name, slice(a, b)) if bias_name else None
+            out[..., a:b] = torch.nn.functional.linear(hidden, weight, bias)
+            del weight
+        return out
+
+
+def _assign(module, weights: dict) -> None:
+    """Set ``module``'s parameters by their dotted local names."""
+    for dotted, param in weights.items():
+        owner, _, leaf = dotted.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[leaf] = param
