@@ -50,21 +50,41 @@ def _cmd_worker(args) -> int:
 
     _die_with_parent()
     settings = get_settings()
+    if args.gpu is not None:
+        settings = settings.model_copy(update={"gpu_device": args.gpu})
     _ready_schema(settings)
-    if args.name:
-        os.environ["EXPORTFARM_WORKER_NAME"] = args.name
+    name = args.name
+    claim = None
+    if settings.gpu_device is not None:
+        # One worker per GPU: this process and its pool work on that device alone, and a second
+        # worker bound to it on this host is refused here rather than sharing it.
+        import socket
+
+        from exporter.runtime.device import bind_cuda_device, claim_device
+
+        bind_cuda_device(settings.gpu_device)
+        claim = claim_device(settings.gpu_device)
+        name = name or os.environ.get("EXPORTFARM_WORKER_NAME") or f"{socket.gethostname()}-gpu{settings.gpu_device}"
+    if name:
+        os.environ["EXPORTFARM_WORKER_NAME"] = name
     # Leases name the worker's main process; its pool process inherits this.
     os.environ["EXPORTFARM_WORKER_PID"] = str(os.getpid())
     try:
-        queues = worker_queues(args.queues or settings.worker_queues, ort_version())
+        from services.placement import queue_names
+
+        queues = worker_queues(args.queues or settings.worker_queues, ort_version(), queue_names(settings))
     except ValueError as err:
         raise ExportError(f"--queues: {err}") from None
     app = make_celery(settings)
     argv = ["worker", "-Q", ",".join(queues), "--concurrency", "1", "--loglevel", args.loglevel,
             "--without-gossip", "--without-mingle", "--without-heartbeat"]
-    if args.name:
-        argv += ["-n", f"{args.name}@%h"]
-    app.worker_main(argv)
+    if name:
+        argv += ["-n", f"{name}@%h"]
+    try:
+        app.worker_main(argv)
+    finally:
+        if claim is not None:
+            claim.release()
     return 0
 
 
@@ -158,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-worker", action="store_true", help="do not start a local worker in embedded mode")
     p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("worker", help="run a Celery export worker")
-    p.add_argument("--queues", default=None, help="comma-separated: cpu, gpu (default WORKER_QUEUES)")
-    p.add_argument("--name", default=None, help="worker name (default: the hostname)")
+    p.add_argument("--queues", default=None, help="comma-separated: cpu, gpu or QUEUE_CLASSES names (default WORKER_QUEUES)")
+    p.add_argument("--name", default=None, help="worker name (default: the hostname; with a GPU bound, hostname-gpuN)")
+    p.add_argument("--gpu", type=int, default=None, metavar="N",
+                   help="bind this worker to GPU N (default GPU_DEVICE): one worker per GPU")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=_cmd_worker)
     p = sub.add_parser("beat", help="run the sweeper and the scheduler (re-exports after an ONNX Runtime upgrade)")

@@ -21,7 +21,7 @@ from services.catalog import exports as catalog
 from services.catalog.exports import lease_expired, request_of
 from services.catalog.models import Export, ExportStatus
 from services.catalog.workers import live_workers
-from services.queue import QUEUE_FOR_EP
+from services import placement
 from services.settings import Settings
 from services.sources import ModelSource, directory_signature, locate_model, request_revision
 
@@ -42,18 +42,17 @@ _TARGETS: dict[tuple[str, str], tuple[float, str]] = {}
 TARGET_CACHE_S = 5.0  # a newly started worker's runtime is targeted within this long
 
 
-def target_ort_version(session: Session, settings: Settings, ep: str) -> str:
-    """The newest onnxruntime among live workers of the request's queue (else the API's own).
+def target_ort_version(session: Session, settings: Settings, queue: str) -> str:
+    """The newest onnxruntime among live workers of the job's queue (else the API's own).
 
-    Read at most every TARGET_CACHE_S per catalog and EP: every POST needs it, workers change rarely.
+    Read at most every TARGET_CACHE_S per catalog and queue: every POST needs it, workers change rarely.
     """
     from exporter.versions import ort_version
 
-    key, now = (settings.catalog_url, ep), time.monotonic()
+    key, now = (settings.catalog_url, queue), time.monotonic()
     hit = _TARGETS.get(key)
     if hit is not None and now - hit[0] < TARGET_CACHE_S:
         return hit[1]
-    queue = QUEUE_FOR_EP[ep]
     versions = [w.onnxruntime for w in live_workers(settings, session) if queue in w.queues.split(",")]
     target = max(versions, key=_version_tuple) if versions else ort_version()
     _TARGETS[key] = (now, target)
@@ -94,7 +93,11 @@ def submit_export(
     check_validatable(request.max_seq_len)  # the farm validates every export
     variant = request.resolved_variant()
     revision = request_revision(source)
-    ort = target_ort or target_ort_version(session, settings, request.ep.value)
+    # What the job needs, before anything runs: the smallest worker class that holds it, or a
+    # refusal with the figures when none can (a hub model's config is read by its worker).
+    estimate = placement.job_estimate(settings, request, source)
+    queue = placement.place(settings, request, estimate)
+    ort = target_ort or target_ort_version(session, settings, queue)
     key = cache_key(request, revision, __version__, ort)
     if not force:
         existing = catalog.find_live_duplicate(session, key)
@@ -104,7 +107,8 @@ def submit_export(
         cache_key=key, request_key=key, live_key=None if force else key, model=request.model, revision=revision,
         dtype=request.dtype.value, ep=request.ep.value, static_cache=request.static_cache,
         max_seq_len=request.max_seq_len, variant=variant.value, ort_version=ort, exporter_version=__version__,
-        quant=request.quant.to_dict() if request.quant else None,
+        quant=request.quant.to_dict() if request.quant else None, queue=queue,
+        estimate=estimate.to_dict() if estimate is not None else None,
         status=ExportStatus.QUEUED, stage=None, percent=0, reason=reason, predecessor_id=predecessor_id,
         target_ort=target_ort,
     )

@@ -90,6 +90,43 @@ def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: 
     return Claim(lease, export)
 
 
+def _queued(export_id: str, attempts: int) -> tuple:
+    return (Export.id == export_id, Export.status == ExportStatus.QUEUED, Export.attempts == attempts,
+            Export.cancel_requested.is_(False))
+
+
+def reroute(session: Session, export: Export, queue: str, worker: str, why: str, tried: list[str]) -> bool:
+    """Send a queued export to another worker class without starting an attempt: this worker cannot
+    hold it (``why`` has the figures); ``tried`` lists the classes it is not sent back to. The
+    sweeper sends the message (the row is unsent again)."""
+    estimate = {**(export.estimate or {}), "refused_on": tried}
+    result = session.execute(
+        update(Export).where(*_queued(export.id, export.attempts))
+        .values(queue=queue, dispatched_at=None, updated_at=utcnow(), estimate=estimate)
+        .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return False
+    session.add(ExportEvent(export_id=export.id, from_status=ExportStatus.QUEUED.value,
+                            to_status=ExportStatus.QUEUED.value, message=f"sent to worker class {queue}: {why}",
+                            worker=worker))
+    return True
+
+
+def refuse(session: Session, export_id: str, attempts: int, worker: str, why: str) -> bool:
+    """Fail a queued export no worker class can hold, once, with the figures, before any attempt."""
+    now = utcnow()
+    result = session.execute(
+        update(Export).where(*_queued(export_id, attempts))
+        .values(status=ExportStatus.FAILED, error=why, finished_at=now, updated_at=now,
+                **ended_fields(ExportStatus.FAILED))
+        .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return False
+    session.add(ExportEvent(export_id=export_id, from_status=ExportStatus.QUEUED.value,
+                            to_status=ExportStatus.FAILED.value, message=why, worker=worker))
+    return True
+
+
 def renew(session: Session, lease: Lease) -> bool:
     """Extend the lease; returns whether a cancel was requested. Raises Fenced if it is no longer ours."""
     row = session.execute(

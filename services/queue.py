@@ -30,18 +30,21 @@ def runtime_queue(queue: str, ort_version: str) -> str:
     return f"{queue}{RUNTIME_QUEUE_SEPARATOR}{ort_version}"
 
 
-def queue_for(ep: str, target_ort: str | None = None) -> str:
-    """Where an export's message goes: its EP's queue, or that queue's runtime queue for a re-export."""
-    queue = QUEUE_FOR_EP[ep]
+def queue_for(ep: str, target_ort: str | None = None, queue: str | None = None) -> str:
+    """Where an export's message goes: the worker class it was placed on (services.placement; an
+    older row: its EP's queue), or that queue's runtime queue for a re-export."""
+    queue = queue or QUEUE_FOR_EP[ep]
     return runtime_queue(queue, target_ort) if target_ort else queue
 
 
-def worker_queues(queues: str, ort_version: str) -> list[str]:
-    """What a worker serving ``queues`` (e.g. "cpu,gpu") consumes: each queue and its runtime queue."""
+def worker_queues(queues: str, ort_version: str, known: list[str] | None = None) -> list[str]:
+    """What a worker serving ``queues`` (e.g. "cpu,gpu") consumes: each queue and its runtime queue.
+    ``known``: the worker classes there are (services.placement.queue_names)."""
+    known = known or list(QUEUE_FOR_EP.values())
     names = [q.strip() for q in queues.split(",") if q.strip()]
-    unknown = sorted(set(names) - set(QUEUE_FOR_EP.values()))
+    unknown = sorted(set(names) - set(known))
     if unknown or not names:
-        raise ValueError(f"worker queues must be among {sorted(QUEUE_FOR_EP.values())}, got {queues!r}")
+        raise ValueError(f"worker queues must be among {sorted(known)} (QUEUE_CLASSES), got {queues!r}")
     return [*names, *(runtime_queue(q, ort_version) for q in names)]
 
 

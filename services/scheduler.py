@@ -115,7 +115,7 @@ def plan_and_queue_reexports(
         select(Export).where(Export.status == ExportStatus.READY).order_by(Export.finished_at.asc())
     ).all()
     for export in candidates:
-        target = plan.newest.get(QUEUE_FOR_EP[export.ep])
+        target = plan.newest.get(export.queue or QUEUE_FOR_EP[export.ep])
         entry = {"predecessor_id": export.id, "model": export.model, "variant": export.variant,
                  "dtype": export.dtype, "ep": export.ep, "from_ort": export.ort_version, "to_ort": target}
         if target is None or version_key(target) <= version_key(export.ort_version):

@@ -50,7 +50,21 @@ class Settings(BaseSettings):
 
     models_dir: Path | None = Field(None, description="local checkpoints the API may export, by directory name")
     work_dir: Path | None = Field(None, description="worker scratch; default data_dir/work")
-    worker_queues: str = Field("cpu", description="queues a worker serves: cpu, gpu or both (comma-separated)")
+    worker_queues: str = Field("cpu", description="queues a worker serves: cpu, gpu or both, or names from "
+                               "QUEUE_CLASSES (comma-separated)")
+    queue_classes: dict[str, dict[str, str | float]] = Field(
+        default_factory=dict, description='worker classes jobs are placed on by their resource estimate, e.g. '
+        '{"gpu": {"ep": "cuda", "memory_gb": 64, "gpu_memory_gb": 80, "disk_gb": 200}, "gpu-large": {...}}; '
+        'default: cpu and gpu, unsized (embedded: sized as this machine)')
+    worker_memory_gb: float | None = Field(
+        None, gt=0, description="host memory this worker may use; default its cgroup's limit, else the machine's")
+    worker_gpu_memory_gb: float | None = Field(
+        None, gt=0, description="GPU memory this worker may use; default the free memory of its GPU (NVML)")
+    worker_disk_gb: float | None = Field(
+        None, gt=0, description="disk this worker may use; default the free space of its work directory")
+    gpu_device: int | None = Field(
+        None, ge=0, description="the GPU (index among those the process sees) this worker is bound to: one "
+        "worker per GPU; default 0")
     task_soft_time_limit_s: int = Field(6 * 3600, description="a job still running after this fails, naming its stage")
     task_time_limit_s: int = Field(6 * 3600 + 600, description="hard limit: the worker's pool process is killed")
     visibility_timeout_s: int | None = Field(
@@ -87,6 +101,39 @@ class Settings(BaseSettings):
         if not value or any(v < 1 for v in value):
             raise ValueError(f"{info.field_name.upper()} must be a non-empty list of positive integers, e.g. [1, 8]; "
                              f"got {value}")
+        return value
+
+    @field_validator("queue_classes", mode="before")
+    @classmethod
+    def _classes_from_json(cls, value):
+        # The environment gives JSON (pydantic-settings decodes it); a settings file or a test may
+        # hand over the same text.
+        if isinstance(value, str):
+            import json
+
+            try:
+                return json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"QUEUE_CLASSES is not JSON ({err}): e.g. "
+                                 '{"gpu": {"ep": "cuda", "memory_gb": 64, "gpu_memory_gb": 80}}') from None
+        return value
+
+    @field_validator("queue_classes", mode="after")
+    @classmethod
+    def _sized_classes(cls, value: dict) -> dict:
+        sizes = ("memory_gb", "gpu_memory_gb", "disk_gb")
+        for name, spec in value.items():
+            if not name or not all(c.isalnum() or c in "-_" for c in name) or len(name) > 30:
+                raise ValueError(f"QUEUE_CLASSES name {name!r}: use letters, digits, '-' and '_' (at most 30)")
+            if spec.get("ep") not in ("cpu", "cuda"):
+                raise ValueError(f"QUEUE_CLASSES[{name!r}] needs \"ep\": \"cpu\" or \"cuda\", got {spec.get('ep')!r}")
+            unknown = sorted(set(spec) - {"ep", *sizes})
+            if unknown:
+                raise ValueError(f"QUEUE_CLASSES[{name!r}] has {', '.join(unknown)}: use ep, {', '.join(sizes)}")
+            for key in sizes:
+                if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
+                    raise ValueError(f"QUEUE_CLASSES[{name!r}][{key!r}] must be a positive number of GiB, "
+                                     f"got {spec[key]!r}")
         return value
 
     @field_validator("quality_thresholds", mode="after")
@@ -144,7 +191,7 @@ class Settings(BaseSettings):
 
     @field_validator("database_url", "redis_url", "s3_endpoint_url", "s3_public_endpoint_url", "s3_access_key",
                      "s3_secret_key", "admin_token", "models_dir", "work_dir", "validate_ep", "visibility_timeout_s",
-                     mode="before")
+                     "worker_memory_gb", "worker_gpu_memory_gb", "worker_disk_gb", "gpu_device", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         # `REDIS_URL=` in a .env file or a compose file means "not set", not "the empty URL".

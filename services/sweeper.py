@@ -290,7 +290,7 @@ class Sweeper:
         for export in pending:
             if export.target_ort and export.ep in waiting_user_eps:
                 continue  # a re-export waits while any user export of its EP does
-            if not self.ring(export.id, queue_for(export.ep, export.target_ort), first=True):
+            if not self.ring(export.id, queue_for(export.ep, export.target_ort, export.queue), first=True):
                 report.problems.append(f"{export.id}: the broker is unavailable; sending it next sweep")
                 return
             report.dispatched.append(export.id)
@@ -298,7 +298,7 @@ class Sweeper:
     def redispatch(self, report: SweepReport) -> None:
         horizon = utcnow() - datetime.timedelta(seconds=self.settings.redispatch_s)
         with session_scope(self._url) as session:
-            waiting = session.execute(select(Export.id, Export.ep, Export.target_ort).where(
+            waiting = session.execute(select(Export.id, Export.ep, Export.target_ort, Export.queue).where(
                 Export.status == ExportStatus.QUEUED, Export.dispatched_at < horizon,
                 Export.cancel_requested.is_(False))).all()
             if not waiting:
@@ -307,7 +307,7 @@ class Sweeper:
             idle_queues = {queue for queue, workers in consumers(self.settings, session).items()
                            if any(w.hostname not in busy for w in workers)}
         for row in waiting:
-            queue = queue_for(row.ep, row.target_ort)
+            queue = queue_for(row.ep, row.target_ort, row.queue)
             if queue in idle_queues:
                 if not self.ring(row.id, queue, first=False):
                     report.problems.append(f"{row.id}: the broker is unavailable; ringing again next sweep")

@@ -135,9 +135,15 @@ def test_gpu_workers_get_one_gpu_each_and_time_to_finish_a_job(values):
     assert gpu["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 3600
     assert gpu["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0  # an update never asks for an extra GPU
     assert any(t["key"] == "nvidia.com/gpu" for t in gpu["spec"]["template"]["spec"]["tolerations"])
+    # Every GPU worker class (gpu-large in the cluster values) has one GPU per pod; nothing else has any.
+    gpu_classes = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith(("gpu-worker", "gpu-large-worker"))]
+    assert len(gpu_classes) == {"default": 1, "gpu-cluster": 2}[values]
     for other in of_kind(docs, "Deployment"):
-        if other is not gpu:
-            assert all("nvidia.com/gpu" not in c["resources"].get("limits", {}) for c in containers(other))
+        limits = [c["resources"].get("limits", {}) for c in containers(other)]
+        if other in gpu_classes:
+            assert [limit["nvidia.com/gpu"] for limit in limits] == [1]
+        else:
+            assert all("nvidia.com/gpu" not in limit for limit in limits)
 
 
 def test_gpu_cluster_values_place_workers_on_gpu_nodes():
@@ -153,6 +159,35 @@ def test_values_cannot_give_a_worker_more_than_one_gpu():
     docs = render("--set", "gpuWorker.resources.limits.nvidia\\.com/gpu=4")
     (worker,) = containers(named(docs, "Deployment", "gpu-worker"))
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_every_worker_class_is_a_deployment_and_the_farm_places_jobs_by_their_sizes(tmp_path):
+    """QUEUE_CLASSES names every worker class with what one of its workers has: the memory limit
+    its pod gets, its GPU's memory, its scratch volume; the farm reads it as its own setting."""
+    import json
+
+    from services.settings import Settings
+
+    docs = render(*VALUES["gpu-cluster"])
+    large = named(docs, "Deployment", "gpu-large-worker")
+    (worker,) = containers(large)
+    assert worker["args"][:3] == ["worker", "--queues", "gpu-large"]
+    assert worker["resources"]["limits"] == {"memory": "240Gi", "nvidia.com/gpu": 1}
+    assert large["spec"]["replicas"] == 2
+    data = next(d["data"] for d in of_kind(docs, "ConfigMap") if "QUEUE_CLASSES" in d["data"])
+    classes = json.loads(data["QUEUE_CLASSES"])
+    assert classes == {"gpu": {"ep": "cuda", "memory_gb": 120, "gpu_memory_gb": 80, "disk_gb": 500},
+                       "cpu": {"ep": "cpu", "memory_gb": 16, "disk_gb": 100},
+                       "gpu-large": {"ep": "cuda", "memory_gb": 240, "gpu_memory_gb": 141, "disk_gb": 1000}}
+    assert Settings(_env_file=None, queue_classes=data["QUEUE_CLASSES"], data_dir=tmp_path).queue_classes == classes
+
+
+def test_a_worker_class_the_farm_cannot_size_is_refused_by_the_chart():
+    result = helm("template", RELEASE, str(CHART), "--set", "gpuWorker.resources.limits.memory=64G", check=False)
+    assert result.returncode != 0 and "limits.memory must be whole GiB like 64Gi" in result.stderr, result.stderr
+    result = helm("template", RELEASE, str(CHART), "--set-json",
+                  'extraWorkerClasses=[{"name": "gpu", "ep": "cuda"}]', check=False)
+    assert result.returncode != 0 and "schema" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("values", VALUES)

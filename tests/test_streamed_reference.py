@@ -176,3 +176,17 @@ def test_validation_of_a_quantized_export_computes_its_reference_once_for_every_
     assert [reports[d].timings_s["reference_cached"] for d in ("int8", "int4")] == [0.0, 1.0]
     assert reports["int8"].quality["ppl_reference"] == reports["int4"].quality["ppl_reference"]
     assert json.dumps(reports["int4"].to_json())  # figures stay plain JSON
+
+
+def test_a_longrope_run_across_the_switch_is_made_as_a_cached_runtime_makes_it(checkpoint):
+    """Tiny phi3 switches to its long factors past 64 positions: a 56-token prompt and 24 steps
+    cross it, so the run goes token by token through the KV cache, streamed layers and all."""
+    source = checkpoint("phi3")
+    prompt = _ids(56, 5)
+    whole = reference_greedy(load_reference(source), prompt, STEPS)
+    streamed = StreamedReference(source)
+    run = reference_greedy(streamed, prompt, STEPS, draft=whole.tokens)
+    assert run.tokens == whole.tokens and streamed.passes == STEPS  # the prompt, then one pass per token
+    span = float(whole.prefill_logits.max() - whole.prefill_logits.min())
+    for a, b in zip(run.step_logits, whole.step_logits):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * span)

@@ -41,7 +41,7 @@ from exporter.pipeline import Progress, build_export, validate_built
 from exporter.request import ExportRequest
 from exporter.packaging.resolve import ResolvedSource, resolve_hub_source, resolve_source
 from exporter.versions import ort_version
-from services import lifecycle
+from services import lifecycle, placement
 from services.catalog.database import session_scope
 from services.catalog.exports import outcome_fields, request_of
 from services.catalog.models import Export, ExportStatus
@@ -441,9 +441,57 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
     return status.value
 
 
+def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity) -> str | None:
+    """Before claiming: whether this worker holds the job's estimated needs. A job it cannot hold
+    goes to a worker class that can (``"rerouted"``), or fails once with the figures
+    (``"refused"``); None: claim it (or let the claim say why not)."""
+    export = session.get(Export, export_id)
+    if export is None or export.status is not ExportStatus.QUEUED or export.cancel_requested:
+        return None
+    request = request_of(export)
+    try:
+        estimate = placement.job_estimate(settings, request, locate_model(settings, request.model),
+                                          reference_on_gpu=_reference_on_gpu(settings, request))
+    except ExportError:
+        return None  # the resolve stage names what is wrong with the model
+    if estimate is None:
+        return None
+    why = placement.worker_refusal(estimate, placement.machine_capacity(settings, "this worker"), request)
+    if why is None:
+        return None
+    # Never back to a class the job already came from: each hand-over leaves one fewer to try.
+    tried = {q.strip() for q in settings.worker_queues.split(",")} | set((export.estimate or {}).get("refused_on", []))
+    tried |= {export.queue} if export.queue else set()
+    try:
+        queue = placement.place(settings, request, estimate, exclude=tuple(sorted(tried)))
+    except ExportError:
+        queue = None
+        why += ("; no other worker class can hold it: pick a smaller dtype (int4 / int8), or add a larger "
+                "worker class (QUEUE_CLASSES)")
+    if queue is not None and lifecycle.reroute(session, export, queue, identity.name, why, sorted(tried)):
+        log.warning("export %s: %s; sent to worker class %s", export_id, why, queue)
+        return "rerouted"
+    if queue is None and lifecycle.refuse(session, export_id, export.attempts, identity.name, why):
+        log.warning("export %s: refused: %s", export_id, why)
+        return "refused"
+    return None
+
+
+def _reference_on_gpu(settings: Settings, request) -> bool:
+    """Whether this worker's streamed reference runs on its GPU (a CUDA build of torch)."""
+    if (settings.validate_ep or request.ep.value) != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity | None = None) -> str:
     """Claim and run one export to its end on this worker; returns what happened, in a word."""
     identity = identity or worker_identity()
+    placed = _catalog_read(settings, _fits, settings, export_id, identity)
+    if placed is not None:
+        return placed
     claim, record = _catalog_read(settings, _claim, export_id, identity)
     if claim.lease is None:
         log.info("export %s: nothing to do (%s)", export_id, claim.why)

@@ -6,6 +6,7 @@ from exporter import __version__
 from services.catalog.database import session_scope
 from services.catalog.models import RuntimeReport, Worker, utcnow
 from services.settings import Settings
+from services.placement import machine_capacity
 from workers.runtime_info import RuntimeInfo, runtime_info
 
 
@@ -20,6 +21,8 @@ def report_worker(settings: Settings, hostname: str, queues: str, info: RuntimeI
             worker = Worker(hostname=hostname, started_at=utcnow())
             session.add(worker)
         worker.queues, worker.onnxruntime, worker.cuda, worker.gpu = queues, info.onnxruntime, info.cuda, info.gpu
+        worker.gpu_device = settings.gpu_device
+        worker.capacity = machine_capacity(settings, hostname).to_dict()
         worker.exporter_version, worker.last_seen = __version__, utcnow()
         if changed:
             session.add(RuntimeReport(hostname=hostname, queues=queues, onnxruntime=info.onnxruntime,

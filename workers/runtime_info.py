@@ -16,14 +16,24 @@ class RuntimeInfo:
 
 
 def _gpu_name() -> str | None:
+    """The GPU this worker is bound to (exporter.runtime.device), with the driver's version."""
     try:
         import pynvml  # nvidia-ml-py, present on GPU images only
     except ImportError:
         return None
+    from exporter.errors import ExportError
+    from exporter.runtime.device import cuda_device, device_memory
+
+    try:
+        memory = device_memory(cuda_device())
+    except ExportError:
+        return None
+    if memory is None:
+        return None
     try:
         pynvml.nvmlInit()
         try:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            name = memory.name
             driver = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()

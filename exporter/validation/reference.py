@@ -220,7 +220,16 @@ def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | No
     continuation of the reference's tokens so far) if given, else one token at a time. A redraft
     whose first token already misses says the export does not follow the reference (a broken
     export): from there it goes one token at a time, without asking for more drafts.
+
+    A model whose rotary frequencies depend on how many positions one call sees (longrope: short
+    factors up to ``original_max_position_embeddings``, long past it) computes a position
+    differently in one pass over the whole sequence than a runtime that prefilled the prompt and
+    then decoded token by token through its cache. Where the sequence crosses that switch, the
+    run is made as that runtime makes it: the prompt, then one token per pass through the cache.
     """
+    switch = _rope_switch(getattr(model, "config", None))
+    if switch is not None and len(prompt) <= switch < len(prompt) + steps:
+        return _cached_greedy(model, prompt, steps)
     import torch
 
     tokens: list[int] = []
@@ -248,4 +257,39 @@ def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | No
                 if drafted and j == 0:
                     redraft = None  # a fresh draft that misses at once: the export does not follow, stop asking
                 check, drafted = (list(redraft(list(tokens))), True) if redraft else ([], False)
+    return ReferenceRun(list(prompt), prefill, tokens, step_logits, [top2_gap(g) for g in step_logits])
+
+
+def _rope_switch(config) -> int | None:
+    """Where a longrope model switches from its short to its long factors (None: no such switch)."""
+    if config is None:
+        return None
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    return params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+
+
+def _cached_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:
+    """The prompt in one pass, then one token per pass through transformers' KV cache."""
+    import inspect
+
+    import torch
+
+    # transformers renamed past_key_values to cache (5.2x); pass whichever this version takes.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens: list[int] = []
+    step_logits: list[np.ndarray] = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([list(prompt)], dtype=torch.long), use_cache=True)
+        logits = out.logits[0, -1].float().cpu().numpy()
+        prefill = logits.copy()
+        while True:
+            tokens.append(int(np.argmax(logits)))
+            step_logits.append(logits)
+            if len(tokens) == steps:
+                break
+            past = getattr(out, cache_arg, None) or out.past_key_values
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_arg: past})
+            logits = out.logits[0, -1].float().cpu().numpy()
     return ReferenceRun(list(prompt), prefill, tokens, step_logits, [top2_gap(g) for g in step_logits])

@@ -85,6 +85,10 @@ class StreamedReference:
 
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # The reference is fp32: TF32 matmuls would round their inputs to 10 mantissa bits.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         self.vocab_block_bytes = vocab_block_bytes
         self.source = Checkpoint(self.checkpoint)
         try:

@@ -99,6 +99,8 @@ class ExportOut(BaseModel):
     variant: str
     dtype: str
     quant: dict | None = Field(None, description="int4 / int8: the quantization options")
+    queue: str | None = Field(None, description="the worker class it was placed on")
+    estimate: dict | None = Field(None, description="the resource estimate it was placed by (GiB)")
     ep: str
     static_cache: bool
     max_seq_len: int | None

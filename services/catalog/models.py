@@ -67,6 +67,10 @@ class Export(Base):
     max_seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     variant: Mapped[str] = mapped_column(String(20), index=True)
     quant: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # int4 / int8: QuantSpec options
+    # The worker class the job is sent to (services.placement; NULL on older rows: its EP's default)
+    # and the resource estimate that chose it.
+    queue: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    estimate: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     ort_version: Mapped[str] = mapped_column(String(40))
     exporter_version: Mapped[str] = mapped_column(String(40))
     status: Mapped[ExportStatus] = mapped_column(Enum(ExportStatus, native_enum=False, length=16), index=True)
@@ -124,6 +128,8 @@ class Worker(Base):
     cuda: Mapped[str | None] = mapped_column(String(40), nullable=True)
     gpu: Mapped[str | None] = mapped_column(String(200), nullable=True)
     exporter_version: Mapped[str] = mapped_column(String(40))
+    capacity: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # host / GPU memory, disk it reported
+    gpu_device: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the GPU it is bound to
     started_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
     last_seen: Mapped[datetime.datetime] = mapped_column(default=utcnow)
 

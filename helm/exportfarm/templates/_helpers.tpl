@@ -145,3 +145,57 @@ exec:
 exec:
   command: ["python", "-m", "services.health", "beat", "--timeout", "5"]
 {{- end }}
+
+{{/*
+The worker classes: gpuWorker (queue "gpu"), cpuWorker (queue "cpu") and each of extraWorkerClasses,
+the latter as its execution provider's base class with the entry's values over it. YAML list of
+{name, ep, w}; a worker class is one Deployment consuming the queue of its name.
+*/}}
+{{- define "exportfarm.workerClasses" -}}
+{{- $classes := list }}
+{{- if .Values.gpuWorker.enabled }}
+{{- $classes = append $classes (dict "name" "gpu" "ep" "cuda" "w" .Values.gpuWorker) }}
+{{- end }}
+{{- if .Values.cpuWorker.enabled }}
+{{- $classes = append $classes (dict "name" "cpu" "ep" "cpu" "w" .Values.cpuWorker) }}
+{{- end }}
+{{- range .Values.extraWorkerClasses }}
+{{- $base := ternary $.Values.gpuWorker $.Values.cpuWorker (eq .ep "cuda") }}
+{{- $w := mergeOverwrite (deepCopy $base) (omit . "name" "ep") }}
+{{- $_ := set $w "queues" .name }}
+{{- $_ := set $w "enabled" true }}
+{{- $auto := deepCopy $w.autoscaling | default dict }}
+{{- $_ := set $auto "enabled" false }}
+{{- $_ := set $w "autoscaling" $auto }}
+{{- $classes = append $classes (dict "name" .name "ep" .ep "w" $w) }}
+{{- end }}
+{{- toYaml $classes }}
+{{- end }}
+
+{{/* A worker class's memory limit in GiB (limits.memory must be whole Gi: the placement compares it). */}}
+{{- define "exportfarm.memoryGi" -}}
+{{- $limit := toString (.w.resources.limits.memory | default "") }}
+{{- if not (regexMatch "^[0-9]+Gi$" $limit) }}
+{{- fail (printf "worker class %s: resources.limits.memory must be whole GiB like 64Gi (got %q): the farm places jobs by it" .name $limit) }}
+{{- end }}
+{{- trimSuffix "Gi" $limit }}
+{{- end }}
+
+{{/* QUEUE_CLASSES: each worker class's execution provider and what one of its workers has (GiB). */}}
+{{- define "exportfarm.queueClasses" -}}
+{{- $out := dict }}
+{{- range (include "exportfarm.workerClasses" . | fromYamlArray) }}
+{{- $spec := dict "ep" .ep "memory_gb" (include "exportfarm.memoryGi" . | int) }}
+{{- if eq .ep "cuda" }}
+{{- $_ := set $spec "gpu_memory_gb" (required (printf "worker class %s: gpuMemoryGi (the GPU's memory) is needed" .name) .w.gpuMemoryGi) }}
+{{- end }}
+{{- $size := toString .w.workVolume.size }}
+{{- if regexMatch "^[0-9]+Gi$" $size }}
+{{- $_ := set $spec "disk_gb" (trimSuffix "Gi" $size | int) }}
+{{- else if regexMatch "^[0-9]+Ti$" $size }}
+{{- $_ := set $spec "disk_gb" (mul (trimSuffix "Ti" $size | int) 1024) }}
+{{- end }}
+{{- $_ := set $out .name $spec }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}

@@ -37,11 +37,16 @@ def catalog_regressions(session: SessionDep, _: ReaderDep) -> list:
 
 @router.get("/workers", operation_id="workers")
 def workers(session: SessionDep, context: ContextDep, _: ReaderDep) -> dict:
-    """Workers, the runtimes they report, and the newest runtime per queue among live ones."""
+    """Workers, the runtimes they report, what each has and which GPU it is bound to, the worker
+    classes jobs are placed on, and the newest runtime per queue among live ones."""
+    from services.placement import queue_classes
+
     return {
         "newest_live_runtime": newest_runtimes(session, context.settings),
+        "queue_classes": {c.name: {"ep": c.ep.value, **c.capacity.to_dict()} for c in queue_classes(context.settings)},
         "workers": [{"hostname": w.hostname, "queues": w.queues, "onnxruntime": w.onnxruntime, "cuda": w.cuda,
-                     "gpu": w.gpu, "last_seen": w.last_seen} for w in session.scalars(select(Worker))],
+                     "gpu": w.gpu, "gpu_device": w.gpu_device, "capacity": w.capacity, "last_seen": w.last_seen}
+                    for w in session.scalars(select(Worker))],
         "history": [{"hostname": r.hostname, "onnxruntime": r.onnxruntime, "cuda": r.cuda, "gpu": r.gpu,
                      "queues": r.queues, "reported_at": r.reported_at}
                     for r in session.scalars(select(RuntimeReport).order_by(RuntimeReport.id.desc()).limit(200))],

@@ -1,0 +1,57 @@
+"""config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
+
+The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
+random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
+1, 2 or 4 decoder layers, so each stage's per-layer growth can be measured and extrapolated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+GEOMETRIES: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-32b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120,
+        "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "use_sliding_window": False, "max_window_layers": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+    },
+    "llama-3.3-70b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    },
+}
+
+
+def geometry_config(name: str, layers: int | None = None) -> dict:
+    """``name``'s config.json as a dict, with ``layers`` decoder layers if given."""
+    if name not in GEOMETRIES:
+        raise KeyError(f"unknown geometry {name!r}: known are {', '.join(GEOMETRIES)}")
+    config = dict(GEOMETRIES[name])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        if "max_window_layers" in config:
+            config["max_window_layers"] = layers
+    return config
+
+
+def write_geometry_config(name: str, out_dir: Path, layers: int | None = None) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(geometry_config(name, layers), indent=2) + "\n")
+    return out_dir

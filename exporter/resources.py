@@ -1,0 +1,236 @@
+"""What an export job needs before it starts: host memory, GPU memory and disk, from config.json.
+
+A job that needs more than its worker has must be refused before it is claimed (a worker killed
+for memory would be retried MAX_ATTEMPTS times for nothing), and a job no worker class can ever
+run must be refused by the API. ``estimate_resources`` predicts each stage's peak from the
+model's geometry and the request, term by term, each term named so a refusal can say what it is:
+
+- host memory (resident, anonymous: what the kernel cannot drop under pressure) is the worker's
+  own process (Python, torch, transformers, onnxruntime, CUDA), plus the largest of
+  - the export: a few bounded blocks, whatever the model's size;
+  - validation: the export's own session where it holds weights on the host (the CPU EP makes
+    fp32 copies of fp16 / bf16 weights, 4 bytes a parameter, and repacks quantized ones), the
+    streamed reference (one decoder layer in fp32, two while the next is read ahead on a GPU, a
+    block of LM-head rows, the logits it returns), the weight check's blocks, the quality
+    gate's logits;
+  - the benchmark (CPU EP: a serving session, weights repacked);
+- GPU memory (CUDA EP): the export's weights with onnxruntime's allocator overhead, the CUDA
+  context, the caches the benchmark fills, and the streamed reference where torch runs on that GPU;
+- disk: the checkpoint when it is downloaded, the export (its size follows from the shapes the
+  exporter writes, tested against real exports), a local store's copy, the reference caches.
+
+``benchmarks/scale.py`` measures the same stages on depth-truncated checkpoints of real
+geometries (8B, 32B, 70B) and prints these predictions beside the measured peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from exporter.graph.config import ModelConfig
+from exporter.request import DType, EP, ExportRequest, QuantSpec, activation_dtype
+
+GiB = 1024 ** 3
+_BYTES = {DType.FP32: 4, DType.FP16: 2, DType.BF16: 2}
+
+# The worker process before any job (Python, torch, transformers, onnxruntime, the farm), and on a
+# GPU the CUDA context, cuDNN and cuBLAS handles on the host. Measured 0.22 GiB here (CPU) and about
+# 1 GiB on the H200 host; rounded up.
+PROCESS_HOST = {EP.CPU: 0.5 * GiB, EP.CUDA: 1.5 * GiB}
+# What the export stage holds beyond that: its writer's queue of bounded blocks (0.49 GB RssAnon for
+# an 8B fp16 export on the H200, all of it included).
+EXPORT_HOST = 0.75 * GiB
+# The weight check: a few blocks per thread and float64 statistics on slices that are not bit-exact.
+WEIGHT_CHECK_HOST = 0.5 * GiB
+# onnxruntime's CUDA allocator rounds every allocation up, and the CUDA context and cuBLAS
+# workspaces come on top: 16.8 GB of GPU memory held for the 16 GB of an 8B fp16 export.
+CUDA_WEIGHT_OVERHEAD, CUDA_CONTEXT = 1.06, 1.5 * GiB
+# The streamed reference's LM head block (exporter.validation.streamed.VOCAB_BLOCK_BYTES), two at once.
+VOCAB_BLOCK = 256 * 1024 * 1024
+# Validation's sequences: parity's prompt and steps; the quality gate's windows of text.
+PARITY_TOKENS, QUALITY_TOKENS, QUALITY_WINDOW = 40, 512, 128
+# Decode steps and warm-up the benchmark adds to each context's buffer.
+BENCH_EXTRA_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Parameter counts of a decoder-only model, from its config."""
+
+    embedding: int  # vocab x hidden
+    lm_head: int  # vocab x hidden; 0 where the checkpoint ties it to the embedding (one table serves both)
+    layer: int  # the projections of one decoder layer (norms and biases are a rounding error)
+    layers: int
+    kv_per_token: int  # key + value elements one token adds to the cache, over every layer
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Geometry:
+        h, q, kv = config.hidden_size, config.q_size, config.kv_size
+        layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+        head = 0 if config.tie_word_embeddings else config.vocab_size * h
+        return cls(config.vocab_size * h, head, layer, config.num_layers, 2 * config.num_layers * kv)
+
+    @property
+    def parameters(self) -> int:
+        return self.embedding + self.lm_head + self.layer * self.layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceEstimate:
+    """Peak needs of one job, in bytes, with the terms they are made of."""
+
+    host_bytes: int
+    gpu_bytes: int
+    disk_bytes: int
+    export_bytes: int  # model.onnx.data
+    terms: dict[str, dict[str, int]]  # {"host": {term: bytes}, "gpu": {...}, "disk": {...}}
+
+    def to_dict(self) -> dict:
+        return {"host_gib": _gib(self.host_bytes), "gpu_gib": _gib(self.gpu_bytes), "disk_gib": _gib(self.disk_bytes),
+                "export_gib": _gib(self.export_bytes),
+                "terms_gib": {k: {t: _gib(v) for t, v in terms.items()} for k, terms in self.terms.items()}}
+
+    def shortfalls(self, capacity: Capacity) -> list[str]:
+        """What ``capacity`` lacks for this job, one phrase each (empty: it fits)."""
+        found = []
+        for what, need, have in (("host memory", self.host_bytes, capacity.host_bytes),
+                                 ("GPU memory", self.gpu_bytes, capacity.gpu_bytes),
+                                 ("disk", self.disk_bytes, capacity.disk_bytes)):
+            if need and have is not None and need > have:
+                found.append(f"{_gib(need)} GiB {what} ({self.largest(what)}), {capacity.holder} has {_gib(have)}")
+        return found
+
+    def largest(self, what: str) -> str:
+        """The two biggest terms of one resource, as words."""
+        key = {"host memory": "host", "GPU memory": "gpu", "disk": "disk"}[what]
+        top = sorted(self.terms.get(key, {}).items(), key=lambda kv: -kv[1])[:2]
+        return ", ".join(f"{name} {_gib(value)}" for name, value in top)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What a worker (or a worker class) has; None: not known, not limiting."""
+
+    holder: str  # "this worker", "worker class gpu", ...
+    host_bytes: int | None = None
+    gpu_bytes: int | None = None
+    disk_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"holder": self.holder, "host_gib": _gib(self.host_bytes), "gpu_gib": _gib(self.gpu_bytes),
+                "disk_gib": _gib(self.disk_bytes)}
+
+
+def _gib(value: int | None) -> float | None:
+    return None if value is None else round(value / GiB, 1)
+
+
+def export_bytes(config: ModelConfig, request: ExportRequest) -> int:
+    """The size of model.onnx.data the exporter writes for ``request`` (within a fraction of a
+    percent: norms, biases and small constants are left out)."""
+    geometry = Geometry.of(config)
+    dtype, ep = request.dtype, request.ep
+    act = _BYTES[activation_dtype(dtype, ep)]
+    rope = _rope_bytes(config, request, act)
+    if not dtype.quantized:
+        return geometry.parameters * _BYTES[dtype] + rope
+    spec = request.quant or QuantSpec()
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    # Each MatMul's [K, N]: packed Q/K/V, O, packed gate/up, down.
+    shapes = ((h, q + 2 * kv), (q, h), (h, 2 * config.intermediate_size), (config.intermediate_size, h))
+    kept = sum(1 for role in ("first_layer", "last_layer") if role in spec.keep)
+    layer = sum(_quantized_bytes(k, n, dtype.bits, spec, act) for k, n in shapes)
+    float_layer = geometry.layer * act
+    total = layer * (geometry.layers - kept) + float_layer * kept + geometry.embedding * act + rope
+    # A quantized export has its own LM head even where the checkpoint ties it to the embedding
+    # (the embedding's gather needs the float table).
+    if "lm_head" in spec.keep:
+        total += geometry.embedding * act if not geometry.lm_head else geometry.lm_head * act
+    else:
+        total += _quantized_bytes(h, config.vocab_size, spec.lm_head_bits or dtype.bits, spec, act)
+    return total
+
+
+def _quantized_bytes(k: int, n: int, bits: int, spec: QuantSpec, scale_bytes: int) -> int:
+    """MatMulNBits' packed weight, scales and zero points of one [K, N] weight."""
+    blocks = math.ceil(k / spec.block_size)
+    packed = n * blocks * spec.block_size * bits // 8
+    zero_points = 0 if spec.symmetric else n * math.ceil(blocks * bits / 8)
+    return packed + n * blocks * scale_bytes + zero_points
+
+
+def _rope_bytes(config: ModelConfig, request: ExportRequest, elem: int) -> int:
+    positions = request.max_seq_len or config.max_position_embeddings
+    # One cos / sin pair per rope (gemma3: local and global), two for longrope (short and long factors).
+    tables = max(1, len(config.rope_by_layer_type)) * (2 if config.rope.rope_type == "longrope" else 1)
+    return tables * 2 * positions * (config.rope.rotary_dim // 2) * elem
+
+
+def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_ep: EP | str | None = None,
+                       checkpoint_bytes: int | None = None, download: bool = False, local_store: bool = False,
+                       bench_contexts=(128, 512), bench_batches=(1,), reference_on_gpu: bool = False,
+                       reference_prefetch: bool | None = None) -> ResourceEstimate:
+    """The job's peak host memory, GPU memory and disk, each term named.
+
+    ``validate_ep``: where validation and the benchmark run (the farm's VALIDATE_EP), by default the
+    request's EP. ``checkpoint_bytes``: the checkpoint's safetensors, counted on disk when it is
+    downloaded (``download``); ``local_store``: the artifact store is a directory on the same disk.
+    ``reference_on_gpu``: the streamed reference runs on the GPU (a CUDA build of torch), which then
+    reads the next layer ahead (``reference_prefetch``)."""
+    geometry = Geometry.of(config)
+    ep = EP(validate_ep) if validate_ep else request.ep
+    dtype = request.dtype
+    data = export_bytes(config, request)
+    act = _BYTES[activation_dtype(dtype, request.ep)]
+    prefetch = reference_on_gpu if reference_prefetch is None else reference_prefetch
+    positions = QUALITY_TOKENS if dtype.quantized else PARITY_TOKENS
+    # The reference's fp32 layer (two with read-ahead) and LM-head blocks, its activations, the
+    # logits it hands back (on the device, the host copy, numpy's) and what the gate computes from them.
+    layer = geometry.layer * 4 * (2 if prefetch else 1)
+    head = min(2 * VOCAB_BLOCK, 2 * geometry.lm_head * 4)
+    activations = positions * 4 * (3 * config.intermediate_size + 4 * config.hidden_size) * 2
+    logits = positions * config.vocab_size * 4
+    scoring = (2 * logits + 4 * QUALITY_WINDOW * config.vocab_size * 8) if dtype.quantized else 2 * logits
+    reference = {"reference layer (fp32)": layer, "reference LM head blocks": head,
+                 "reference activations": activations, "reference logits": 3 * logits}
+    if ep is EP.CPU:
+        # The CPU EP makes fp32 copies of fp16 / bf16 weights (4 bytes a parameter) and repacks
+        # quantized ones; a validation session of fp32 weights maps the file instead (no repacking).
+        if dtype.quantized:
+            validation_session = serving_session = data - geometry.embedding * act
+        else:
+            validation_session = 0 if dtype is DType.FP32 else geometry.parameters * 4
+            serving_session = geometry.parameters * 4
+    else:
+        validation_session = serving_session = int(0.02 * data)  # onnxruntime's host side of a CUDA session
+    stages = {
+        "export": {"export blocks": int(EXPORT_HOST)},
+        "validate": {"export's session": validation_session, **({} if reference_on_gpu else reference),
+                     "weight check": int(WEIGHT_CHECK_HOST), "gate's logits": scoring},
+        "bench": {"benchmark session": serving_session},
+    }
+    peak = max(stages, key=lambda stage: sum(stages[stage].values()))
+    host_terms = {"worker process": int(PROCESS_HOST[ep]), **stages[peak]}
+    host = sum(host_terms.values())
+
+    gpu_terms: dict[str, int] = {}
+    if ep is EP.CUDA:
+        buffer = max(bench_contexts or (PARITY_TOKENS,)) + BENCH_EXTRA_TOKENS
+        if request.static_cache and request.max_seq_len:
+            buffer = max(buffer, request.max_seq_len)
+        gpu_terms = {"export weights": int(data * CUDA_WEIGHT_OVERHEAD), "CUDA context": int(CUDA_CONTEXT),
+                     "KV caches (bench)": geometry.kv_per_token * act * buffer * max(bench_batches or (1,)),
+                     "logits": 3 * logits}
+        if reference_on_gpu:
+            gpu_terms.update(reference)
+    gpu = sum(gpu_terms.values())
+
+    disk_terms = {"export": data, "reference caches": QUALITY_TOKENS * config.vocab_size * 4 + 64 * 1024 * 1024}
+    if download and checkpoint_bytes:
+        disk_terms["checkpoint download"] = checkpoint_bytes
+    if local_store:
+        disk_terms["local artifact store copy"] = data
+    disk = sum(disk_terms.values())
+    return ResourceEstimate(host, gpu, disk, data,
+                            {"host": host_terms, "gpu": gpu_terms, "disk": disk_terms})
