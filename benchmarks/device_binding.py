@@ -86,7 +86,7 @@ def main() -> None:
                          "error": None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1][:400]})
     # One worker per GPU: a second holder of device 0 on this host is refused.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.');"
-                               "from exporter.runtime.device import claim_device; claim_device(0); print('held', flush=True);"
+                               "from exporter.runtime.device import claim_device; held = claim_device(0); print('held', flush=True);"
                                "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "EXPORTFARM_LOCK_DIR": str(args.work)})
     holder.stdout.readline()

@@ -1,5 +1,7 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
+Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B and Llama-3.3-70B, as their published config.json give them.
+
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
 1, 2 or 4 decoder layers, so each stage's per-layer growth can be measured and extrapolated.
@@ -20,6 +22,13 @@ GEOMETRIES: dict[str, dict] = {
         "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-14b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120,
+        "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "use_sliding_window": False, "max_window_layers": 48, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
     },
     "qwen2.5-32b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120,
