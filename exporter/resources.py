@@ -12,7 +12,8 @@ model's geometry and the request, term by term, each term named so a refusal can
     fp32 copies of fp16 / bf16 weights, 4 bytes a parameter, and repacks quantized ones), the
     streamed reference (one decoder layer in fp32, two while the next is read ahead on a GPU, a
     block of LM-head rows, the logits it returns), the weight check's blocks, the quality
-    gate's logits;
+    gate's logits; parity holds the session and the reference at once, the quality gate one
+    after the other;
   - the benchmark (CPU EP: a serving session, weights repacked);
 - GPU memory (CUDA EP): the export's weights with onnxruntime's allocator overhead, the CUDA
   context, the caches the benchmark fills, and the streamed reference where torch runs on that GPU;
@@ -204,15 +205,24 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
             validation_session = 0 if dtype is DType.FP32 else geometry.parameters * 4
             serving_session = geometry.parameters * 4
     else:
-        # onnxruntime's host side of a CUDA session: 30 MB a layer of a 70B int4 export measured
-        # (benchmarks/results/h200/scale_70b_int4.json), about 7% of the layer's bytes.
-        validation_session = serving_session = int(0.1 * data)
-    stages = {
-        "export": {"export blocks": int(EXPORT_HOST)},
-        "validate": {"export's session": validation_session, **({} if reference_on_gpu else reference),
-                     "weight check": int(WEIGHT_CHECK_HOST), "gate's logits": scoring},
-        "bench": {"benchmark session": serving_session},
-    }
+        # onnxruntime's host side of a CUDA session: 30 MB a layer of a 70B int4 export (7% of the
+        # layer's bytes), about 0.1 GiB for the 15 GiB of an 8B fp16 one (benchmarks/results/h200/scale_*).
+        validation_session = serving_session = int((0.1 if dtype.quantized else 0.02) * data)
+    host_reference = {} if reference_on_gpu else reference
+    weight_check = {"weight check": int(WEIGHT_CHECK_HOST)}
+    if dtype.quantized:
+        # The quality gate computes the reference's logits first and makes the export's session
+        # after: the two never hold the host's memory at once.
+        validate = {"reference": {**host_reference, **weight_check, "gate's logits": logits},
+                    "session": {"export's session": validation_session, **weight_check, "gate's logits": scoring}}
+    else:
+        # Parity keeps the export's session beside the reference (it drafts again where the
+        # reference departs from the export's tokens).
+        validate = {"parity": {"export's session": validation_session, **host_reference, **weight_check,
+                               "gate's logits": scoring}}
+    stages = {"export": {"export blocks": int(EXPORT_HOST)},
+              **{f"validate ({phase})": terms for phase, terms in validate.items()},
+              "bench": {"benchmark session": serving_session}}
     peak = max(stages, key=lambda stage: sum(stages[stage].values()))
     host_terms = {"worker process": int(PROCESS_HOST[ep]), **stages[peak]}
     host = sum(host_terms.values())

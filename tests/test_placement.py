@@ -70,12 +70,13 @@ def test_an_8b_fp16_cpu_job_needs_more_than_a_24_gib_worker_and_names_why(tmp_pa
 
 
 def test_the_streamed_reference_keeps_validation_memory_flat_in_depth(tmp_path):
-    """What validation holds on the host beyond the export's own session does not grow with the
-    layers: the reference holds one layer at a time."""
+    """What validation holds on the host grows with the layers by the host side of the export's
+    CUDA session only: the reference holds one layer at a time."""
     request = ExportRequest(model="m", dtype="int4", ep="cuda")
     estimates = [estimate_resources(_geometry(tmp_path / str(n), "llama-3.3-70b", n), request) for n in (1, 4, 80)]
-    beyond = [e.host_bytes - e.terms["host"]["export's session"] for e in estimates]
-    assert beyond[0] == beyond[1] == beyond[2] and estimates[2].host_bytes < 32 * GiB
+    growth = estimates[2].host_bytes - estimates[0].host_bytes
+    assert 0 <= growth <= 0.1 * (estimates[2].export_bytes - estimates[0].export_bytes)
+    assert estimates[2].host_bytes < 32 * GiB
     fp16 = estimate_resources(_geometry(tmp_path, "llama-3.3-70b"), ExportRequest(model="m", dtype="fp16", ep="cuda"))
     assert fp16.shortfalls(Capacity("an H200", 126 * GiB, 139 * GiB, 1000 * GiB))[0].startswith("141")
 
@@ -110,7 +111,7 @@ def sized_api(tmp_path, checkpoint):
     big = write_geometry_config("llama-3.1-8b", models / "big-8b")
     (big / "model.safetensors").symlink_to(checkpoint("llama") / "model.safetensors")
     settings = Settings(data_dir=tmp_path / "data", models_dir=models, admin_token=ADMIN,
-                        queue_classes={"cpu": {"ep": "cpu", "memory_gb": 12, "disk_gb": 100},
+                        queue_classes={"cpu": {"ep": "cpu", "memory_gb": 10, "disk_gb": 100},
                                        "cpu-large": {"ep": "cpu", "memory_gb": 24, "disk_gb": 100}})
     upgrade_schema(settings.catalog_url)
     client = TestClient(create_app(settings))
@@ -127,7 +128,7 @@ def test_the_api_refuses_what_no_worker_class_can_run_with_the_figures(sized_api
     assert "worker class cpu-large has 24.0" in detail and "pick a smaller dtype" in detail
     placed = sized_api.post("/exports", json={"model": "big-8b", "dtype": "int8", "ep": "cpu"})
     assert placed.status_code == 202, placed.text
-    assert placed.json()["queue"] == "cpu-large" and 12 < placed.json()["estimate"]["host_gib"] < 24
+    assert placed.json()["queue"] == "cpu-large" and 10 < placed.json()["estimate"]["host_gib"] < 24
     assert sized_api.post("/exports", json={"model": "big-8b", "dtype": "int4", "ep": "cpu"}).json()["queue"] == "cpu"
     tiny = sized_api.post("/exports", json={"model": "tiny", "dtype": "fp32", "ep": "cpu"}).json()
     assert tiny["queue"] == "cpu" and tiny["estimate"]["host_gib"] < 4
