@@ -246,3 +246,25 @@ def test_builds_with_different_quant_options_are_separate_in_the_catalog_and_for
         slots = latest_ready(session)["tiny-llama"]
         assert sorted(slots) == ["attn_dynamic-int4-b64s-lm8-cpu", "attn_dynamic-int4-cpu"]
         assert all(_is_latest_of_its_slot(session, row) for row in rows)  # each is the newest of its own build
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True), (8, False)])
+def test_the_weight_gate_quantizes_independently_as_onnxruntime_does_bit_for_bit(dtype, bits, symmetric):
+    """The gate's own numpy quantizer (its exact test of a MatMulNBits weight) against onnxruntime's
+    quantizer on rows with ties, zero blocks, a K that is not a multiple of the block, and outliers."""
+    from exporter.graph.passes.quantize import QuantScheme, quantize_block
+    from exporter.validation.gates.weights import quantize_rows
+
+    rng = np.random.default_rng(bits + symmetric)
+    rows = (rng.standard_normal((512, 1000)) * 0.02).astype(dtype)
+    rows[0, :32] = 0  # a block of zeros: scale 0
+    rows[1, :32] = np.linspace(-1, 1, 32)  # values landing on half steps
+    rows[2, 5] = 3.0  # an outlier sets its block's scale
+    scheme = QuantScheme(bits, 32, symmetric)
+    want = quantize_block(np.ascontiguousarray(rows.T), scheme)
+    got = quantize_rows(rows, bits, 32, symmetric)
+    assert np.array_equal(got[0], want[0])
+    assert np.array_equal(got[1].view(np.uint8), want[1].reshape(got[1].shape).view(np.uint8))
+    if not symmetric:
+        assert np.array_equal(got[2], want[2].reshape(got[2].shape))
