@@ -144,8 +144,8 @@ def render_markdown(data: dict) -> str:
     details = next((g["details"] for g in data["gates"] if g["gate"] == "weights" and g.get("details")), {})
     worst = details.get("worst", [])
     if "bit_exact" in details:
-        lines += ["", f"Weight slices: {details['bit_exact']} bit-exact (the stored bytes are their source converted "
-                  f"independently of the exporter), {details['compared_by_statistics']} compared by statistics."]
+        lines += ["", f"Weight slices: {details['bit_exact']} bit-exact (the stored bytes are their source converted, "
+                  f"or quantized, independently of the exporter), {details['compared_by_statistics']} compared by statistics."]
     if worst:
         lines += ["", "Worst weight slices:", "", "| initializer | slice | source | correlation | rel L2 | max abs |",
                   "| --- | --- | --- | --- | --- | --- |"]
