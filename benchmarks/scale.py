@@ -39,7 +39,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 

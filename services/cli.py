@@ -52,6 +52,8 @@ def _cmd_worker(args) -> int:
     settings = get_settings()
     if args.gpu is not None:
         settings = settings.model_copy(update={"gpu_device": args.gpu})
+    if args.queues:  # the worker's own classes, for its placement checks as for Celery
+        settings = settings.model_copy(update={"worker_queues": args.queues})
     _ready_schema(settings)
     name = args.name
     claim = None
@@ -72,7 +74,7 @@ def _cmd_worker(args) -> int:
     try:
         from services.placement import queue_names
 
-        queues = worker_queues(args.queues or settings.worker_queues, ort_version(), queue_names(settings))
+        queues = worker_queues(settings.worker_queues, ort_version(), queue_names(settings))
     except ValueError as err:
         raise ExportError(f"--queues: {err}") from None
     app = make_celery(settings)

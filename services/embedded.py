@@ -10,7 +10,6 @@ SHUTDOWN_GRACE_S when serve stops, its job handed back to the queue to resume on
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import threading
 import time
 
 from exporter.errors import ExportError
+from exporter.locks import Held, hold
 from services.beat import Beat
 from services.queue import CeleryQueue
 from services.settings import Settings
@@ -52,22 +52,12 @@ class EmbeddedFarm:
 
     def _lock_data_dir(self) -> None:
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        path = self.settings.data_dir / "serve.lock"
-        handle = path.open("a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
+            self._lock_file = hold(self.settings.data_dir / "serve.lock", str(os.getpid()))
+        except Held as held:
             raise ExportError(
-                f"another exportfarm serve (pid {holder}) is using {self.settings.data_dir}: stop it, or give this "
-                "one its own DATA_DIR") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._lock_file = handle
+                f"another exportfarm serve (pid {held.holder}) is using {self.settings.data_dir}: stop it, or give "
+                "this one its own DATA_DIR") from None
 
     # --- life cycle ---
 

@@ -33,3 +33,28 @@ def flush_redis(url: str = REDIS_TEST_URL) -> None:
     import redis
 
     redis.Redis.from_url(url).flushdb()
+
+
+@contextlib.contextmanager
+def farm_api(env: dict, admin: str):
+    """The real API app (TestClient, admin token set) on the settings ``env`` gives, its catalog
+    migrated first as `exportfarm db-upgrade` (the Helm job) does; ``client.settings`` holds them."""
+    import pytest
+    from fastapi.testclient import TestClient
+
+    from services.api.app import create_app
+    from services.catalog.database import upgrade_schema
+    from services.settings import Settings
+
+    mp = pytest.MonkeyPatch()
+    for key, value in env.items():
+        mp.setenv(key, value)
+    try:
+        settings = Settings()
+        upgrade_schema(settings.catalog_url)
+        client = TestClient(create_app(settings))
+        client.headers["Authorization"] = f"Bearer {admin}"
+        client.settings = settings
+        yield client
+    finally:
+        mp.undo()

@@ -17,14 +17,10 @@ import time
 import urllib.request
 
 import pytest
-from fastapi.testclient import TestClient
 
-from services.api.app import create_app
-from services.catalog.database import upgrade_schema
-from services.settings import Settings
 from tests import farm
 from tests.s3_server import SeaweedS3
-from tests.services_fixtures import fresh_postgres_database
+from tests.services_fixtures import farm_api, fresh_postgres_database
 
 ADMIN = "e2e-admin-token-0123456789abcdef"
 LEASE_S, SWEEP_S, MAX_ATTEMPTS = 3.0, 0.5, 3
@@ -74,16 +70,8 @@ def farm_env(tmp_path_factory, checkpoint, s3, redis_server, failpoints):
 
 @pytest.fixture(scope="module")
 def api(farm_env):
-    mp = pytest.MonkeyPatch()
-    for key, value in farm_env.items():
-        mp.setenv(key, value)
-    settings = Settings()
-    upgrade_schema(settings.catalog_url)  # what `exportfarm db-upgrade` (the Helm job) does before the API starts
-    client = TestClient(create_app(settings))
-    client.headers["Authorization"] = f"Bearer {ADMIN}"
-    client.settings = settings
-    yield client
-    mp.undo()
+    with farm_api(farm_env, ADMIN) as client:
+        yield client
 
 
 class Pool:

@@ -16,12 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from services.api.app import create_app
-from services.catalog.database import upgrade_schema
-from services.settings import Settings
-from tests.services_fixtures import flush_redis, fresh_postgres_database
+from tests.services_fixtures import farm_api, flush_redis, fresh_postgres_database
 
 ADMIN = "upgrade-admin-token-0123456789abc"
 REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -68,15 +64,8 @@ def env(tmp_path_factory, checkpoint):
 
 @pytest.fixture(scope="module")
 def api(env):
-    mp = pytest.MonkeyPatch()
-    for key, value in env.items():
-        mp.setenv(key, value)
-    settings = Settings()
-    upgrade_schema(settings.catalog_url)
-    client = TestClient(create_app(settings))
-    client.headers["Authorization"] = f"Bearer {ADMIN}"
-    yield client
-    mp.undo()
+    with farm_api(env, ADMIN) as client:
+        yield client
 
 
 class Process:

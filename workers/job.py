@@ -448,6 +448,10 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
     export = session.get(Export, export_id)
     if export is None or export.status is not ExportStatus.QUEUED or export.cancel_requested:
         return None
+    mine = {q.strip() for q in settings.worker_queues.split(",")}
+    if export.queue and export.queue not in mine:
+        # A message from before the job was handed to another class: that class's workers run it.
+        return f"skipped: it is placed on worker class {export.queue}"
     request = request_of(export)
     try:
         estimate = placement.job_estimate(settings, request, locate_model(settings, request.model),
@@ -460,7 +464,7 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
     if why is None:
         return None
     # Never back to a class the job already came from: each hand-over leaves one fewer to try.
-    tried = {q.strip() for q in settings.worker_queues.split(",")} | set((export.estimate or {}).get("refused_on", []))
+    tried = mine | set((export.estimate or {}).get("refused_on", []))
     tried |= {export.queue} if export.queue else set()
     try:
         queue = placement.place(settings, request, estimate, exclude=tuple(sorted(tried)))

@@ -111,23 +111,15 @@ class DeviceClaim:
 
 def claim_device(index: int, lock_dir: Path | None = None) -> DeviceClaim:
     """Hold device ``index`` for this process; a second holder on the host is refused, naming the first."""
-    import fcntl
+    from exporter.locks import Held, hold
 
     memory = device_memory(index)
     key = memory.uuid if memory is not None else f"index-{index}"
     directory = Path(lock_dir or os.environ.get("EXPORTFARM_LOCK_DIR") or tempfile.gettempdir())
     path = directory / f"exportfarm-gpu-{key}.lock"
-    handle = path.open("a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ExportError(f"GPU {index} ({key}) is already bound to {holder}: give each worker its own "
+        handle = hold(path, f"pid {os.getpid()}")
+    except Held as held:
+        raise ExportError(f"GPU {index} ({key}) is already bound to {held.holder}: give each worker its own "
                           "GPU_DEVICE (one worker per GPU)") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
     return DeviceClaim(key, path, handle)
