@@ -111,9 +111,21 @@ def main() -> None:
             "tokens_equal": whole.tokens == on_gpu.tokens, "max_abs_logit_diff": diff, "logit_span": span,
             "relative": diff / span, "passes": streamed.passes, "tf32": torch.backends.cuda.matmul.allow_tf32},
     }
+    # What must hold, checked here so that a run that shows otherwise fails.
+    checks = {
+        f"session on GPU {s['index']} runs there and only there": s["report"] is not None
+        and s["report"]["session_device_id"] == str(s["index"]) and set(s["report"]["memory_on_devices"]) == {str(s["index"])}
+        for s in sessions if s["index"] < count}
+    checks[f"GPU {count} (absent) is refused"] = sessions[-1]["exit"] != 0
+    checks["a second claim of GPU 0 is refused"] = second.returncode != 0 and "already bound" in second.stderr
+    checks["streamed reference on cuda:0 = whole model on the CPU to fp32 rounding"] = (
+        whole.tokens == on_gpu.tokens and diff <= 1e-5 * span)
+    result["checks"] = checks
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    if not all(checks.values()):
+        raise SystemExit(f"failed: {[name for name, ok in checks.items() if not ok]}")
 
 
 if __name__ == "__main__":

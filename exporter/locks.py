@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import os
 from pathlib import Path
 
 
@@ -18,7 +19,8 @@ def hold(path: Path, owner: str):
     """Take ``path``'s exclusive flock for this process's life and write ``owner`` into it; returns the
     open file (closing it releases the lock, and so does the process's end, however it ends).
     Raises ``Held`` with what the holder wrote when another process has it."""
-    handle = Path(path).open("a+")
+    # Never through a link: a lock file planted as a symlink would be truncated in its target's place.
+    handle = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

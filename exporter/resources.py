@@ -100,7 +100,7 @@ class ResourceEstimate:
                                  ("GPU memory", self.gpu_bytes, capacity.gpu_bytes),
                                  ("disk", self.disk_bytes, capacity.disk_bytes)):
             if need and have is not None and need > have:
-                found.append(f"{_gib(need)} GiB {what} ({self.largest(what)}), {capacity.holder} has {_gib(have)}")
+                found.append(f"{_gib(need)} GiB {what} ({self.largest(what)}), {capacity.holder} has {_gib(have)} GiB")
         return found
 
     def largest(self, what: str) -> str:
@@ -190,7 +190,7 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
     # The reference's fp32 layer (two with read-ahead) and LM-head blocks, its activations, the
     # logits it hands back (on the device, the host copy, numpy's) and what the gate computes from them.
     layer = geometry.layer * 4 * (2 if prefetch else 1)
-    head = min(2 * VOCAB_BLOCK, 2 * geometry.lm_head * 4)
+    head = min(2 * VOCAB_BLOCK, 2 * geometry.embedding * 4)  # a tied head reads the embedding's rows
     activations = positions * 4 * (3 * config.intermediate_size + 4 * config.hidden_size) * 2
     logits = positions * config.vocab_size * 4
     scoring = (2 * logits + 4 * QUALITY_WINDOW * config.vocab_size * 8) if dtype.quantized else 2 * logits

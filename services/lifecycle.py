@@ -90,9 +90,11 @@ def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: 
     return Claim(lease, export)
 
 
-def _queued(export_id: str, attempts: int) -> tuple:
-    return (Export.id == export_id, Export.status == ExportStatus.QUEUED, Export.attempts == attempts,
-            Export.cancel_requested.is_(False))
+def _queued(export: Export) -> tuple:
+    """Still the queued row this decision was made on: same attempt count, same class, no cancel."""
+    queue = Export.queue.is_(None) if export.queue is None else Export.queue == export.queue
+    return (Export.id == export.id, Export.status == ExportStatus.QUEUED, Export.attempts == export.attempts,
+            Export.cancel_requested.is_(False), queue)
 
 
 def reroute(session: Session, export: Export, queue: str, worker: str, why: str, tried: list[str]) -> bool:
@@ -101,7 +103,7 @@ def reroute(session: Session, export: Export, queue: str, worker: str, why: str,
     sweeper sends the message (the row is unsent again)."""
     estimate = {**(export.estimate or {}), "refused_on": tried}
     result = session.execute(
-        update(Export).where(*_queued(export.id, export.attempts))
+        update(Export).where(*_queued(export))
         .values(queue=queue, dispatched_at=None, updated_at=utcnow(), estimate=estimate)
         .execution_options(synchronize_session=False))
     if result.rowcount != 1:
@@ -112,11 +114,24 @@ def reroute(session: Session, export: Export, queue: str, worker: str, why: str,
     return True
 
 
-def refuse(session: Session, export_id: str, attempts: int, worker: str, why: str) -> bool:
+def defer(session: Session, export: Export, worker: str, why: str) -> bool:
+    """Leave a queued export for another worker of its class: this one has less room now than its
+    class is sized for. Said once in the audit trail (a later message finds it said); the sweeper
+    rings again for it while the class has an idle worker."""
+    said = f"waiting for a worker with room: {why}"
+    if session.scalar(select(ExportEvent.id).where(ExportEvent.export_id == export.id, ExportEvent.message == said)):
+        return False
+    session.add(ExportEvent(export_id=export.id, from_status=ExportStatus.QUEUED.value,
+                            to_status=ExportStatus.QUEUED.value, message=said, worker=worker))
+    return True
+
+
+def refuse(session: Session, export: Export, worker: str, why: str) -> bool:
     """Fail a queued export no worker class can hold, once, with the figures, before any attempt."""
+    export_id = export.id
     now = utcnow()
     result = session.execute(
-        update(Export).where(*_queued(export_id, attempts))
+        update(Export).where(*_queued(export))
         .values(status=ExportStatus.FAILED, error=why, finished_at=now, updated_at=now,
                 **ended_fields(ExportStatus.FAILED))
         .execution_options(synchronize_session=False))

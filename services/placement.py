@@ -53,7 +53,9 @@ def queue_classes(settings: Settings) -> list[QueueClass]:
             f"worker class {name}", _gib(spec.get("memory_gb")), _gib(spec.get("gpu_memory_gb")),
             _gib(spec.get("disk_gb")))) for name, spec in settings.queue_classes.items()]
     if settings.embedded:
-        here = machine_capacity(settings, "this machine", gpu=True)
+        # Sized as this machine is, not as free as it is now: a job running here must not make the
+        # next request look impossible (its worker checks what is free when it takes the job).
+        here = Capacity("this machine", _host_memory(settings), _gpu_total(settings), None)
         return [QueueClass("cpu", EP.CPU, dataclasses.replace(here, gpu_bytes=None)),
                 QueueClass("gpu", EP.CUDA, here)]
     return [QueueClass(name, ep, Capacity(f"worker class {name}")) for name, ep in DEFAULT_QUEUES.items()]
@@ -61,6 +63,12 @@ def queue_classes(settings: Settings) -> list[QueueClass]:
 
 def queue_names(settings: Settings) -> list[str]:
     return [c.name for c in queue_classes(settings)]
+
+
+def current_queue(settings: Settings, queue: str | None, ep: str) -> str:
+    """Where a job placed on ``queue`` is sent now: that class, or its EP's default where the class
+    is gone (renamed or removed from QUEUE_CLASSES), so that no job waits on a queue nobody reads."""
+    return queue if queue in queue_names(settings) else default_queue(settings, ep)
 
 
 def default_queue(settings: Settings, ep: str) -> str:
@@ -87,18 +95,40 @@ def checkpoint_bytes(directory: Path) -> int:
 
 
 def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource,
-                 reference_on_gpu: bool = False) -> ResourceEstimate | None:
-    """The job's needs, where its config.json can be read here (a local model); None for a hub
-    model, whose config only its worker downloads."""
-    if not source.local:
-        return None
+                 reference_on_gpu: bool = False, fetch_config: bool = False) -> ResourceEstimate | None:
+    """The job's needs from its config.json: a local model's, or with ``fetch_config`` (a worker,
+    before it claims the job) a hub model's, downloaded alone; else None (the API never calls the hub)."""
     from services.jobs import _model_config, directory_signature
 
-    config = _model_config(str(source.directory), directory_signature(source.directory))
+    if source.local:
+        config = _model_config(str(source.directory), directory_signature(source.directory))
+        stored = checkpoint_bytes(source.directory)
+    elif fetch_config and (config := _hub_config(source)) is not None:
+        from exporter.resources import Geometry
+
+        stored = Geometry.of(config).parameters * 2  # what the download takes: hub checkpoints come in bf16
+    else:
+        return None
     return estimate_resources(
-        config, request, validate_ep=settings.validate_ep, checkpoint_bytes=checkpoint_bytes(source.directory),
-        download=False, local_store=not settings.s3_endpoint_url, bench_contexts=settings.bench_contexts,
+        config, request, validate_ep=settings.validate_ep, checkpoint_bytes=stored, download=not source.local,
+        local_store=not settings.s3_endpoint_url, bench_contexts=settings.bench_contexts,
         bench_batches=settings.bench_batches, reference_on_gpu=reference_on_gpu)
+
+
+def _hub_config(source: ModelSource):
+    """A hub model's config.json alone (into the hub cache), read as the exporter reads it; None
+    when it cannot be had (offline, no such file): the job's resolve stage then says why."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        from exporter.graph.architectures import ARCHITECTURES
+        from exporter.graph.config import load_model_config
+
+        path = Path(hf_hub_download(source.repo_id, "config.json", revision=source.ref))
+        return load_model_config(path.parent, ARCHITECTURES)
+    except Exception as err:  # the hub's many error types; the download stage reports them properly
+        log.warning("%s: config.json not read before the job (%s)", source.model, err)
+        return None
 
 
 def place(settings: Settings, request: ExportRequest, estimate: ResourceEstimate | None,
@@ -117,13 +147,21 @@ def place(settings: Settings, request: ExportRequest, estimate: ResourceEstimate
         if not estimate.shortfalls(queue.capacity):
             return queue.name
     largest = classes[-1]
-    raise ExportError(too_big(estimate, largest.capacity, request) +
-                      "; no worker class can run it: pick a smaller dtype (int4 / int8), or add a larger worker class")
+    raise ExportError(too_big(estimate, largest.capacity, request) + "; no worker class can run it: "
+                      + what_to_do(request))
 
 
 def too_big(estimate: ResourceEstimate, capacity: Capacity, request: ExportRequest) -> str:
     return (f"{request.model} {request.dtype.value} on {request.ep.value} needs "
             + "; ".join(estimate.shortfalls(capacity)))
+
+
+def what_to_do(request: ExportRequest) -> str:
+    """The advice a refusal ends with."""
+    if request.dtype.value == "int4":
+        return "add a larger worker class (QUEUE_CLASSES; the Helm chart's extraWorkerClasses)"
+    smaller = "int4 / int8" if request.dtype.value != "int8" else "int4"
+    return f"export it in {smaller}, or add a larger worker class (QUEUE_CLASSES; the Helm chart's extraWorkerClasses)"
 
 
 # --- what a worker has ----------------------------------------------------------------------------
@@ -144,11 +182,31 @@ def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def machine_capacity(settings: Settings, holder: str = "this worker", gpu: bool = True) -> Capacity:
-    """What this process can use: host memory (WORKER_MEMORY_GB, else the cgroup's limit, else the
-    machine's), free memory of its bound GPU (WORKER_GPU_MEMORY_GB, else NVML; none on a CPU host)
-    and free disk under its work directory (WORKER_DISK_GB, else measured)."""
-    host = _gib(settings.worker_memory_gb) or min(filter(None, (_cgroup_memory_limit(), _physical_memory())))
+def _host_memory(settings: Settings) -> int:
+    return _gib(settings.worker_memory_gb) or min(filter(None, (_cgroup_memory_limit(), _physical_memory())))
+
+
+def _gpu_total(settings: Settings) -> int | None:
+    if settings.worker_gpu_memory_gb:
+        return _gib(settings.worker_gpu_memory_gb)
+    from exporter.runtime.device import device_memory
+
+    try:
+        memory = device_memory()
+    except ExportError as err:
+        log.warning("%s", err)
+        return None
+    return memory.total_bytes if memory is not None else None
+
+
+def machine_capacity(settings: Settings, holder: str = "this worker", gpu: bool = True,
+                     own_work: Path | None = None) -> Capacity:
+    """What this process can use for its next job: host memory (WORKER_MEMORY_GB, else its cgroup's
+    limit, else the machine's); GPU memory (WORKER_GPU_MEMORY_GB, else its GPU's free memory from
+    NVML plus what this process itself holds there, which it gives back between jobs; none on a CPU
+    host); disk (WORKER_DISK_GB, else the free space under its work directory plus what this worker's
+    own earlier work directories, ``own_work``, take: it prunes or resumes them before the job runs)."""
+    host = _host_memory(settings)
     gpu_bytes = _gib(settings.worker_gpu_memory_gb)
     if gpu_bytes is None and gpu:
         from exporter.runtime.device import device_memory
@@ -158,14 +216,25 @@ def machine_capacity(settings: Settings, holder: str = "this worker", gpu: bool 
         except ExportError as err:
             log.warning("%s", err)
             memory = None
-        gpu_bytes = memory.free_bytes if memory is not None else None
+        gpu_bytes = memory.free_bytes + memory.own_bytes if memory is not None else None
     disk = _gib(settings.worker_disk_gb)
     if disk is None:
         scratch = settings.scratch_dir
         while not scratch.exists() and scratch != scratch.parent:
             scratch = scratch.parent
-        disk = shutil.disk_usage(scratch).free
+        disk = shutil.disk_usage(scratch).free + (_tree_bytes(own_work) if own_work is not None else 0)
     return Capacity(holder, host, gpu_bytes, disk)
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def worker_refusal(estimate: ResourceEstimate, capacity: Capacity, request: ExportRequest) -> str | None:

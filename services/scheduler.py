@@ -24,6 +24,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from exporter.errors import ExportError
 from services.catalog.exports import request_of
 from services.catalog.models import Export, ExportStatus
 from services.catalog.workers import live_workers
@@ -143,6 +144,9 @@ def plan_and_queue_reexports(
                 session.flush()
         except IntegrityError:
             plan.skipped.append({**entry, "why": f"re-exported to onnxruntime {target} already (concurrently)"})
+            continue
+        except ExportError as err:  # e.g. no worker class holds it any more: this one is skipped, not the run
+            plan.skipped.append({**entry, "why": str(err)})
             continue
         if not created:
             plan.skipped.append({**entry, "why": f"an identical export exists ({new.id})"})

@@ -33,6 +33,7 @@ from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
 from services.publish import read_published, read_published_manifest, unpublish
+from services.placement import current_queue
 from services.queue import BrokerUnavailable, JobQueue, queue_for
 from services.settings import Settings
 from services.storage import ArtifactStore, StorageError
@@ -257,8 +258,10 @@ class Sweeper:
 
     # --- 4. and 5. sending -------------------------------------------------------------------------
 
-    def ring(self, export_id: str, queue: str, *, first: bool) -> bool:
-        """Send one export's message and note when; False (and nothing noted) if the broker refused."""
+    def ring(self, export_id: str, queue: str, *, first: bool, placed_on: str | None = None) -> bool:
+        """Send one export's message and note when; False (and nothing noted) if the broker refused.
+        ``placed_on``: the worker class the message went to, noted only while the row still names it
+        (a worker may hand the job to another class meanwhile: that class is then sent its own)."""
         try:
             self.queue.send(export_id, queue)
         except BrokerUnavailable as err:
@@ -268,6 +271,8 @@ class Sweeper:
             conditions = [Export.id == export_id, Export.status == ExportStatus.QUEUED]
             if first:
                 conditions.append(Export.dispatched_at.is_(None))
+            if placed_on is not None:
+                conditions.append(Export.queue == placed_on)
             session.execute(update(Export).where(*conditions).values(dispatched_at=utcnow())
                             .execution_options(synchronize_session=False))
         return True
@@ -290,7 +295,9 @@ class Sweeper:
         for export in pending:
             if export.target_ort and export.ep in waiting_user_eps:
                 continue  # a re-export waits while any user export of its EP does
-            if not self.ring(export.id, queue_for(export.ep, export.target_ort, export.queue), first=True):
+            placed = current_queue(self.settings, export.queue, export.ep)
+            if not self.ring(export.id, queue_for(export.ep, export.target_ort, placed), first=True,
+                             placed_on=export.queue):
                 report.problems.append(f"{export.id}: the broker is unavailable; sending it next sweep")
                 return
             report.dispatched.append(export.id)
@@ -307,7 +314,7 @@ class Sweeper:
             idle_queues = {queue for queue, workers in consumers(self.settings, session).items()
                            if any(w.hostname not in busy for w in workers)}
         for row in waiting:
-            queue = queue_for(row.ep, row.target_ort, row.queue)
+            queue = queue_for(row.ep, row.target_ort, current_queue(self.settings, row.queue, row.ep))
             if queue in idle_queues:
                 if not self.ring(row.id, queue, first=False):
                     report.problems.append(f"{row.id}: the broker is unavailable; ringing again next sweep")

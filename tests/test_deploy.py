@@ -176,9 +176,9 @@ def test_every_worker_class_is_a_deployment_and_the_farm_places_jobs_by_their_si
     assert large["spec"]["replicas"] == 2
     data = next(d["data"] for d in of_kind(docs, "ConfigMap") if "QUEUE_CLASSES" in d["data"])
     classes = json.loads(data["QUEUE_CLASSES"])
-    assert classes == {"gpu": {"ep": "cuda", "memory_gb": 120, "gpu_memory_gb": 80, "disk_gb": 500},
+    assert classes == {"gpu": {"ep": "cuda", "memory_gb": 120, "gpu_memory_gb": 79, "disk_gb": 500},
                        "cpu": {"ep": "cpu", "memory_gb": 16, "disk_gb": 100},
-                       "gpu-large": {"ep": "cuda", "memory_gb": 240, "gpu_memory_gb": 141, "disk_gb": 1000}}
+                       "gpu-large": {"ep": "cuda", "memory_gb": 240, "gpu_memory_gb": 139, "disk_gb": 1000}}
     assert Settings(_env_file=None, queue_classes=data["QUEUE_CLASSES"], data_dir=tmp_path).queue_classes == classes
 
 

@@ -57,7 +57,7 @@ def test_only_one_decoder_layer_is_in_memory_while_a_pass_runs(checkpoint):
             # runs after the reference's own pre-hook has put the layer's weights in place
             layer.register_forward_pre_hook(lambda *_: seen.append(streamed.materialized_layers()))
         streamed(input_ids=torch.tensor([_ids(20)]), use_cache=False)
-        assert seen == [[0], [1], [2], [3]]
+        assert seen == [[0], [1], [2], [3]] and not streamed._pending  # nothing read ahead is left behind
         # The embedding and the LM head never hold the vocabulary whole.
         assert streamed.embedding.weight.device.type == "meta" and streamed.lm_head.weight.device.type == "meta"
         streamed.close()
@@ -190,3 +190,17 @@ def test_a_longrope_run_across_the_switch_is_made_as_a_cached_runtime_makes_it(c
     span = float(whole.prefill_logits.max() - whole.prefill_logits.min())
     for a, b in zip(run.step_logits, whole.step_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * span)
+
+
+def test_a_pass_that_fails_leaves_no_layer_behind(checkpoint):
+    source = _bf16(checkpoint, "llama", num_hidden_layers=3)
+    streamed = StreamedReference(source, prefetch=True)
+
+    def fail(*_):
+        raise MemoryError("out of memory in layer 1")
+
+    streamed.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(MemoryError):
+        streamed(input_ids=torch.tensor([_ids(10)]), use_cache=False)
+    assert streamed.materialized_layers() == [] and not streamed._pending
+    assert streamed.embedding.weight.device.type == "meta"

@@ -442,9 +442,11 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
 
 
 def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity) -> str | None:
-    """Before claiming: whether this worker holds the job's estimated needs. A job it cannot hold
-    goes to a worker class that can (``"rerouted"``), or fails once with the figures
-    (``"refused"``); None: claim it (or let the claim say why not)."""
+    """Before claiming: whether this worker holds the job's estimated needs (a hub model's config.json
+    is fetched alone for it). A job it cannot hold goes to a larger worker class (``"rerouted"``);
+    one its own class is sized to hold waits for a worker of the class that has room now
+    (``"deferred"``: this one is busy with leftovers, or smaller than its class says); one no class
+    can hold fails once with the figures (``"refused"``). None: claim it (or let the claim say why not)."""
     export = session.get(Export, export_id)
     if export is None or export.status is not ExportStatus.QUEUED or export.cancel_requested:
         return None
@@ -455,12 +457,15 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
     request = request_of(export)
     try:
         estimate = placement.job_estimate(settings, request, locate_model(settings, request.model),
-                                          reference_on_gpu=_reference_on_gpu(settings, request))
-    except ExportError:
-        return None  # the resolve stage names what is wrong with the model
+                                          reference_on_gpu=_reference_on_gpu(settings, request),
+                                          fetch_config=settings.hub_access)
+    except Exception as err:  # the resolve stage names what is wrong with the model
+        log.warning("export %s: not sized before its claim (%s)", export_id, err)
+        return None
     if estimate is None:
         return None
-    why = placement.worker_refusal(estimate, placement.machine_capacity(settings, "this worker"), request)
+    have = placement.machine_capacity(settings, "this worker", own_work=_work_root(settings, identity))
+    why = placement.worker_refusal(estimate, have, request)
     if why is None:
         return None
     # Never back to a class the job already came from: each hand-over leaves one fewer to try.
@@ -470,12 +475,18 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
         queue = placement.place(settings, request, estimate, exclude=tuple(sorted(tried)))
     except ExportError:
         queue = None
-        why += ("; no other worker class can hold it: pick a smaller dtype (int4 / int8), or add a larger "
-                "worker class (QUEUE_CLASSES)")
-    if queue is not None and lifecycle.reroute(session, export, queue, identity.name, why, sorted(tried)):
-        log.warning("export %s: %s; sent to worker class %s", export_id, why, queue)
-        return "rerouted"
-    if queue is None and lifecycle.refuse(session, export_id, export.attempts, identity.name, why):
+    if queue is not None:
+        if lifecycle.reroute(session, export, queue, identity.name, why, sorted(tried)):
+            log.warning("export %s: %s; sent to worker class %s", export_id, why, queue)
+            return "rerouted"
+        return None
+    own = [c for c in placement.queue_classes(settings) if c.name == (export.queue or next(iter(mine)))]
+    if own and own[0].sized and not estimate.shortfalls(own[0].capacity):
+        if lifecycle.defer(session, export, identity.name, why):
+            log.warning("export %s: %s; left for a worker of class %s with room", export_id, why, own[0].name)
+        return "deferred"
+    why += f"; no other worker class can hold it: {placement.what_to_do(request)}"
+    if lifecycle.refuse(session, export, identity.name, why):
         log.warning("export %s: refused: %s", export_id, why)
         return "refused"
     return None

@@ -41,6 +41,9 @@ def bind_cuda_device(index: int | None) -> None:
     if index < 0:
         raise ExportError(f"a GPU device index is 0 or more, not {index}")
     os.environ[DEVICE_ENV] = str(index)
+    # CUDA numbers devices fastest first by default, NVML by PCI bus: one order for both, so the
+    # device whose memory the estimate reads is the one the sessions run on.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 
 def cuda_provider(**options: str) -> tuple[str, dict[str, str]]:
@@ -67,6 +70,7 @@ class DeviceMemory:
     uuid: str
     total_bytes: int
     free_bytes: int
+    own_bytes: int = 0  # what this process holds on it (NVML's per-process figure, where it has one)
 
 
 def device_memory(index: int | None = None) -> DeviceMemory | None:
@@ -87,12 +91,14 @@ def device_memory(index: int | None = None) -> DeviceMemory | None:
                   else pynvml.nvmlDeviceGetHandleByIndex(int(entry)))
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         name, uuid = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetUUID(handle)
+        own = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                  if p.pid == os.getpid())
     except pynvml.NVMLError as err:
         raise ExportError(f"GPU {index} cannot be read through NVML ({err}): is it present on this host?") from None
     finally:
         pynvml.nvmlShutdown()
     text = lambda v: v.decode() if isinstance(v, bytes) else v  # noqa: E731 (older bindings return bytes)
-    return DeviceMemory(index, text(name), text(uuid), int(memory.total), int(memory.free))
+    return DeviceMemory(index, text(name), text(uuid), int(memory.total), int(memory.free), int(own))
 
 
 class DeviceClaim:
@@ -115,11 +121,16 @@ def claim_device(index: int, lock_dir: Path | None = None) -> DeviceClaim:
 
     memory = device_memory(index)
     key = memory.uuid if memory is not None else f"index-{index}"
-    directory = Path(lock_dir or os.environ.get("EXPORTFARM_LOCK_DIR") or tempfile.gettempdir())
+    directory = Path(lock_dir or os.environ.get("EXPORTFARM_LOCK_DIR") or
+                     Path(tempfile.gettempdir()) / f"exportfarm-locks-{os.getuid()}")
     path = directory / f"exportfarm-gpu-{key}.lock"
     try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         handle = hold(path, f"pid {os.getpid()}")
     except Held as held:
         raise ExportError(f"GPU {index} ({key}) is already bound to {held.holder}: give each worker its own "
                           "GPU_DEVICE (one worker per GPU)") from None
+    except OSError as err:
+        raise ExportError(f"cannot lock GPU {index} at {path} ({err}): set EXPORTFARM_LOCK_DIR to a directory "
+                          "this user owns") from None
     return DeviceClaim(key, path, handle)

@@ -149,14 +149,33 @@ class StreamedReference:
         import torch
 
         self.passes += 1
-        with torch.no_grad():
-            out = self.model(input_ids=input_ids.to(self.device), **kwargs)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=input_ids.to(self.device), **kwargs)
+        finally:
+            self._drop()  # a pass that failed (out of memory, say) leaves no layer behind either
         out.logits = out.logits.float().cpu()
         return out
 
+    def _drop(self) -> None:
+        """Every layer back on the meta device, weights read ahead dropped."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.cancel()
+        for i, layer in enumerate(self.layers):
+            _assign(layer, self._meta[i])
+        self.embedding.weight = self._embedding_meta
+
     def close(self) -> None:
+        """Give back what the reference holds: its threads, and on a GPU torch's cached blocks (a
+        worker's process runs the next job's sessions on that device)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pending.clear()
+        self._drop()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
 
     # --- names and tensors -----------------------------------------------------------------------
 

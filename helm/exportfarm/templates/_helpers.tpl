@@ -147,17 +147,18 @@ exec:
 {{- end }}
 
 {{/*
-The worker classes: gpuWorker (queue "gpu"), cpuWorker (queue "cpu") and each of extraWorkerClasses,
-the latter as its execution provider's base class with the entry's values over it. YAML list of
-{name, ep, w}; a worker class is one Deployment consuming the queue of its name.
+The worker classes: gpuWorker and cpuWorker (named by the first queue they consume: "gpu", "cpu")
+and each of extraWorkerClasses, the latter as its execution provider's base class with the entry's
+values over it. YAML list of {name, component, ep, w}; a worker class is one Deployment consuming
+the queue of its name.
 */}}
 {{- define "exportfarm.workerClasses" -}}
 {{- $classes := list }}
 {{- if .Values.gpuWorker.enabled }}
-{{- $classes = append $classes (dict "name" "gpu" "ep" "cuda" "w" .Values.gpuWorker) }}
+{{- $classes = append $classes (dict "name" (splitList "," .Values.gpuWorker.queues | first | trim) "component" "gpu" "ep" "cuda" "w" .Values.gpuWorker) }}
 {{- end }}
 {{- if .Values.cpuWorker.enabled }}
-{{- $classes = append $classes (dict "name" "cpu" "ep" "cpu" "w" .Values.cpuWorker) }}
+{{- $classes = append $classes (dict "name" (splitList "," .Values.cpuWorker.queues | first | trim) "component" "cpu" "ep" "cpu" "w" .Values.cpuWorker) }}
 {{- end }}
 {{- range .Values.extraWorkerClasses }}
 {{- $base := ternary $.Values.gpuWorker $.Values.cpuWorker (eq .ep "cuda") }}
@@ -167,7 +168,7 @@ the latter as its execution provider's base class with the entry's values over i
 {{- $auto := deepCopy $w.autoscaling | default dict }}
 {{- $_ := set $auto "enabled" false }}
 {{- $_ := set $w "autoscaling" $auto }}
-{{- $classes = append $classes (dict "name" .name "ep" .ep "w" $w) }}
+{{- $classes = append $classes (dict "name" .name "component" .name "ep" .ep "w" $w) }}
 {{- end }}
 {{- toYaml $classes }}
 {{- end }}
