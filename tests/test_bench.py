@@ -58,6 +58,23 @@ def test_cpu_harness_writes_a_valid_report(exported, tmp_path):
     assert "| attn_static (cpu) |" in md.read_text() and result.contexts[0].ctx == 16
 
 
+def test_every_timed_prefill_comes_after_an_untimed_one_of_its_shape(exported, tmp_path, monkeypatch):
+    """The first run of a shape pays its set-up; benchmark.json's prefill figures leave it out and
+    say how many untimed runs came first."""
+    import shutil
+
+    from exporter.runtime.session import Decoder
+
+    export_dir = shutil.copytree(exported("qwen2", "gqa"), tmp_path / "export")
+    shapes = []
+    real = Decoder.prefill_bound
+    monkeypatch.setattr(Decoder, "prefill_bound", lambda self, tokens, caches, buffer:
+                        shapes.append(tokens.shape) or real(self, tokens, caches, buffer))
+    run_bench(export_dir, "cpu", contexts=[16, 32], steps=2, warmup=1, prefill_lengths=[24])
+    assert shapes == [(1, 16), (1, 16), (1, 32), (1, 32), (1, 24), (1, 24)]
+    assert json.loads((export_dir / "benchmark.json").read_text())["settings"]["prefill_warmup"] == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_every_cache_contract_gives_the_same_logits(arch, exported):
     """Static in place, GQA shared buffer (mask as wide as the buffer), dynamic past/present."""
