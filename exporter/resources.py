@@ -31,6 +31,9 @@ import math
 
 from exporter.graph.config import ModelConfig
 from exporter.request import DType, EP, ExportRequest, QuantSpec, activation_dtype
+from exporter.validation.gates.quality import MAX_TOKENS as QUALITY_TOKENS, WINDOW as QUALITY_WINDOW
+from exporter.validation.streamed import VOCAB_BLOCK_BYTES  # the LM head's blocks, two at once
+from exporter.validation.validate import PARITY_PROMPT_LEN, PARITY_STEPS
 
 GiB = 1024 ** 3
 _BYTES = {DType.FP32: 4, DType.FP16: 2, DType.BF16: 2}
@@ -48,10 +51,8 @@ WEIGHT_CHECK_HOST = 2 * GiB
 # onnxruntime's CUDA allocator rounds every allocation up, and the CUDA context and cuBLAS
 # workspaces come on top: 16.8 GB of GPU memory held for the 16 GB of an 8B fp16 export.
 CUDA_WEIGHT_OVERHEAD, CUDA_CONTEXT = 1.06, 1.5 * GiB
-# The streamed reference's LM head block (exporter.validation.streamed.VOCAB_BLOCK_BYTES), two at once.
-VOCAB_BLOCK = 256 * 1024 * 1024
 # Validation's sequences: parity's prompt and steps; the quality gate's windows of text.
-PARITY_TOKENS, QUALITY_TOKENS, QUALITY_WINDOW = 40, 512, 128
+PARITY_TOKENS = PARITY_PROMPT_LEN + PARITY_STEPS
 # Decode steps and warm-up the benchmark adds to each context's buffer.
 BENCH_EXTRA_TOKENS = 64
 
@@ -190,7 +191,7 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
     # The reference's fp32 layer (two with read-ahead) and LM-head blocks, its activations, the
     # logits it hands back (on the device, the host copy, numpy's) and what the gate computes from them.
     layer = geometry.layer * 4 * (2 if prefetch else 1)
-    head = min(2 * VOCAB_BLOCK, 2 * geometry.embedding * 4)  # a tied head reads the embedding's rows
+    head = min(2 * VOCAB_BLOCK_BYTES, 2 * geometry.embedding * 4)  # a tied head reads the embedding's rows
     activations = positions * 4 * (3 * config.intermediate_size + 4 * config.hidden_size) * 2
     logits = positions * config.vocab_size * 4
     scoring = (2 * logits + 4 * QUALITY_WINDOW * config.vocab_size * 8) if dtype.quantized else 2 * logits

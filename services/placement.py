@@ -186,21 +186,25 @@ def _host_memory(settings: Settings) -> int:
     return _gib(settings.worker_memory_gb) or min(filter(None, (_cgroup_memory_limit(), _physical_memory())))
 
 
-def _gpu_total(settings: Settings) -> int | None:
-    if settings.worker_gpu_memory_gb:
-        return _gib(settings.worker_gpu_memory_gb)
+def _bound_gpu():
+    """The bound GPU's memory figures (NVML), None without one (a bad binding is logged)."""
     from exporter.runtime.device import device_memory
 
     try:
-        memory = device_memory()
+        return device_memory()
     except ExportError as err:
         log.warning("%s", err)
         return None
+
+
+def _gpu_total(settings: Settings) -> int | None:
+    if settings.worker_gpu_memory_gb:
+        return _gib(settings.worker_gpu_memory_gb)
+    memory = _bound_gpu()
     return memory.total_bytes if memory is not None else None
 
 
-def machine_capacity(settings: Settings, holder: str = "this worker", gpu: bool = True,
-                     own_work: Path | None = None) -> Capacity:
+def machine_capacity(settings: Settings, holder: str = "this worker", own_work: Path | None = None) -> Capacity:
     """What this process can use for its next job: host memory (WORKER_MEMORY_GB, else its cgroup's
     limit, else the machine's); GPU memory (WORKER_GPU_MEMORY_GB, else its GPU's free memory from
     NVML plus what this process itself holds there, which it gives back between jobs; none on a CPU
@@ -208,15 +212,8 @@ def machine_capacity(settings: Settings, holder: str = "this worker", gpu: bool 
     own earlier work directories, ``own_work``, take: it prunes or resumes them before the job runs)."""
     host = _host_memory(settings)
     gpu_bytes = _gib(settings.worker_gpu_memory_gb)
-    if gpu_bytes is None and gpu:
-        from exporter.runtime.device import device_memory
-
-        try:
-            memory = device_memory()
-        except ExportError as err:
-            log.warning("%s", err)
-            memory = None
-        gpu_bytes = memory.free_bytes + memory.own_bytes if memory is not None else None
+    if gpu_bytes is None and (memory := _bound_gpu()) is not None:
+        gpu_bytes = memory.free_bytes + memory.own_bytes
     disk = _gib(settings.worker_disk_gb)
     if disk is None:
         scratch = settings.scratch_dir

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from exporter.cache import cache_key, read_npz, write_atomic, write_npz
+from exporter.cache import read_npz, write_atomic, write_npz
 
 
 @dataclasses.dataclass
@@ -134,13 +134,28 @@ def cached_reference(cache_dir: Path | None, revision: str, prompt: list[int], s
     if cache_dir is None:
         return None, None
     path = Path(cache_dir) / f"greedy-{_cache_key(revision, 'greedy', prompt, steps)}.npz"
-    run = _read_run(read_npz(path), prompt, steps)
-    if run is None and shared is not None:
+    return path, _lookup(path, lambda data: _read_run(data, prompt, steps), shared)
+
+
+def _lookup(path: Path, parse, shared: SharedReferences | None):
+    """``parse`` of the cache file at ``path``, else of its copy in ``shared`` (kept at ``path``
+    once found there); None where neither holds what ``parse`` accepts."""
+    found = parse(read_npz(path))
+    if found is None and shared is not None:
         data = shared.fetch(path.name)
-        run = _read_run(read_npz(data), prompt, steps) if data is not None else None
-        if run is not None:
+        found = parse(read_npz(data)) if data is not None else None
+        if found is not None:
             write_atomic(path, data)
-    return path, run
+    return found
+
+
+def _keep(path: Path | None, shared: SharedReferences | None, **arrays: np.ndarray) -> None:
+    """Write ``arrays`` at ``path`` and publish the file to ``shared``."""
+    if path is None:
+        return
+    data = write_npz(path, **arrays)
+    if shared is not None:
+        shared.publish(path.name, data)
 
 
 def _read_run(data: dict[str, np.ndarray] | None, prompt: list[int], steps: int) -> ReferenceRun | None:
@@ -154,15 +169,11 @@ def _read_run(data: dict[str, np.ndarray] | None, prompt: list[int], steps: int)
 
 def store_reference(path: Path | None, run: ReferenceRun, shared: SharedReferences | None = None) -> None:
     """Keep ``run`` at ``path`` (from ``cached_reference``) and publish it to ``shared``."""
-    if path is None:
-        return
     vocab = run.prefill_logits.shape[-1]
-    data = write_npz(path, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
-                     tokens=np.array(run.tokens, np.int64),
-                     step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
-                     gaps=np.array(run.gaps, np.float64))
-    if shared is not None:
-        shared.publish(path.name, data)
+    _keep(path, shared, prompt=np.array(run.prompt, np.int64), prefill_logits=run.prefill_logits,
+          tokens=np.array(run.tokens, np.int64),
+          step_logits=np.stack(run.step_logits) if run.step_logits else np.zeros((0, vocab), np.float32),
+          gaps=np.array(run.gaps, np.float64))
 
 
 def cached_window_logits(cache_dir: Path | None, revision: str, chunks: list[list[int]],
@@ -172,15 +183,8 @@ def cached_window_logits(cache_dir: Path | None, revision: str, chunks: list[lis
     ``shared``): every quantized dtype and variant of one checkpoint shares them."""
     if cache_dir is None:
         return None, None
-    digest = cache_key({"chunks": chunks})
-    path = Path(cache_dir) / f"windows-{_cache_key(revision, 'windows-' + digest, [], len(chunks))}.npz"
-    logits = _read_windows(read_npz(path), chunks)
-    if logits is None and shared is not None:
-        data = shared.fetch(path.name)
-        logits = _read_windows(read_npz(data), chunks) if data is not None else None
-        if logits is not None:
-            write_atomic(path, data)
-    return path, logits
+    path = Path(cache_dir) / f"windows-{_cache_key(revision, 'windows', chunks, len(chunks))}.npz"
+    return path, _lookup(path, lambda data: _read_windows(data, chunks), shared)
 
 
 def _read_windows(data: dict[str, np.ndarray] | None, chunks: list[list[int]]) -> list[np.ndarray] | None:
@@ -196,14 +200,10 @@ def _read_windows(data: dict[str, np.ndarray] | None, chunks: list[list[int]]) -
 def store_window_logits(path: Path | None, chunks: list[list[int]], logits: list[np.ndarray],
                         shared: SharedReferences | None = None) -> None:
     """Keep the quality reference at ``path`` (from ``cached_window_logits``), and in ``shared``."""
-    if path is None:
-        return
     arrays = {}
     for i, (chunk, rows) in enumerate(zip(chunks, logits)):
         arrays[f"ids_{i}"], arrays[f"logits_{i}"] = np.array(chunk, np.int64), np.asarray(rows, np.float32)
-    data = write_npz(path, **arrays)
-    if shared is not None:
-        shared.publish(path.name, data)
+    _keep(path, shared, **arrays)
 
 
 def reference_greedy(model, prompt: list[int], steps: int, draft: list[int] | None = None,

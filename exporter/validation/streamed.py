@@ -133,7 +133,6 @@ class StreamedReference:
         self._embedding_meta = self.embedding.weight
         self.lm_head.forward = self._lm_head_forward
         self.passes = 0
-        self.layer_bytes = max(sum(p.numel() * 4 for p in self._meta[i].values()) for i in range(len(self.layers)))
 
     def materialized_layers(self) -> list[int]:
         """Indices of the decoder layers whose weights are in memory now (at most one, between passes none)."""

@@ -351,10 +351,10 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cac
 
         try:
             ref = reference.reference_greedy(model, prompt, steps, free_run.chosen, redraft)
-            timings["reference_passes"] = float(getattr(model, "passes", 0))
+            timings["reference_passes"] = float(model.passes)
             timings["reference_redrafts"] = float(drafts[0])
         finally:
-            getattr(model, "close", lambda: None)()
+            model.close()
         del model
         reference.store_reference(cache_path, ref, shared_references)
         timings["reference"] += time.perf_counter() - t0
@@ -405,9 +405,9 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
         model, timings["reference_load"] = _loaded(checkpoint, ep).pop()
         try:
             ref = reference_logits(model, chunks)
-            timings["reference_passes"] = float(getattr(model, "passes", 0))
+            timings["reference_passes"] = float(model.passes)
         finally:
-            getattr(model, "close", lambda: None)()
+            model.close()
         del model
         reference.store_window_logits(cache_path, chunks, ref, shared_references)
     timings["reference"] = time.perf_counter() - t0
