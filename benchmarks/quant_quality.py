@@ -131,8 +131,8 @@ def main() -> None:
     checkpoint = real_checkpoint()
     config = json.loads((checkpoint / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    tokens, how = text_tokens(checkpoint, config["vocab_size"])
-    chunks = windows(tokens, WINDOW)
+    tokens, how, prefix = text_tokens(checkpoint, config["vocab_size"])
+    chunks = windows(tokens, WINDOW, prefix)
     ref_model = load_reference(checkpoint)
     ref = reference_logits(ref_model, chunks)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]

@@ -48,6 +48,9 @@ def add_export_parser(sub) -> None:
     p.add_argument("--quant-block-size", type=int, default=None, help="int4 / int8: MatMulNBits block size (default 32)")
     p.add_argument("--quant-asymmetric", action="store_true", help="int4 / int8: zero points per block")
     p.add_argument("--quant-lm-head-bits", type=int, default=None, help="int4: 8 quantizes the LM head to int8")
+    p.add_argument("--quant-activations", default=None, choices=("fp16", "bf16"),
+                   help="int4 / int8 on cuda: the activation dtype (default: bf16 for a checkpoint trained in "
+                        "bf16, else fp16)")
     p.add_argument("--quant-keep", default="",
                    help="int4 / int8: comma-separated roles kept unquantized: lm_head, first_layer, last_layer")
     p.add_argument("--ep", default="cpu", help="cpu | cuda: the execution provider the export targets")
@@ -146,6 +149,8 @@ def _quant_options(args) -> dict | None:
     options = {}
     if args.quant_block_size is not None:
         options["block_size"] = args.quant_block_size
+    if args.quant_activations:
+        options["activations"] = args.quant_activations
     if args.quant_asymmetric:
         options["symmetric"] = False
     if args.quant_lm_head_bits is not None:

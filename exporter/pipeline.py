@@ -108,7 +108,7 @@ def build_export(
     if folded.quantization is not None:
         manifest.data["quantization"] = {
             "method": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest",
-            "dtype": request.dtype.value, "activations": request.activations.value, **request.quant.to_dict(),
+            "dtype": request.dtype.value, "activations": built.activations.value, **request.quant.to_dict(),
             "weights": folded.quantization,
         }
     manifest.data["status"] = "unvalidated"

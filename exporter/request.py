@@ -31,12 +31,45 @@ class EP(str, enum.Enum):
     CUDA = "cuda"
 
 
-def activation_dtype(dtype: DType, ep: EP) -> DType:
-    """The dtype of activations, caches and unquantized weights: a quantized export computes in
-    fp16 on cuda and fp32 on cpu (x86 has no fast fp16 GEMM)."""
+def activation_dtype(dtype: DType, ep: EP, chosen: str | None = None, trained_in_bf16: bool = False) -> DType:
+    """The dtype of activations, caches and unquantized weights. A quantized export computes in fp32
+    on cpu (x86 has no fast fp16 GEMM, and onnxruntime's CPU MatMulNBits has no bf16 kernel). On
+    cuda it computes in ``chosen`` (the request's quant activations) or, by default, in bf16 for a
+    checkpoint trained in bf16 and fp16 otherwise: a bf16-trained model's activations are only known
+    to fit bf16's range (a real Gemma 3 in fp16 overflows to NaN; every op of a quantized export has
+    a bf16 CUDA kernel from onnxruntime 1.23 on, MatMulNBits on sm80 and newer GPUs)."""
     if not dtype.quantized:
         return dtype
-    return DType.FP16 if ep is EP.CUDA else DType.FP32
+    if ep is not EP.CUDA:
+        return DType.FP32
+    if chosen is not None:
+        return DType(chosen)
+    return DType.BF16 if trained_in_bf16 else DType.FP16
+
+
+def trained_in_bf16(checkpoint_dir) -> bool:
+    """Whether a checkpoint says it was trained in bf16: config.json's dtype (torch_dtype), else
+    every floating tensor of its safetensors stored in bf16."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = {**config.get("text_config", {}), **config} if isinstance(config, dict) else {}
+    said = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(said, str):
+        return said == "bfloat16"
+    try:
+        from exporter.packaging.checkpoint import Checkpoint
+
+        source = Checkpoint(Path(checkpoint_dir))
+        kinds = {source.stored_dtype(name).name for name in source.names()}
+    except Exception:
+        return False
+    floating = kinds & {"BFLOAT16", "FLOAT16", "FLOAT", "DOUBLE"}
+    return floating == {"BFLOAT16"}
 
 
 # What a weight-only export keeps at higher precision, by tensor role.
@@ -55,6 +88,7 @@ class QuantSpec:
     symmetric: bool = True
     lm_head_bits: int | None = None  # None: the dtype's bits
     keep: tuple[str, ...] = ()
+    activations: str | None = None  # cuda: fp16 | bf16; None: bf16 for a bf16-trained checkpoint, else fp16
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
@@ -67,17 +101,20 @@ class QuantSpec:
         if unknown:
             raise ExportError(f"unknown quant keep {', '.join(map(repr, unknown))}: use any of {', '.join(QUANT_KEEP_CHOICES)}")
         object.__setattr__(self, "keep", keep)
+        if self.activations not in (None, "fp16", "bf16"):
+            raise ExportError(f"quant activations must be fp16 or bf16 (cuda), got {self.activations!r}")
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "symmetric": self.symmetric, "lm_head_bits": self.lm_head_bits,
-                "keep": list(self.keep)}
+                "keep": list(self.keep), **({"activations": self.activations} if self.activations else {})}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> QuantSpec:
         data = dict(data or {})
-        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep"})
+        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations"})
         if unknown:
-            raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, keep")
+            raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, "
+                              "keep, activations")
         return cls(**{**data, "keep": tuple(data.get("keep", ()))})
 
 
@@ -120,6 +157,9 @@ class ExportRequest:
         object.__setattr__(self, "ep", _enum_value(EP, self.ep, "execution provider"))
         if self.variant is not None:
             object.__setattr__(self, "variant", _enum_value(Variant, self.variant, "variant"))
+        if self.quant is not None and self.quant.activations and self.ep is not EP.CUDA:
+            raise ExportError(f"quant activations {self.quant.activations} apply to cuda only: a quantized cpu export "
+                              "computes in fp32 (onnxruntime's CPU MatMulNBits has no bf16 kernel); drop it")
         if not self.model or not str(self.model).strip():
             raise ExportError("model is empty: pass a local checkpoint directory or a hub id")
         if self.max_seq_len is not None and (
@@ -167,7 +207,16 @@ class ExportRequest:
 
     @property
     def activations(self) -> DType:
-        return activation_dtype(self.dtype, self.ep)
+        """The activation dtype where it does not depend on the checkpoint (``activations_for``
+        decides for a quantized cuda export without a chosen one; either way a half precision)."""
+        return activation_dtype(self.dtype, self.ep, self.quant.activations if self.quant else None)
+
+    def activations_for(self, checkpoint_dir) -> DType:
+        """The activation dtype this request computes in on the checkpoint at ``checkpoint_dir``."""
+        chosen = self.quant.activations if self.quant else None
+        if self.dtype.quantized and self.ep is EP.CUDA and chosen is None:
+            return activation_dtype(self.dtype, self.ep, None, trained_in_bf16(checkpoint_dir))
+        return self.activations
 
 
 def cache_key(request: ExportRequest, revision: str, exporter_version: str, ort_version: str) -> str:

@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import pytest
 
 from exporter.errors import ExportError
@@ -174,12 +175,51 @@ def test_a_cuda_quantized_export_computes_in_fp16(checkpoint, tmp_path):
     assert ExportRequest(model="m", dtype="int4", ep="cuda").resolved_variant().value == "gqa"
 
 
+def _bf16_trained(source, out):
+    """``source`` stored in bf16 with config.json saying so, as a bf16-trained hub checkpoint is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    for f in out.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return out
+
+
+def test_a_cuda_quantized_export_of_a_bf16_trained_checkpoint_computes_in_bf16(checkpoint, tmp_path):
+    """A bf16-trained model's activations may not fit fp16 (a real Gemma 3 int4 in fp16 gave NaN):
+    its quantized cuda export computes in bf16 by default, scales quantized as fp16's are, and the
+    weight gate holds every quantized slice to its source bit for bit; fp16 can still be chosen."""
+    from exporter.validation.gates.weights import weight_integrity
+    from exporter.packaging.checkpoint import Checkpoint
+
+    source = _bf16_trained(checkpoint("gemma3_text"), tmp_path / "bf16-ckpt")
+    out = _export(source, tmp_path / "cuda", ep="cuda", variant="gqa")
+    inits = {i.name: i for i in onnx.load(str(out / "model.onnx")).graph.initializer}
+    scales = numpy_helper.to_array(inits["model.layers.0.mlp.down_proj.weight.T.q4b32s.scales"])
+    assert scales.dtype.name == "bfloat16" and np.all(np.abs(scales.astype(np.float32)) > 0)
+    assert inits["model.norm.weight"].data_type == onnx.TensorProto.BFLOAT16
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quantization"]["activations"] == "bf16"
+    [slices, tensors], _ = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), "int4", "bf16")
+    assert slices.passed and tensors.passed, slices.message
+    assert slices.details["bit_exact"] >= len(_nbits_nodes(out / "model.onnx"))  # each quantized one, at least
+    chosen = _export(source, tmp_path / "fp16", ep="cuda", variant="gqa", quant={"activations": "fp16"})
+    assert json.loads((chosen / "manifest.json").read_text())["quantization"]["activations"] == "fp16"
+    with pytest.raises(ExportError, match="apply to cuda only"):
+        ExportRequest(model="m", dtype="int4", ep="cpu", quant={"activations": "bf16"})
+
+
 @pytest.mark.parametrize("options,words", [
     ({"block_size": 24}, "power of 2"),
     ({"block_size": 8}, "at least 16"),
     ({"lm_head_bits": 2}, "4 or 8"),
     ({"keep": ["embeddings"]}, "lm_head, first_layer, last_layer"),
     ({"bits": 4}, "unknown quant option bits"),
+    ({"activations": "fp32"}, "fp16 or bf16"),
 ])
 def test_bad_quant_options_are_refused_with_what_to_use(options, words):
     with pytest.raises(ExportError, match=words):

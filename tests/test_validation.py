@@ -480,3 +480,61 @@ def test_validation_s_session_computes_a_default_session_s_logits(exported):
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     a, b = default.forward(prompt, default.new_state()), validating.forward(prompt, validating.new_state())
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(a.max() - a.min()))
+
+
+def _planted_overflow(source: Path, out: Path, layer: int = 1, scale: float = 3e4) -> Path:
+    """``source`` with one norm weight scaled so its layer's activations exceed fp16's 65504 (the
+    weight itself still fits fp16)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        name = f"model.layers.{layer}.post_attention_layernorm.weight"
+        if name in tensors:
+            assert np.abs(tensors[name]).max() * scale < 65504
+            tensors[name] = tensors[name] * np.float32(scale)
+            save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+def test_a_planted_fp16_overflow_fails_naming_the_layer_and_the_dtype_that_passes(checkpoint, tmp_path):
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    source = _planted_overflow(checkpoint("llama"), tmp_path / "ckpt")
+
+    def export(dtype):
+        request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant="attn_dynamic", max_seq_len=64)
+        return export_model(request, tmp_path / dtype, validate=False).out_dir
+
+    report = validate_export(export("fp16"))
+    assert not report.passed
+    [finite] = [g for g in report.gates if g.check == "export outputs finite"]
+    assert finite.status == "fail"
+    assert finite.message.startswith("fp16 overflows in decoder layer 1 ("), finite.message
+    assert "transformers itself in fp16 overflows" in finite.message
+    assert finite.message.endswith("export fp32 for cpu (bf16, which has fp32's range, runs on cuda only)")
+    assert finite.details["overflow"]["layer"] == 1
+    assert "fp16 overflows in decoder layer 1" in report.summary()  # what the API and the page show
+    [beside] = [g for g in report.gates if g.check == "transformers in fp16 beside the export"]
+    assert beside.status == "info" and beside.details["transformers"]["overflow_layer"] == 1
+    # transformers in bf16 holds the model (an fp16 export for cuda is told to export bf16), and the
+    # fp32 export the failure names for cpu passes
+    assert beside.details["transformers_bf16"]["nonfinite_steps"] == []
+    assert validate_export(export("fp32")).passed
+
+
+def test_an_fp16_report_lists_transformers_in_fp16_beside_the_export(exported):
+    report = validate_export(exported("llama", "attn_dynamic", "fp16"))
+    assert report.passed, report.summary()
+    [beside] = [g for g in report.gates if g.check == "transformers in fp16 beside the export"]
+    export, yard = beside.details["export"], beside.details["transformers"]
+    assert beside.status == "info" and export["run"] == "export" and yard["run"] == "transformers"
+    assert len(export["step_errors"]) == len(yard["step_errors"]) == report.parity["steps"]
+    assert 0 < max(yard["step_errors"]) < 1 and yard["nonfinite_steps"] == [] and yard["device"] == "cpu"
+    [decode] = [g for g in report.gates if g.check.startswith("greedy decode")]
+    assert decode.details["margin_source"] == "measured"
+    assert decode.details["near_tie_margin"] == pytest.approx(yard["tie_margin"])
+    assert yard["tie_margin"] == pytest.approx(2 * max(yard["gap_errors"]))
+    assert not [g for g in report.gates if g.check.startswith("transformers in fp32")]  # fp32 has no yardstick

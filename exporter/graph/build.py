@@ -30,6 +30,7 @@ class BuildResult:
     architecture: Architecture
     variant: Variant
     checkpoint: Checkpoint
+    activations: DType  # what the graph computes in (request.activations_for the checkpoint)
 
 
 def check_request_against_config(request: ExportRequest, variant: Variant, cfg: ModelConfig) -> None:
@@ -60,7 +61,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     check_request_against_config(request, variant, cfg)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[request.activations], rope_cache)
+    activations = request.activations_for(source.path)
+    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache)
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=11, producer_name="exportfarm", producer_version=__version__)
@@ -81,10 +83,10 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "context_length": table_len,
                     "sliding_window": cfg.sliding_window,
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
-                    "activations": request.activations.value,
+                    "activations": activations.value,
                     **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }
             ),
         }
     )
-    return BuildResult(model, cfg, arch, variant, checkpoint)
+    return BuildResult(model, cfg, arch, variant, checkpoint, activations)

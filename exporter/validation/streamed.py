@@ -77,7 +77,10 @@ class StreamedReference:
     weights stream from ``checkpoint``; logits come back on the CPU in fp32."""
 
     def __init__(self, checkpoint: Path, device: str = "cpu", prefetch: bool | None = None,
-                 vocab_block_bytes: int = VOCAB_BLOCK_BYTES):
+                 vocab_block_bytes: int = VOCAB_BLOCK_BYTES, dtype: str = "float32"):
+        """``dtype`` is what the weights are widened (or narrowed) to and what transformers computes
+        in: float32 for the reference, float16 / bfloat16 for the half-precision yardstick
+        (``yardstick.py``: transformers itself in an export's dtype)."""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -85,6 +88,7 @@ class StreamedReference:
 
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
         if self.device.type == "cuda":
             # The reference is fp32: TF32 matmuls would round their inputs to 10 mantissa bits.
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -94,7 +98,7 @@ class StreamedReference:
         try:
             config = AutoConfig.from_pretrained(str(self.checkpoint))
             with _parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         except (OSError, ValueError) as err:
             raise ExportError(
                 f"transformers cannot build the reference model of {self.checkpoint} "
@@ -127,12 +131,14 @@ class StreamedReference:
         self._meta = {i: {n: p for n, p in layer.named_parameters()} for i, layer in enumerate(self.layers)}
         for i, layer in enumerate(self.layers):
             layer.register_forward_pre_hook(lambda module, args, i=i: self._enter_layer(i))
-            layer.register_forward_hook(lambda module, args, out, i=i: self._leave_layer(i))
+            layer.register_forward_hook(lambda module, args, out, i=i: self._leave_layer(i, out))
         self.embedding.register_forward_pre_hook(self._embed_rows, with_kwargs=True)
         self.embedding.register_forward_hook(self._embed_done)
         self._embedding_meta = self.embedding.weight
         self.lm_head.forward = self._lm_head_forward
         self.passes = 0
+        # Set to a list, each layer's output appends (layer, largest magnitude, every value finite).
+        self.watch: list[tuple[int, float, bool]] | None = None
 
     def materialized_layers(self) -> list[int]:
         """Indices of the decoder layers whose weights are in memory now (at most one, between passes none)."""
@@ -200,7 +206,7 @@ class StreamedReference:
         return names
 
     def _tensor(self, name: str, rows=None):
-        """A checkpoint tensor (or rows of it) in fp32 on the reference's device."""
+        """A checkpoint tensor (or rows of it) in the reference's dtype on its device."""
         import torch
 
         array = self.source.array(name)
@@ -213,7 +219,7 @@ class StreamedReference:
         if stored is not None and stored.name == "BFLOAT16":
             tensor = tensor.view(torch.bfloat16)
         tensor = tensor.to(self.device)
-        return tensor.to(torch.float32) if tensor.is_floating_point() else tensor
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     def _parameter(self, name: str, rows=None):
         import torch
@@ -237,8 +243,15 @@ class StreamedReference:
                 self._pending[i + 1] = self._pool.submit(self._load_layer, i + 1)
         _assign(self.layers[i], weights)
 
-    def _leave_layer(self, i: int) -> None:
+    def _leave_layer(self, i: int, out=None) -> None:
         _assign(self.layers[i], self._meta[i])
+        if self.watch is not None and out is not None:
+            import torch
+
+            hidden = (out[0] if isinstance(out, (tuple, list)) else out).detach()
+            finite = bool(torch.isfinite(hidden).all())
+            peak = float(hidden[torch.isfinite(hidden)].abs().max()) if hidden.numel() and finite else float("inf")
+            self.watch.append((i, peak, finite))
 
     # --- embedding and LM head -------------------------------------------------------------------
 
@@ -267,9 +280,9 @@ class StreamedReference:
         head = self.lm_head
         name = self._names[id(head.weight)]
         vocab, width = head.weight.shape
-        step = max(1, self.vocab_block_bytes // (width * 4))
+        step = max(1, self.vocab_block_bytes // (width * self.dtype.itemsize))
         bias_name = self._names.get(id(head.bias)) if getattr(head, "bias", None) is not None else None
-        out = torch.empty((*hidden.shape[:-1], vocab), dtype=torch.float32, device=self.device)
+        out = torch.empty((*hidden.shape[:-1], vocab), dtype=self.dtype, device=self.device)
         blocks = [(a, min(vocab, a + step)) for a in range(0, vocab, step)]
         ahead = self._pool.submit(self._tensor, name, slice(*blocks[0])) if self.prefetch else None
         for n, (a, b) in enumerate(blocks):

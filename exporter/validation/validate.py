@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import datetime
 import json
 import math
@@ -267,22 +268,50 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
                               quality_thresholds, reference_cache, shared_references)
 
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)]
+    prompts = parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, gates)
     t0 = time.perf_counter()
-    cache_path, ref = reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
+    cached = [reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
+              for _, prompt in prompts]
     timings["reference"] = time.perf_counter() - t0
-    timings["reference_cached"] = float(ref is not None)
+    timings["reference_cached"] = float(all(ref is not None for _, ref in cached))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
     try:
-        loading = pool.submit(_loaded, ref_source.path, ep) if ref is None and reference_beside_session(ep) else None
+        missing = any(ref is None for _, ref in cached)
+        loading = pool.submit(_loaded, ref_source.path, ep) if missing and reference_beside_session(ep) else None
         probe()
-        return _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
-                       shared_references, gates, timings), None
+        return _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
+                       reference_cache, shared_references, gates, timings), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def parity_prompts(checkpoint: Path, cfg: dict, prompt_len: int, steps: int, gates: list) -> list[tuple[str, list[int]]]:
+    """The parity runs' prompts: ``prompt_len`` random token ids (every part of the vocabulary), and
+    where the checkpoint has a tokenizer, one user turn through its chat template (plain text with
+    the tokenizer's special tokens where it has none), if it fits the export's context with the
+    decode steps; an informational gate says when it does not."""
+    from exporter.validation import text
+
+    rng = np.random.default_rng(0)
+    prompts = [("", [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)])]
+    tokenizer = text.load_tokenizer(checkpoint)
+    if tokenizer is None:
+        return prompts
+    ids, kind = text.chat_prompt(tokenizer)
+    room = cfg.get("max_seq_len")
+    if max(ids, default=0) >= cfg["vocab_size"]:
+        gates.append(GateResult("parity", f"{kind} prompt", True, f"token id {max(ids)}", f"< {cfg['vocab_size']}",
+                                "the tokenizer's ids exceed the model's vocabulary: no real-text parity run",
+                                informational=True))
+    elif room and len(ids) + steps > room:
+        gates.append(GateResult("parity", f"{kind} prompt", True, f"{len(ids)} + {steps} tokens", f"<= {room}",
+                                f"the {kind} prompt and {steps} decode steps do not fit max_seq_len {room}: "
+                                "no real-text parity run", informational=True))
+    else:
+        prompts.append((f"{kind} prompt", ids))
+    return prompts
 
 
 def _loaded(checkpoint: Path, ep: str) -> list:
@@ -311,66 +340,127 @@ def reference_beside_session(ep: str) -> bool:
     return ep != "cpu"
 
 
-def _parity(factory, export_dir, ep, dtype, ref_source, prompt, steps, peer, cache_path, ref, loading,
+def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
             shared_references, gates, timings) -> dict | None:
-    """The export decodes teacher-forced on the reference's tokens and is judged; without a cached
-    reference it decodes freely first and transformers checks those tokens (the streamed model
-    set up by ``loading``, a future of ``_loaded``, or here), from a departure on checking the
-    export's continuation of the reference's own tokens."""
+    """For each prompt, the export decodes teacher-forced on the reference's tokens and is judged;
+    without a cached reference it decodes freely first and transformers checks those tokens (the
+    streamed model set up by ``loading``, a future of ``_loaded``, or here), from a departure on
+    checking the export's continuation of the reference's own tokens. A half-precision export is
+    read beside transformers in its own dtype (``yardstick``); an export whose logits are not
+    finite is probed for where they stop being finite (``overflow``). Returns the first prompt's
+    result, with the others' under ``prompts``."""
     from exporter.validation import reference
     from exporter.validation.parity import export_decode
 
     timings["parity_session"] = 0.0
-
-    def session():
-        t = time.perf_counter()
-        lm = _session(factory, export_dir, ep, "parity", gates)
-        timings["parity_session"] += time.perf_counter() - t
-        return lm
-
     t0 = time.perf_counter()
-    lm = session()
+    lm = _session(factory, export_dir, ep, "parity", gates)
+    timings["parity_session"] += time.perf_counter() - t0
     if lm is None:
         timings["parity"] = time.perf_counter() - t0
         return None
-    free_run, parity_s = None, 0.0
-    if ref is None:
-        # The export decodes greedily on its own first; the reference then checks those tokens in
-        # one forward pass (reference_greedy) rather than one pass per step. The streamed
-        # reference holds about one layer, so the session stays: where the reference departs from
-        # the export's tokens, the export drafts again from the reference's tokens so far.
-        free_run = export_decode(lm, prompt, steps)
-        parity_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model, timings["reference_load"] = (loading.result() if loading else _loaded(ref_source.path, ep)).pop()
-        drafts = [0]
+    parity_s = time.perf_counter() - t0
+    model, refs, runs = None, [], []
+    try:
+        for (label, prompt), (cache_path, ref) in zip(prompts, cached):
+            t0 = time.perf_counter()
+            free_run = None
+            if ref is None:
+                # The export decodes greedily on its own first; the reference then checks those tokens
+                # in one forward pass (reference_greedy) rather than one pass per step. The streamed
+                # reference holds about one layer, so the session stays: where the reference departs
+                # from the export's tokens, the export drafts again from the reference's tokens so far.
+                free_run = export_decode(lm, prompt, steps)
+                parity_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if model is None:
+                    model, timings["reference_load"] = (loading.result() if loading else
+                                                        _loaded(ref_source.path, ep)).pop()
+                drafts = [0]
 
-        def redraft(tokens: list[int]) -> list[int]:
-            drafts[0] += 1
-            return export_decode(lm, prompt + tokens, steps - len(tokens)).chosen
+                def redraft(tokens: list[int], prompt=prompt) -> list[int]:
+                    drafts[0] += 1
+                    return export_decode(lm, prompt + tokens, steps - len(tokens)).chosen
 
-        try:
-            ref = reference.reference_greedy(model, prompt, steps, free_run.chosen, redraft)
-            timings["reference_passes"] = float(model.passes)
-            timings["reference_redrafts"] = float(drafts[0])
-        finally:
+                ref = reference.reference_greedy(model, prompt, steps, free_run.chosen, redraft)
+                timings["reference_passes"] = float(model.passes)
+                timings["reference_redrafts"] = timings.get("reference_redrafts", 0.0) + drafts[0]
+                reference.store_reference(cache_path, ref, shared_references)
+                timings["reference"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+            # Parity is judged teacher-forced: the export fed the reference's tokens. Its free run was
+            # exactly that run when it chose the reference's tokens at every step; otherwise it runs again.
+            run = free_run if free_run is not None and free_run.follows(ref.tokens) else None
+            if run is None:
+                run = export_decode(lm, prompt, steps, ref.tokens)
+            parity_s += time.perf_counter() - t0
+            refs.append(ref)
+            runs.append(run)
+    finally:
+        if model is not None:
             model.close()
         del model
-        reference.store_reference(cache_path, ref, shared_references)
-        timings["reference"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-    # Parity is judged teacher-forced: the export fed the reference's tokens. Its free run was
-    # exactly that run when it chose the reference's tokens at every step; otherwise it runs again.
-    run = free_run if free_run is not None and free_run.follows(ref.tokens) else None
-    if run is None:
-        run = export_decode(lm, prompt, steps, ref.tokens)
-    parity_results, result = parity_gates(run, ref, dtype)
-    gates += parity_results
-    parity = result.to_dict()
     if peer is not None:
-        gates.append(peer_gate(lm, factory(Path(peer), ep), ref, dtype))
-    timings["parity"] = parity_s + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gates.append(peer_gate(lm, factory(Path(peer), ep), refs[0], dtype))
+        parity_s += time.perf_counter() - t0
+    del lm
+    results = []
+    for (label, prompt), ref, run in zip(prompts, refs, runs):
+        yardsticks = _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared_references, timings)
+        finding = None
+        if not all(np.isfinite(logits).all() for logits in run.logits[: len(ref.tokens)]):
+            finding = _locate_overflow(export_dir, ep, prompt, run, ref, timings)
+        parity_results, result = parity_gates(run, ref, dtype, *yardsticks, overflow=finding, prompt=label,
+                                               ep=ep)
+        gates += parity_results
+        results.append(result.to_dict())
+    timings["parity"] = parity_s
+    parity = results[0]
+    if len(results) > 1:
+        parity["prompts"] = [{"prompt": label, **result} for (label, _), result in zip(prompts[1:], results[1:])]
     return parity
+
+
+def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timings):
+    """(transformers in the export's dtype, transformers in the other half precision or None) for a
+    half-precision export, the second only where the first is not sound and the export departed:
+    it names the dtype to export instead. (None, None) for fp32."""
+    from exporter.validation import yardstick
+    from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
+
+    if dtype not in yardstick.TORCH_DTYPES:
+        return None, None
+    t0 = time.perf_counter()
+    measure = functools.partial(yardstick.cached_measure, reference_cache, ref_source.revision, ref_source.path, ep,
+                                ref=ref, shared=shared)
+    same = measure(dtype)
+    other = None
+    if not yardstick.sound(same, ref, PREFILL_TOLERANCE[dtype], NEAR_TIE_MARGIN[dtype]):
+        other = measure(yardstick.OTHER[dtype])
+    timings["yardstick"] = timings.get("yardstick", 0.0) + time.perf_counter() - t0
+    return same, other
+
+
+def _locate_overflow(export_dir, ep, prompt, run, ref, timings):
+    """Where the export's values first stop being finite, on the history that led to its first
+    non-finite logits (None where the probe itself cannot run: the gate then says what it saw)."""
+    from exporter.runtime.session import read_metadata
+    from exporter.validation import overflow
+
+    t0 = time.perf_counter()
+    first = next(i for i, logits in enumerate(run.logits) if not np.isfinite(logits).all())
+    model_path = Path(export_dir) / MODEL_FILE
+    num_layers = read_metadata(model_path)["config"]["num_layers"]
+    try:
+        return overflow.locate(model_path, ep, list(prompt) + list(run.fed[:first]), num_layers)
+    except Exception as err:  # a diagnosis, not a gate: the failure stands without it
+        import logging
+
+        logging.getLogger(__name__).warning("could not probe %s for its overflow: %s", export_dir, err)
+        return None
+    finally:
+        timings["overflow_probe"] = time.perf_counter() - t0
 
 
 QUANTIZED = ("int4", "int8")
@@ -397,8 +487,8 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
 
     t0 = time.perf_counter()
     checkpoint = Path(ref_source.path)
-    tokens, tokenizer = text_tokens(checkpoint, cfg["vocab_size"])
-    chunks = windows(tokens, min(WINDOW, cfg.get("max_seq_len") or WINDOW))
+    tokens, tokenizer, prefix = text_tokens(checkpoint, cfg["vocab_size"])
+    chunks = windows(tokens, min(WINDOW, cfg.get("max_seq_len") or WINDOW), prefix)
     cache_path, ref = reference.cached_window_logits(reference_cache, ref_source.revision, chunks, shared_references)
     timings["reference_cached"] = float(ref is not None)
     if ref is None:
@@ -417,7 +507,7 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
         return None
     got = export_logits(lm, chunks)
     result = score(chunks, ref, got, tokenizer)
-    gates += quality_gates(result, dtype, thresholds)
+    gates += quality_gates(result, dtype, thresholds, cfg["vocab_size"])
     gates.append(_decode_consistency(lm, chunks[0], got[0], activations))
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()

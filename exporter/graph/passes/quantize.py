@@ -47,6 +47,17 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
 
     k, n = weight_kn.shape
     k_blocks, blob, zp_bytes = scheme.layout(k)
+    if weight_kn.dtype.name == "bfloat16":
+        # onnxruntime's quantizer takes fp32 or fp16 only (a bf16 array is converted to a copy, and
+        # the scales it writes there are lost). Its algorithm on the bf16 scales, as for fp16: the
+        # scale rounded to the stored dtype, each element quantized by that stored scale.
+        from exporter.validation.gates.weights import quantize_rows
+
+        packed, scales, zero_points = quantize_rows(np.ascontiguousarray(weight_kn.T), scheme.bits,
+                                                    scheme.block_size, scheme.symmetric)
+        if scheme.symmetric:
+            zero_points = np.zeros((n, zp_bytes), np.uint8)
+        return packed, scales, zero_points
     if k_blocks * scheme.block_size != k:  # ORT's tool pads K the same way
         weight_kn = np.pad(weight_kn, ((0, k_blocks * scheme.block_size - k), (0, 0)))
     weight_kn = np.ascontiguousarray(weight_kn)

@@ -6,7 +6,9 @@ import numpy as np
 
 from exporter.validation.gates import GateResult
 from exporter.validation.parity import ExportRun, ParityResult, export_decode, judge
+from exporter.validation.overflow import Finding
 from exporter.validation.reference import ReferenceRun
+from exporter.validation.yardstick import Drift, drift, sound
 from exporter.runtime.session import Decoder
 
 # Last-position prefill logits: max abs error over the reference's logit range.
@@ -16,27 +18,103 @@ PREFILL_TOLERANCE = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 2e-1}
 NEAR_TIE_MARGIN = {"fp32": 0.01, "fp16": 0.1, "bf16": 0.5}
 
 
-def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str) -> tuple[list[GateResult], ParityResult]:
-    """The export's teacher-forced run (``export_decode`` fed the reference's tokens) judged."""
-    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
+def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str, yardstick: Drift | None = None,
+                 other: Drift | None = None, overflow: Finding | None = None,
+                 prompt: str = "", ep: str = "cuda") -> tuple[list[GateResult], ParityResult]:
+    """The export's teacher-forced run (``export_decode`` fed the reference's tokens) judged.
+
+    A half-precision export comes with its ``yardstick`` (transformers in the export's dtype on the
+    same tokens, ``yardstick.measure``) and, where that is not sound, ``other`` (transformers in
+    the other half precision). The export is judged against fp32 all the same; the yardstick sets
+    the near-tie margin where it is sound (twice the largest change half precision made to the
+    top-1/top-2 gap) and says in every failure whether the dtype or the export departed.
+    ``overflow`` is where the export's values stopped being finite (``overflow.locate``), when they
+    did. ``prompt`` names the prompt in the checks' names ("" for the random-token prompt).
+    """
+    span = float(ref.prefill_logits.max() - ref.prefill_logits.min())
+    fixed = NEAR_TIE_MARGIN[dtype]
+    yard_sound = yardstick is not None and sound(yardstick, ref, PREFILL_TOLERANCE[dtype], fixed)
+    measured_margin = yardstick.tie_margin() if yard_sound else None
+    margin = measured_margin if measured_margin is not None else fixed
+    result = judge(run, ref, margin)
+    export = drift("export", dtype, run.logits[: len(ref.tokens)], ref)
     limit = PREFILL_TOLERANCE[dtype] * result.logit_range
-    return [
+    why = verdict(dtype, yardstick, other, ref, ep) if yardstick is not None else ""
+    suffix = f", {prompt}" if prompt else ""
+    prefill_ok = result.prefill_max_abs_error <= limit
+    gates = []
+    if not export.finite:
+        gates.append(GateResult(
+            "parity", f"export outputs finite{suffix}", False, f"non-finite at steps {export.nonfinite_steps}",
+            "every logit finite", overflow_message(dtype, export, overflow, why, ep),
+            details={"overflow": overflow.to_dict() if overflow else None}))
+    gates += [
         GateResult(
-            "parity", "prefill logits max abs error vs transformers", result.prefill_max_abs_error <= limit,
+            "parity", f"prefill logits max abs error vs transformers{suffix}", prefill_ok,
             result.prefill_max_abs_error, limit,
-            "" if result.prefill_max_abs_error <= limit else
-            f"last-position logits differ by {result.prefill_max_abs_error:.4g} (range {result.logit_range:.4g})",
-            details={"relative_tolerance": PREFILL_TOLERANCE[dtype], "logit_range": result.logit_range},
+            "" if prefill_ok else
+            f"last-position logits differ by {result.prefill_max_abs_error:.4g} (range {result.logit_range:.4g})"
+            + (f"; {why}" if why and export.finite else ""),
+            details={"relative_tolerance": PREFILL_TOLERANCE[dtype], "logit_range": span,
+                     **({"transformers_in_dtype": yardstick.prefill_max_abs_error} if yardstick else {})},
         ),
         GateResult(
-            "parity", f"greedy decode, {result.steps} steps (teacher-forced)", not result.mismatches,
+            "parity", f"greedy decode, {result.steps} steps (teacher-forced){suffix}", not result.mismatches,
             f"{result.steps - len(result.mismatches) - len(result.tie_mismatches)}/{result.steps} tokens equal",
-            f"no mismatch outside near ties (gap < {NEAR_TIE_MARGIN[dtype]})",
-            "" if not result.mismatches else f"different token at decisive steps {result.mismatches}",
+            f"no mismatch outside near ties (gap < {margin:.3g}"
+            + (", measured" if measured_margin is not None else "") + ")",
+            "" if not result.mismatches else
+            f"different token at decisive steps {result.mismatches} (fp32 gaps "
+            + ", ".join(f"{ref.gaps[i]:.3g}" for i in result.mismatches) + ")"
+            + (f"; {why}" if why and export.finite and prefill_ok else ""),
             details={"near_ties": result.near_ties, "near_tie_flips": result.tie_mismatches,
+                     "near_tie_margin": margin, "margin_source": "measured" if measured_margin is not None else "fixed",
                      "reference_tokens": ref.tokens, "export_tokens": result.tokens},
         ),
-    ], result
+    ]
+    if yardstick is not None:
+        gates.append(GateResult(
+            "parity", f"transformers in {dtype} beside the export{suffix}", True,
+            f"transformers {yardstick.describe()}; export {export.describe()}",
+            "the export is judged against fp32", why, informational=True,
+            details={"export": export.to_dict(), "transformers": yardstick.to_dict(),
+                     **({"transformers_" + other.dtype: other.to_dict()} if other else {})}))
+    return gates, result
+
+
+def _instead(dtype: str, ep: str) -> str:
+    """What to export for ``ep`` instead of ``dtype`` (bf16 has fp32's range, but onnxruntime's CPU EP
+    has no bf16 MatMul)."""
+    if dtype == "bf16":
+        return "export fp32"
+    if ep == "cpu":
+        return "export fp32 for cpu (bf16, which has fp32's range, runs on cuda only)"
+    return "export bf16"
+
+
+def verdict(dtype: str, yardstick: Drift, other: Drift | None, ref: ReferenceRun, ep: str = "cuda") -> str:
+    """Whether the dtype holds this model, as transformers in it shows, and what to export instead."""
+    if sound(yardstick, ref, PREFILL_TOLERANCE[dtype], NEAR_TIE_MARGIN[dtype]):
+        return (f"transformers in {dtype} on the same tokens {yardstick.describe()}: the export's departure is "
+                f"its own (an exporter or runtime fault), not {dtype}'s range")
+    said = f"{dtype} is unsafe for this model: transformers itself in {dtype} {yardstick.describe()}"
+    if other is None:
+        return f"{said}; {_instead(dtype, ep)}"
+    if sound(other, ref, PREFILL_TOLERANCE[other.dtype], NEAR_TIE_MARGIN[other.dtype]):
+        return f"{said}; transformers in {other.dtype} {other.describe()}: {_instead(dtype, ep)}"
+    return said + f"; transformers in {other.dtype} too {other.describe()}: export fp32"
+
+
+def overflow_message(dtype: str, export: Drift, finding: Finding | None, why: str, ep: str = "cuda") -> str:
+    """"fp16 overflows in decoder layer 3 (first non-finite value: SkipSimplifiedLayerNormalization
+    node_12); export bf16" and what the yardstick said."""
+    steps = f"non-finite logits from step {export.nonfinite_steps[0]}"
+    if finding is None or finding.overflow_at is None:
+        head = f"{dtype} export gives {steps}"
+    else:
+        head = (f"{dtype} overflows in {finding.overflow_at} (first non-finite value: {finding.op} {finding.node}; "
+                f"{steps})")
+    return f"{head}; {why or _instead(dtype, ep)}"
 
 
 def peer_gate(lm: Decoder, peer: Decoder, ref: ReferenceRun, dtype: str) -> GateResult:

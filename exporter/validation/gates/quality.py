@@ -11,6 +11,7 @@ defaults here and overridable (farm setting QUALITY_THRESHOLDS).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -55,21 +56,39 @@ class QualityResult:
         return {**dataclasses.asdict(self), "ppl_delta": self.ppl_delta}
 
 
-def text_tokens(checkpoint: Path, vocab_size: int, limit: int = MAX_TOKENS) -> tuple[list[int], str]:
-    """The quality text as token ids: the checkpoint's tokenizer when it has one, else bytes."""
+# A reference whose perplexity on the text is at least this fraction of the vocabulary size predicts
+# it about as well as a guess among that many tokens: a trained model is orders of magnitude below
+# (SmolLM2-135M: about 10 on this text; a real gemma3_text fed the text without its BOS: 599,000 of
+# a 262,144 vocabulary). Then the measurement is broken (the text, its tokens, the reference), and
+# the figures say nothing about the export.
+IMPLAUSIBLE_PPL_FRACTION = 0.5
+
+
+def text_tokens(checkpoint: Path, vocab_size: int, limit: int = MAX_TOKENS) -> tuple[list[int], str, list[int]]:
+    """The quality text as token ids, the tokenization, and the ids every window starts with.
+
+    With the checkpoint's tokenizer: the text's ids, and the special tokens that tokenizer puts
+    before a text it encodes for the model (BOS for most models): each window starts with them,
+    as every sequence the model sees does. Without one: bytes mapped into the vocabulary, no prefix."""
+    from exporter.validation import text as real_text
+
     text = TEXT_PATH.read_text()
-    if any((checkpoint / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
-
-        ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(text, add_special_tokens=False)
-        if ids and max(ids) < vocab_size:
-            return [int(t) for t in ids[:limit]], "checkpoint"
+    tokenizer = real_text.load_tokenizer(Path(checkpoint))
+    if tokenizer is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prefix, _ = real_text.special_affixes(tokenizer)
+        if ids and max(ids + prefix) < vocab_size:
+            return [int(t) for t in ids[:limit]], "checkpoint", prefix
     span = max(1, vocab_size - 3)
-    return [3 + (b % span) for b in text.encode()[:limit]], "bytes"
+    return [3 + (b % span) for b in text.encode()[:limit]], "bytes", []
 
 
-def windows(tokens: list[int], window: int) -> list[list[int]]:
-    return [tokens[i : i + window] for i in range(0, len(tokens) - 1, window) if len(tokens[i : i + window]) > 1]
+def windows(tokens: list[int], window: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """The text in windows of ``window`` ids, each ``prefix`` (the tokenizer's leading special
+    tokens) followed by the next stretch of the text."""
+    prefix = list(prefix or [])
+    body = max(1, window - len(prefix))
+    return [prefix + tokens[i : i + body] for i in range(0, len(tokens) - 1, body) if len(tokens[i : i + body]) > 1]
 
 
 def reference_logits(model, chunks: list[list[int]]) -> list[np.ndarray]:
@@ -127,9 +146,42 @@ def score(chunks: list[list[int]], ref: list[np.ndarray], got: list[np.ndarray],
     )
 
 
-def quality_gates(result: QualityResult, dtype: str, thresholds: dict | None = None) -> list[GateResult]:
+def plausibility_gate(result: QualityResult, vocab_size: int) -> GateResult:
+    """The measurement checks itself: the unquantized reference must predict the text far better
+    than chance, or its figures are no verdict on the export."""
+    limit = IMPLAUSIBLE_PPL_FRACTION * vocab_size
+    if result.tokenizer != "checkpoint":
+        return GateResult("quality", "the reference predicts the text (measurement check)", True,
+                          round(result.ppl_reference, 4), f"< {limit:g}",
+                          "no tokenizer: the text is bytes mapped into the vocabulary, which no model predicts; "
+                          "the figures compare the export with the reference on arbitrary ids", informational=True)
+    ok = math.isfinite(result.ppl_reference) and result.ppl_reference < limit
+    return GateResult(
+        "quality", "the reference predicts the text (measurement check)", ok, round(result.ppl_reference, 4),
+        f"< {limit:g}",
+        "" if ok else
+        f"measurement error, not a verdict on the export: the unquantized reference's perplexity on the quality "
+        f"text is {result.ppl_reference:.4g}, no better than chance over {vocab_size} tokens; the text, its "
+        "tokenization (the model's special tokens) or the reference checkpoint is broken",
+        details={"fraction_of_vocabulary": IMPLAUSIBLE_PPL_FRACTION, "vocab_size": vocab_size})
+
+
+def quality_gates(result: QualityResult, dtype: str, thresholds: dict | None = None,
+                  vocab_size: int | None = None) -> list[GateResult]:
+    """The quality verdict; with ``vocab_size``, first the measurement's own check, and where that
+    fails, the figures are reported as informational (they measure nothing about the export)."""
     limits = {**DEFAULT_THRESHOLDS[dtype], **((thresholds or {}).get(dtype, {}))}
     where = f"{result.positions} positions of public-domain English ({result.tokenizer} tokens)"
+    check = plausibility_gate(result, vocab_size) if vocab_size else None
+    gates = [check] if check else []
+    verdict = _verdicts(result, limits, where)
+    if check is not None and check.status == "fail":
+        for gate in verdict:
+            gate.informational = True
+    return gates + verdict
+
+
+def _verdicts(result: QualityResult, limits: dict, where: str) -> list[GateResult]:
     gates = []
     if result.decisive_positions:
         ok = result.agreement >= limits["agreement_min"]

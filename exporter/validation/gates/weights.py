@@ -245,6 +245,17 @@ def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Ch
     return acc
 
 
+def _numpy(tensor) -> np.ndarray:
+    """A torch tensor as numpy, bf16 as ml_dtypes' bfloat16 (torch's .numpy() refuses it)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
 def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
                        activations: str) -> _Accumulator:
     """Dequantize output columns [offset, offset + rows) of a MatMulNBits weight (one checkpoint
@@ -281,7 +292,7 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
         ratio = float((err / np.maximum(step_size, 1e-30)).max()) if err.size else 0.0
         # The bound alone trusts the file's own scales (a scale 5% off still bounds its block), so
         # the source is quantized again the same deterministic way and must give the same bytes.
-        again = quantize_block(np.ascontiguousarray(want.to(cast).numpy().T), scheme)
+        again = quantize_block(np.ascontiguousarray(_numpy(want.to(cast)).T), scheme)
         same = np.array_equal(again[0], got_packed) and np.array_equal(again[1].reshape(got_scales.shape), got_scales) \
             and (got_zero is None or np.array_equal(again[2].reshape(got_zero.shape), got_zero))
         if not same:

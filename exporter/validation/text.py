@@ -1,0 +1,56 @@
+"""Real text as the model sees it: the checkpoint's own tokenizer, its special tokens and chat template.
+
+A model trained with a BOS token at the start of every sequence gives garbage without it (a real
+gemma3_text's perplexity on plain English went from sane to 599,000), so every text validation
+feeds is tokenized the way transformers' tokenizer tokenizes it for the model: special tokens as
+the tokenizer adds them, chat turns through the checkpoint's chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# The parity run's real-text prompt: one user turn through the chat template (plain text, special
+# tokens as the tokenizer adds them, where there is no template).
+CHAT_MESSAGE = "Write one sentence about why the sea is salty."
+
+
+def has_tokenizer(checkpoint: Path) -> bool:
+    return any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILES)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(checkpoint: Path):
+    """transformers' tokenizer of ``checkpoint`` (None where it has no tokenizer files)."""
+    if not has_tokenizer(checkpoint):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text when it encodes one for the model (BOS,
+    say): ``encode(text)`` is ``prefix + encode(text, add_special_tokens=False) + suffix``."""
+    probe = "Hello world"
+    bare = tokenizer.encode(probe, add_special_tokens=False)
+    full = tokenizer.encode(probe)
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return list(full[:start]), list(full[start + len(bare):])
+    return [], []
+
+
+def chat_prompt(tokenizer) -> tuple[list[int], str]:
+    """The real-text prompt's ids and what it is: ``chat template`` (one user turn and the
+    generation prompt) where the tokenizer has a template, else ``plain text`` with the special
+    tokens the tokenizer adds."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in some versions
+            ids = ids["input_ids"]
+        return [int(t) for t in ids], "chat template"
+    return [int(t) for t in tokenizer.encode(CHAT_MESSAGE)], "plain text"
