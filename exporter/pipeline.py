@@ -137,6 +137,8 @@ def validate_built(
         "summary": report.summary(),
         "report": REPORT_JSON,
     }
+    if report.genai is not None and isinstance(manifest.data.get("genai"), dict):
+        manifest.data["genai"]["validated"] = report.genai  # what the genai gate checked
     manifest.data["status"] = "ready" if report.passed else "quarantined"
     return report
 

