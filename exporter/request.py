@@ -187,6 +187,11 @@ class ExportRequest:
                 "a static cache needs its buffer length: set max_seq_len (CLI: --max-seq-len N), "
                 "the longest prompt + output"
             )
+        if variant is Variant.GQA and self.ep is EP.CUDA and self.activations is DType.FP32:
+            raise ExportError(
+                "GroupQueryAttention has no fp32 kernel on the CUDA execution provider (fp16 / bf16 only): "
+                "use the attn_dynamic or attn_static variant for fp32 on cuda, or dtype fp16 / bf16"
+            )
         if variant is Variant.GQA and self.dtype is DType.BF16 and self.ep is EP.CPU:
             raise ExportError(
                 "GroupQueryAttention has no bf16 kernel on the CPU execution provider: "

