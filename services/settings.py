@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from exporter.errors import ExportError
 
 
 MIN_TOKEN_LENGTH = 24
@@ -46,6 +48,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024, gt=0, description="largest request body the API reads")
     hub_access: bool = Field(False, description="allow hub model ids (workers download them); off: MODELS_DIR only")
     auth_failures_per_minute: int = Field(10, ge=1, description="failed authentications per client before 429")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="addresses of proxies whose X-Forwarded-For names the client "
+        '(JSON list, e.g. ["10.0.0.5"]); failed logins are counted per client')
     token_cache_s: float = Field(5.0, ge=0, description="how long an API process trusts a token it checked")
 
     models_dir: Path | None = Field(None, description="local checkpoints the API may export, by directory name")
@@ -228,6 +233,25 @@ class Settings(BaseSettings):
         return self.data_dir / "store"
 
 
+class SettingsError(ExportError):
+    """Settings the farm cannot start with: one line per setting, what is wrong and what to set."""
+
+
+def describe_invalid(err: ValidationError) -> str:
+    """A pydantic ValidationError as the settings a user sets (environment names) and what is wrong."""
+    parts = []
+    for problem in err.errors():
+        name = "_".join(str(p) for p in problem.get("loc", ()) if not isinstance(p, int)).upper() or "settings"
+        given = problem.get("input")
+        shown = f" (got a {len(given)}-character value)" if isinstance(given, str) and "length" in problem["msg"] \
+            else ""
+        parts.append(f"{name}: {problem['msg'].removeprefix('Value error, ')}{shown}")
+    return "invalid settings: " + "; ".join(parts) + ": fix them in the environment or .env"
+
+
 @functools.cache
 def get_settings() -> Settings:
-    return Settings()
+    try:
+        return Settings()
+    except ValidationError as err:
+        raise SettingsError(describe_invalid(err)) from None

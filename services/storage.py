@@ -458,7 +458,8 @@ def verify_local_signature(secret: str, key: str, expires: int | str, signature:
         return False
     if expires < (time.time() if now is None else now):
         return False
-    return hmac.compare_digest(local_signature(secret, key, expires), str(signature))
+    # bytes: compare_digest refuses a str with non-ASCII characters (a TypeError, a 500 for the caller)
+    return hmac.compare_digest(local_signature(secret, key, expires).encode(), str(signature).encode("utf-8", "replace"))
 
 
 class LocalStore(ArtifactStore):

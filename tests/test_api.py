@@ -316,8 +316,35 @@ def test_failed_authentications_are_rate_limited_per_client(tmp_path):
         assert client.get("/exports", headers={"Authorization": "Bearer not-a-token-at-all"}).status_code == 401
     limited = client.get("/exports", headers={"Authorization": "Bearer not-a-token-at-all"})
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) > 0
-    assert client.get("/exports").status_code == 429  # the client, not the token, is limited
+    other = client.get("/exports", headers={"Authorization": "Bearer another-wrong-token-0123456"})
+    assert other.status_code == 429  # the client, not the token, is limited
     assert client.get("/healthz").status_code == 200
+    # a valid token is never refused for the failures before it (a fuzzer's, or another user's
+    # behind the same proxy)
+    assert client.get("/exports", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_failures_are_counted_per_forwarded_client_behind_a_trusted_proxy(tmp_path):
+    from services.api.guard import client_address
+
+    scope = {"client": ("10.0.0.5", 1), "headers": [(b"x-forwarded-for", b"6.6.6.6, 203.0.113.7")]}
+    assert client_address(scope, ["10.0.0.5"]) == "203.0.113.7"  # the hop the proxy saw
+    assert client_address(scope, []) == "10.0.0.5"  # an untrusted peer's header is ignored
+    assert client_address({**scope, "client": ("198.51.100.1", 1)}, ["10.0.0.5"]) == "198.51.100.1"
+    client = make_app(tmp_path, auth_failures_per_minute=2, trusted_proxies=["testclient"])
+    bad = {"Authorization": "Bearer not-a-token-at-all"}
+    for _ in range(2):
+        assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.7"}).status_code == 401
+    assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.7"}).status_code == 429
+    assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.8"}).status_code == 401
+
+
+def test_a_non_ascii_signature_or_csrf_value_is_refused_not_a_server_error(tmp_path):
+    client = make_app(tmp_path)
+    assert client.get("/files/anything?expires=99999999999&signature=%C3%A9").status_code == 403
+    client.cookies.set("exportfarm_session", ADMIN, path="/ui")
+    page = client.post("/ui/logout", data={"csrf": "é"}, headers={"Origin": "http://testserver"})
+    assert page.status_code == 403
 
 
 def test_download_links_survive_a_restart_in_embedded_mode(tmp_path):

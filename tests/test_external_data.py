@@ -72,3 +72,44 @@ def test_an_export_whose_rope_tables_are_cached_imports_no_torch(checkpoint, tmp
     assert runs == ["True", "False"]  # computed once, then read back
     first, second = (json.loads((tmp_path / f"out{i}" / "manifest.json").read_text()) for i in range(2))
     assert first["files"][DATA_FILE] == second["files"][DATA_FILE]  # the same bytes either way
+
+
+def test_checkpoint_files_are_read_only_inside_the_checkpoint(checkpoint, tmp_path):
+    """A tokenizer.json linked to a secret outside the checkpoint would be copied into the package and
+    published; a shard named outside the directory would be read: both are refused by name. Links
+    inside the checkpoint, and a model directory that is itself a link, still work."""
+    import json
+    import shutil
+
+    from exporter.errors import ExportError
+    from exporter.packaging.checkpoint import Checkpoint, checkpoint_file
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    secret = tmp_path / "environ"
+    secret.write_text("S3_SECRET_KEY=hunter2\n")
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("llama"), source)
+    (source / "tokenizer.json").symlink_to(secret)
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant="attn_dynamic", max_seq_len=64)
+    with pytest.raises(ExportError, match="tokenizer.json in ckpt leads outside the checkpoint"):
+        export_model(request, tmp_path / "out", validate=False)
+    assert not (tmp_path / "out").exists()
+    (source / "tokenizer.json").unlink()
+    (source / "tokenizer.json").symlink_to(source / "config.json")  # inside: fine
+    assert checkpoint_file(source, "tokenizer.json") == source / "tokenizer.json"
+    (source / "tokenizer.json").unlink()
+
+    [shard] = source.glob("*.safetensors")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(shard, outside / shard.name)
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": f"../elsewhere/{shard.name}"}}))
+    (source / shard.name).symlink_to(outside / shard.name)
+    with pytest.raises(ExportError, match="leads outside the checkpoint|not a file name inside"):
+        Checkpoint(source)
+    with pytest.raises(ExportError, match="not a file name inside the checkpoint"):
+        checkpoint_file(source, f"../elsewhere/{shard.name}")
+    link = tmp_path / "linked-model"
+    link.symlink_to(checkpoint("llama"))
+    assert Checkpoint(link.resolve()).names()  # the model directory itself may be a link

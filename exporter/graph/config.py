@@ -93,8 +93,10 @@ class ModelConfig:
 
 
 def read_raw_config(checkpoint_dir: Path) -> dict:
-    path = checkpoint_dir / "config.json"
-    if not path.is_file():
+    from exporter.packaging.checkpoint import checkpoint_file
+
+    path = checkpoint_file(checkpoint_dir, "config.json", required=False)
+    if path is None:
         raise ExportError(f"{checkpoint_dir} has no config.json: point --model at a Hugging Face checkpoint directory")
     try:
         return json.loads(path.read_text())

@@ -206,12 +206,15 @@ def _without_tokens(processor: dict, tokens: set[str]) -> dict | None:
 
 
 def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer files present in ``source_dir``; returns their names (sorted)."""
-    names = {name for name in TOKENIZER_FILES if (source_dir / name).is_file()}
+    """Copy the tokenizer files present in ``source_dir``; returns their names (sorted). Each must
+    really be inside the checkpoint (``checkpoint_file``): the copies are published."""
+    from exporter.packaging.checkpoint import checkpoint_file
+
+    names = {name for name in TOKENIZER_FILES if (source_dir / name).exists() or (source_dir / name).is_symlink()}
     for pattern in TOKENIZER_GLOBS:
-        names.update(p.name for p in source_dir.glob(pattern) if p.is_file())
+        names.update(p.name for p in source_dir.glob(pattern))
     for name in sorted(names):
-        shutil.copyfile(source_dir / name, out_dir / name)
+        shutil.copyfile(checkpoint_file(source_dir, name), out_dir / name)
     return sorted(names)
 
 

@@ -8,7 +8,10 @@ a 413 the moment it is seen; it only runs once a route reads the body, so after 
 - Everything else needs a bearer token; reading (GET, HEAD) needs ``read``, every other method
   ``admin``. A missing, unknown, revoked or expired token is a 401, a token without the scope a
   403, in both cases before a byte of the body is read. A client with AUTH_FAILURES_PER_MINUTE
-  failed authentications in the last minute gets 429 with Retry-After until they age out.
+  failed authentications in the last minute gets 429 with Retry-After for its next failures until
+  they age out; a valid token is never refused for them (the failures of others behind the same
+  proxy, or of a fuzzer, never lock out the admin). The client is the connection's address, or,
+  from a proxy named in TRUSTED_PROXIES, the last address X-Forwarded-For adds that is not one.
 """
 
 from __future__ import annotations
@@ -63,6 +66,21 @@ class FailureLimiter:
                 self._failures.pop(next(iter(self._failures)))
 
 
+def client_address(scope, trusted_proxies: tuple[str, ...] | list[str] = ()) -> str:
+    """Who is asking: the connection's address, or, where that is a trusted proxy, the last address
+    in X-Forwarded-For that is not one (what the nearest untrusted hop said it was; anything
+    before it is the client's own word)."""
+    peer = (scope.get("client") or ("unknown", 0))[0]
+    if peer not in trusted_proxies:
+        return peer
+    forwarded = ",".join(v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-forwarded-for")
+    hops = [h.strip() for h in forwarded.split(",") if h.strip()]
+    for hop in reversed(hops):
+        if hop not in trusted_proxies:
+            return hop
+    return peer
+
+
 def _error(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
@@ -115,12 +133,18 @@ class Guard:
                 return await refused(scope, receive, send)
         await self.app(scope, receive, send)
 
-    async def _authenticate(self, scope) -> JSONResponse | None:
-        client = (scope.get("client") or ("unknown", 0))[0]
+    def _refuse(self, client: str, response: JSONResponse | RedirectResponse):
+        """A failed authentication: counted against ``client``, and answered 429 once it has failed
+        too often in the last minute (checked after the token, so a valid one always gets in)."""
         wait = self.limiter.retry_after(client)
+        self.limiter.failed(client)
         if wait is not None:
             return _error(429, f"too many failed authentications from {client}: try again in {wait} s",
                           {"Retry-After": str(wait)})
+        return response
+
+    async def _authenticate(self, scope) -> JSONResponse | None:
+        client = client_address(scope, self.context.settings.trusted_proxies)
         token = _bearer(scope["headers"])
         page = scope["path"] == UI_PREFIX or scope["path"].startswith(UI_PREFIX + "/")
         if token is None and page:
@@ -130,19 +154,16 @@ class Guard:
             if scope["method"] not in READ_METHODS and not same_origin(scope["headers"]):
                 return _error(403, "a cross-origin form post to the pages is refused: use the pages themselves")
         if token is None:
-            self.limiter.failed(client)
-            return _error(401, "missing bearer token: send 'Authorization: Bearer <token>'",
-                          {"WWW-Authenticate": "Bearer"})
+            return self._refuse(client, _error(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+                                               {"WWW-Authenticate": "Bearer"}))
         try:
             principal = await anyio.to_thread.run_sync(
                 authenticate, self.context.sessions, token, self.context.settings.token_cache_s)
         except SQLAlchemyError:
             return _error(503, "the catalog is unavailable: try again shortly", {"Retry-After": "5"})
         if principal is None:
-            self.limiter.failed(client)
-            if page:
-                return _to_login()
-            return _error(401, "unknown, revoked or expired token", {"WWW-Authenticate": "Bearer"})
+            return self._refuse(client, _to_login() if page else
+                                _error(401, "unknown, revoked or expired token", {"WWW-Authenticate": "Bearer"}))
         # Signing out of the pages changes nothing but the caller's own cookie: any scope may.
         needed = "read" if scope["method"] in READ_METHODS or scope["path"] == "/ui/logout" else "admin"
         if not principal.allows(needed):

@@ -27,7 +27,7 @@ from exporter.validation.validate import cell
 from exporter.reports.bench_report import recommend
 from services import jobs
 from services.api.deps import ContextDep, SessionDep
-from services.api.guard import same_origin
+from services.api.guard import client_address, same_origin
 from services.auth import Principal, authenticate, list_tokens, revoke_token
 from services.catalog.exports import PUBLISHED_STATUSES
 from services.catalog.models import Export, ExportEvent, ExportStatus, Worker
@@ -82,7 +82,9 @@ def error_page(request: Request, status_code: int, detail: str, error_id: str | 
 
 def _check_csrf(request: Request, context: ContextDep, csrf: str) -> None:
     token = request.cookies.get(COOKIE) or ""
-    if not token or not hmac.compare_digest(csrf, csrf_token(signing_secret(context.settings), token)):
+    expected = csrf_token(signing_secret(context.settings), token) if token else ""
+    # bytes: compare_digest refuses a str with non-ASCII characters (a form could post one: a 500)
+    if not token or not hmac.compare_digest(str(csrf).encode("utf-8", "replace"), expected.encode()):
         raise jobs.Forbidden("the form's CSRF token does not match this session: reload the page and try again")
 
 
@@ -101,15 +103,15 @@ def login_form(request: Request, context: ContextDep):
 def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_length=512)]):
     if not same_origin(request.scope["headers"]):  # login CSRF: another site signing a browser in
         return _page(request, "login.html", context, 403, error="A sign-in posted from another site is refused.")
-    client = (request.client.host if request.client else "unknown")
+    client = client_address(request.scope, context.settings.trusted_proxies)
     limiter = context.auth_limiter
-    wait = limiter.retry_after(client) if limiter else None
-    if wait is not None:
-        return _page(request, "login.html", context, 429, error=f"Too many failed sign-ins: try again in {wait} s.")
     principal = authenticate(context.sessions, token.strip(), context.settings.token_cache_s)
-    if principal is None:
+    if principal is None:  # a valid token always signs in; failures are counted and slowed
+        wait = limiter.retry_after(client) if limiter else None
         if limiter:
             limiter.failed(client)
+        if wait is not None:
+            return _page(request, "login.html", context, 429, error=f"Too many failed sign-ins: try again in {wait} s.")
         return _page(request, "login.html", context, 401, error="Unknown, revoked or expired token.")
     response = RedirectResponse("/ui/catalog", status_code=303)
     secure = request.url.scheme == "https" or context.settings.public_base_url.startswith("https://")
