@@ -106,22 +106,27 @@ def create_token(session: Session, name: str, scope: str, token: str | None = No
     return row, token
 
 
-def install_bootstrap(session: Session, admin_token: str) -> None:
-    """Make ADMIN_TOKEN the one valid bootstrap token: revoke the others, add it if it is new."""
+def install_bootstrap(session: Session, admin_token: str) -> str | None:
+    """Make ADMIN_TOKEN the bootstrap admin token; returns why it was not (None: it is).
+
+    A token new to the catalog becomes the one bootstrap token and the earlier ones are revoked
+    (a rotation). A token the catalog already holds, active, stays as it is. A revoked token never
+    comes back: an old pod restarting mid-rollout with the rotated-out ADMIN_TOKEN neither revives
+    it nor revokes the new one."""
     digest = hash_token(admin_token)
-    current = None
+    existing = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
+    if existing is not None and existing.revoked_at is not None:
+        return ("ADMIN_TOKEN was revoked (rotated out, or revoked by hand) and stays revoked: set ADMIN_TOKEN to a "
+                "new value, or use a token from `exportfarm token`")
+    if existing is not None:
+        if not existing.bootstrap:  # the same secret as a token created by hand: it becomes the bootstrap
+            existing.bootstrap, existing.scope = True, "admin"
+        return None
     for row in session.scalars(select(ApiToken).where(ApiToken.bootstrap.is_(True), ApiToken.revoked_at.is_(None))):
-        if row.token_hash == digest:
-            current = row
-        else:
-            row.revoked_at = utcnow()
-            KNOWN.forget_id(row.id)
-    if current is None:
-        existing = session.scalars(select(ApiToken).where(ApiToken.token_hash == digest)).first()
-        if existing is not None:  # the same secret as a token created by hand, or revoked once
-            existing.bootstrap, existing.revoked_at, existing.scope = True, None, "admin"
-        else:
-            create_token(session, "bootstrap-admin", "admin", admin_token, bootstrap=True)
+        row.revoked_at = utcnow()
+        KNOWN.forget_id(row.id)
+    create_token(session, "bootstrap-admin", "admin", admin_token, bootstrap=True)
+    return None
 
 
 def authenticate(session_factory, token: str, ttl: float) -> Principal | None:

@@ -299,6 +299,12 @@ def test_changing_admin_token_revokes_the_previous_one(tmp_path):
     assert first.get("/exports", headers=old).status_code == 401  # the process that knew it, too
     tokens = second.get("/tokens").json()
     assert [t["revoked_at"] is not None for t in tokens if t["bootstrap"]] == [True, False]
+    # an old pod restarting mid-rollout with the rotated-out token neither revives it nor revokes the new one
+    third = make_app(tmp_path)
+    assert third.get("/exports", headers=old).status_code == 401
+    assert third.get("/exports", headers={"Authorization": "Bearer a-new-admin-token-0123456789abcdef"}).status_code == 200
+    tokens = second.get("/tokens").json()
+    assert [t["revoked_at"] is not None for t in tokens if t["bootstrap"]] == [True, False]
 
 
 def test_short_admin_tokens_and_signing_secrets_are_refused(tmp_path):

@@ -182,3 +182,34 @@ def test_partial_rotary_exports_where_ort_can_run_it_and_is_refused_where_not(tm
             out = export_model(request, tmp_path / f"out-{factor}-{variant}", validate=False).out_dir
             result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
             assert result.prefill_max_abs_error <= 1e-4 and result.tokens == ref.tokens, (factor, variant)
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"max_position_embeddings": 400_000_000}, "max_position_embeddings = 400000000 is outside"),
+    ({"vocab_size": 1_000_000_000}, "vocab_size = 1000000000 is outside"),
+    ({"hidden_size": "64"}, "hidden_size must be an integer, not '64'"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be an integer"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a number between 0 and 1"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"vocab_size": 300}, "model.embed_tokens.weight is \\[256, 64\\] but config.json implies \\[300, 64\\]"),
+    ({"intermediate_size": 96}, "mlp.gate_proj.weight is \\[128, 64\\] but config.json implies \\[96, 64\\]"),
+    ({"num_hidden_layers": 3}, "config.json says 3 layers, the checkpoint holds layers 0..1"),
+    ({"max_position_embeddings": 1 << 22}, "without max_seq_len the export's rotary tables would hold them all"),
+])
+def test_config_values_are_typed_bounded_and_held_to_the_weights(checkpoint, tmp_path, edit, words):
+    """A config.json that is wrong, hostile or at odds with its tensors is refused by name before
+    anything is sized by it (a 4e8-position rope table, a 1e9-row vocabulary on a 256-row embedding)."""
+    from exporter.errors import ExportError
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("llama"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **edit}))
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant="attn_dynamic")
+    with pytest.raises(ExportError, match=words):
+        export_model(request, tmp_path / "out", validate=False)
+    if "max_position_embeddings" in edit and edit["max_position_embeddings"] == 1 << 22:
+        bounded = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant="attn_dynamic", max_seq_len=64)
+        assert export_model(bounded, tmp_path / "bounded", validate=False).out_dir.is_dir()

@@ -33,8 +33,18 @@ class BuildResult:
     activations: DType  # what the graph computes in (request.activations_for the checkpoint)
 
 
+# The most positions an export's rotary tables cover without a max_seq_len asking for them (a table
+# row per position: 1M positions of head_dim 128 are 512 MB of fp32 cos / sin).
+ROPE_TABLE_POSITIONS = 1 << 20
+
+
 def check_request_against_config(request: ExportRequest, variant: Variant, cfg: ModelConfig) -> None:
     """Refuse what this checkpoint cannot do, before any graph is built."""
+    if request.max_seq_len is None and cfg.max_position_embeddings > ROPE_TABLE_POSITIONS:
+        raise ExportError(
+            f"the model allows {cfg.max_position_embeddings} positions, and without max_seq_len the export's rotary "
+            f"tables would hold them all (more than {ROPE_TABLE_POSITIONS}): set max_seq_len (CLI --max-seq-len) to "
+            "the longest context the export must serve")
     if request.max_seq_len is not None and request.max_seq_len > cfg.max_position_embeddings:
         raise ExportError(
             f"max_seq_len {request.max_seq_len} is above the model's max_position_embeddings "
@@ -54,6 +64,41 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
                 )
 
 
+def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -> None:
+    """The checkpoint's tensors have the shapes config.json implies (embedding [vocab, hidden], the
+    projections of every layer, no layer past num_hidden_layers): a config that disagrees with its
+    weights is refused by name before a graph is built on it (vocab_size 1e9 over a 256-row embedding
+    once "succeeded")."""
+    import re
+
+    def expect(name: str, shape: tuple[int, ...]) -> None:
+        if name in checkpoint and tuple(checkpoint.shape(name)) != shape:
+            raise ExportError(f"{name} is {list(checkpoint.shape(name))} but config.json implies {list(shape)}: the "
+                              "config and the weights disagree; fix config.json or use the weights it belongs to")
+
+    if arch.embed_tokens not in checkpoint:
+        raise ExportError(f"the checkpoint has no {arch.embed_tokens}: not a {cfg.architecture} checkpoint")
+    expect(arch.embed_tokens, (cfg.vocab_size, cfg.hidden_size))
+    expect(arch.lm_head, (cfg.vocab_size, cfg.hidden_size))
+    layers = {int(m.group(1)) for n in checkpoint.names() if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers and (max(layers) + 1 != cfg.num_layers or len(layers) != cfg.num_layers):
+        raise ExportError(f"config.json says {cfg.num_layers} layers, the checkpoint holds layers "
+                          f"{min(layers)}..{max(layers)} ({len(layers)}): the config and the weights disagree")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        parts = arch.qkv_parts(i)
+        if len(parts) == 3:
+            for part, rows in zip(parts, (q, kv, kv)):
+                expect(part.name, (rows, cfg.hidden_size))
+        else:
+            expect(parts[0].name, (q + 2 * kv, cfg.hidden_size))
+        expect(f"{arch.names(i)['o']}.weight", (cfg.hidden_size, q))
+        gate_up = arch.gate_up_parts(i)
+        for part in gate_up:
+            expect(part.name, (cfg.intermediate_size * (2 if len(gate_up) == 1 else 1), cfg.hidden_size))
+        expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
+
+
 def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None) -> BuildResult:
     """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports."""
     variant = request.resolved_variant()
@@ -61,6 +106,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     check_request_against_config(request, variant, cfg)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
+    check_shapes(cfg, arch, checkpoint)
     activations = request.activations_for(source.path)
     builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache)
     table_len = request.max_seq_len or cfg.max_position_embeddings

@@ -159,6 +159,36 @@ def plain_config(raw: dict) -> types.SimpleNamespace | None:
     return types.SimpleNamespace(**values)
 
 
+# config.json values the exporter sizes things by: (smallest, largest) for each. The largest are far
+# past any published model, there to stop a typo or a hostile file from sizing a table in gigabytes
+# (max_position_embeddings 4e8 sized a 12.8 GB rope table) before any shape is compared.
+_BOUNDS = {
+    "vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 2048), "max_position_embeddings": (1, 1 << 27), "sliding_window": (1, 1 << 27),
+}
+
+
+def check_config_values(raw: dict) -> None:
+    """Every sizing value of config.json an integer within its bounds, rms_norm_eps a small positive
+    number, the heads consistent: refused by name before anything is sized by them."""
+    config = {**(raw.get("text_config") or {}), **raw} if isinstance(raw.get("text_config"), dict) else raw
+    for key, (low, high) in _BOUNDS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ExportError(f"config.json {key} must be an integer, not {value!r}: fix the checkpoint's config.json")
+        if not low <= value <= high:
+            raise ExportError(f"config.json {key} = {value} is outside {low}..{high}: fix the checkpoint's config.json")
+    eps = config.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+        raise ExportError(f"config.json rms_norm_eps must be a number between 0 and 1, not {eps!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ExportError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+
+
 def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> ModelConfig:
     """Read config.json: directly when it says everything (plain_config), else through transformers'
     AutoConfig (which normalizes rope, head_dim and per-architecture defaults)."""
@@ -167,6 +197,7 @@ def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> Mod
     if model_type not in supported:
         names = ", ".join(sorted(supported))
         raise ExportError(f"unsupported architecture {model_type!r} in config.json: supported are {names}")
+    check_config_values(raw)
     hf = plain_config(raw)
     if hf is None:
         hf = _transformers_config(checkpoint_dir)

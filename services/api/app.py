@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,8 @@ from services.settings import Settings, get_settings
 from services.storage import StorageError
 from services.storage_factory import make_store
 from services.sweeper import Sweeper
+
+log = logging.getLogger(__name__)
 
 
 class Timed:
@@ -59,7 +62,9 @@ def create_app(settings: Settings | None = None, job_queue: JobQueue | None = No
     check_schema(settings.catalog_url)
     if settings.admin_token:
         with session_scope(settings.catalog_url) as session:
-            install_bootstrap(session, settings.admin_token)
+            refused = install_bootstrap(session, settings.admin_token)
+        if refused:
+            log.warning(refused)
     store = make_store(settings, patient=False)  # a request waits seconds for the store, never minutes
     try:
         store.ensure_bucket()
