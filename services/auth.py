@@ -19,11 +19,12 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from exporter.errors import ExportError
-from services.catalog.models import ApiToken, utcnow
+from services.catalog.models import ApiToken, UiSession, utcnow
 from services.catalog.workers import aware
 from services.settings import MIN_TOKEN_LENGTH
 
 SCOPES = ("read", "admin")
+UI_SESSION_S = 12 * 3600  # a signed-in browser's session ends this long after sign-in
 LAST_USED_EVERY_S = 60.0  # last_used_at is written at most this often per token
 
 
@@ -169,3 +170,41 @@ def revoke_token(session: Session, token_id: int) -> ApiToken | None:
         row.revoked_at = utcnow()
     KNOWN.forget_id(token_id)
     return row
+
+
+# --- the pages' sessions ---------------------------------------------------------------------------
+
+
+def start_ui_session(session_factory, principal: Principal) -> str:
+    """A new session for a browser that signed in with ``principal``'s token: its id (shown once, in
+    the cookie; only its sha256 is stored). The token itself never reaches the browser's cookie."""
+    session_id = "efs_" + secrets.token_urlsafe(32)
+    with session_factory.begin() as session:
+        session.add(UiSession(session_hash=hash_token(session_id), token_id=principal.token_id,
+                              expires_at=utcnow() + datetime.timedelta(seconds=UI_SESSION_S)))
+    return session_id
+
+
+def ui_principal(session_factory, session_id: str) -> Principal | None:
+    """Who a browser's session stands for: None once it is signed out or expired, or its token is
+    revoked or expired."""
+    now = utcnow()
+    with session_factory() as session:
+        row = session.execute(
+            select(UiSession, ApiToken).join(ApiToken, ApiToken.id == UiSession.token_id)
+            .where(UiSession.session_hash == hash_token(session_id))).first()
+    if row is None:
+        return None
+    ui, token = row
+    token_expires = aware(token.expires_at)
+    if ui.revoked_at is not None or aware(ui.expires_at) <= now or token.revoked_at is not None or (
+            token_expires is not None and token_expires <= now):
+        return None
+    return Principal(token.id, token.name, token.scope)
+
+
+def end_ui_session(session_factory, session_id: str) -> None:
+    """Sign-out: the session is revoked in the catalog, so its cookie is worthless everywhere."""
+    with session_factory.begin() as session:
+        session.execute(update(UiSession).where(UiSession.session_hash == hash_token(session_id),
+                                                UiSession.revoked_at.is_(None)).values(revoked_at=utcnow()))

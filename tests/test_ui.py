@@ -253,3 +253,50 @@ def test_a_reader_signs_out_a_foreign_sign_in_is_refused_and_odd_ids_are_4xx(far
     assert huge.status_code == 422 and "<h1>" in huge.text
     missing = admin.get("/ui/exports/no-such-export")
     assert missing.status_code == 404 and re.search(r'name="csrf" value="[0-9a-f]{40}"', missing.text)  # sign out works there
+
+
+def test_the_cookie_is_a_session_of_its_own_ended_by_sign_out_and_by_its_token(farm):
+    """The cookie is never the API token: a random session id, revoked at sign-out (a copy of the
+    cookie taken before it is worthless after) and ended when its token is revoked."""
+    from services.auth import create_token, revoke_token
+
+    client = _signed_in(farm)
+    cookie = client.cookies.get("exportfarm_session", path="/ui")
+    assert cookie.startswith("efs_") and ADMIN not in cookie
+    page = client.get("/ui/catalog").text
+    stolen = TestClient(farm.app, base_url="http://testserver")
+    stolen.cookies.set("exportfarm_session", cookie, path="/ui")
+    assert stolen.get("/ui/catalog", follow_redirects=False).status_code == 200
+    client.post("/ui/logout", data={"csrf": _csrf(page)}, follow_redirects=False)
+    gone = stolen.get("/ui/catalog", follow_redirects=False)
+    assert gone.status_code == 303 and gone.headers["location"] == "/ui/login"
+    with session_scope(farm.settings.catalog_url) as session:
+        row, token = create_token(session, "ui-short-lived", "read")
+    reader = _signed_in(farm, token)
+    assert reader.get("/ui/catalog", follow_redirects=False).status_code == 200
+    with session_scope(farm.settings.catalog_url) as session:
+        revoke_token(session, row.id)
+    assert reader.get("/ui/catalog", follow_redirects=False).status_code == 303
+
+
+def test_the_pages_work_with_s3_storage_and_no_signing_secret(tmp_path):
+    """The chart and compose deploy S3 without SIGNING_SECRET: the pages' forms need no server
+    secret (their CSRF token is keyed by the browser's own session)."""
+    from services.auth import KNOWN
+
+    KNOWN.clear()  # this process checked ADMIN against the farm fixture's catalog: another token id there
+    settings = Settings(data_dir=tmp_path / "data", admin_token=ADMIN, s3_endpoint_url="http://127.0.0.1:9",
+                        s3_access_key="k", s3_secret_key="s", upload_attempts=1,
+                        database_url=f"sqlite:///{tmp_path / 'catalog.db'}", redis_url="redis://127.0.0.1:6379/15")
+    assert not settings.embedded and settings.signing_secret is None
+    upgrade_schema(settings.catalog_url)
+    with session_scope(settings.catalog_url) as session:
+        row, _ = create_token(session, "to-revoke-from-the-page", "read")
+        token_id = row.id
+    client = TestClient(create_app(settings), base_url="http://testserver")
+    assert client.post("/ui/login", data={"token": ADMIN}, follow_redirects=False).status_code == 303
+    page = client.get("/ui/tokens")
+    assert page.status_code == 200, page.text[:300]
+    done = client.post(f"/ui/tokens/{token_id}/revoke", data={"csrf": _csrf(page.text)}, follow_redirects=False)
+    assert done.status_code == 303, done.text[:300]
+    assert client.post("/ui/logout", data={"csrf": _csrf(page.text)}, follow_redirects=False).status_code == 303

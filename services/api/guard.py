@@ -27,7 +27,7 @@ from starlette.requests import cookie_parser
 from starlette.responses import JSONResponse, RedirectResponse
 
 from services.api.context import ApiContext
-from services.auth import authenticate
+from services.auth import authenticate, ui_principal
 
 PUBLIC_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/ui/login"}
 UI_PREFIX = "/ui"
@@ -147,18 +147,22 @@ class Guard:
         client = client_address(scope, self.context.settings.trusted_proxies)
         token = _bearer(scope["headers"])
         page = scope["path"] == UI_PREFIX or scope["path"].startswith(UI_PREFIX + "/")
+        session_id = None
         if token is None and page:
-            token = _cookie(scope["headers"], UI_COOKIE)
-            if token is None:
+            session_id = _cookie(scope["headers"], UI_COOKIE)
+            if session_id is None:
                 return _to_login()
             if scope["method"] not in READ_METHODS and not same_origin(scope["headers"]):
                 return _error(403, "a cross-origin form post to the pages is refused: use the pages themselves")
-        if token is None:
+        if token is None and session_id is None:
             return self._refuse(client, _error(401, "missing bearer token: send 'Authorization: Bearer <token>'",
                                                {"WWW-Authenticate": "Bearer"}))
         try:
-            principal = await anyio.to_thread.run_sync(
-                authenticate, self.context.sessions, token, self.context.settings.token_cache_s)
+            if session_id is not None:  # a signed-in browser: its session, not a token, is in the cookie
+                principal = await anyio.to_thread.run_sync(ui_principal, self.context.sessions, session_id)
+            else:
+                principal = await anyio.to_thread.run_sync(
+                    authenticate, self.context.sessions, token, self.context.settings.token_cache_s)
         except SQLAlchemyError:
             return _error(503, "the catalog is unavailable: try again shortly", {"Retry-After": "5"})
         if principal is None:

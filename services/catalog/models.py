@@ -161,3 +161,19 @@ class ApiToken(Base):
     last_used_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
     bootstrap: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # from ADMIN_TOKEN
+
+
+
+class UiSession(Base):
+    """A signed-in browser: its own random id (only its sha256 is stored), the token it signed in
+    with, and when it ends; the pages' cookie is the id, never the token."""
+
+    __tablename__ = "ui_sessions"
+    __table_args__ = (UniqueConstraint("session_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_hash: Mapped[str] = mapped_column(String(64))
+    token_id: Mapped[int] = mapped_column(ForeignKey("api_tokens.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime.datetime] = mapped_column()
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)

@@ -28,13 +28,12 @@ from exporter.reports.bench_report import recommend
 from services import jobs
 from services.api.deps import ContextDep, SessionDep
 from services.api.guard import client_address, same_origin
-from services.auth import Principal, authenticate, list_tokens, revoke_token
+from services.auth import UI_SESSION_S, Principal, authenticate, end_ui_session, list_tokens, revoke_token, start_ui_session
 from services.catalog.exports import PUBLISHED_STATUSES
 from services.catalog.models import Export, ExportEvent, ExportStatus, Worker
 from services.catalog.views import latest_ready
 from services.regressions import regressions_view
 from services.scheduler import newest_runtimes, plan_and_queue_reexports
-from services.storage_factory import signing_secret
 from services.sweeper import SweepReport
 
 COOKIE = "exportfarm_session"
@@ -44,9 +43,10 @@ router = APIRouter(prefix="/ui", include_in_schema=False)
 VARIANTS = ("attn_static", "gqa", "attn_dynamic")
 
 
-def csrf_token(secret: str, session_token: str) -> str:
-    digest = hashlib.sha256(session_token.encode()).hexdigest()
-    return hmac.new(secret.encode(), f"csrf:{digest}".encode(), hashlib.sha256).hexdigest()[:40]
+def csrf_token(session_id: str) -> str:
+    """The forms' CSRF token, keyed by the browser's own session id (which another site cannot
+    read): no server secret is needed, so the pages work wherever the API does."""
+    return hmac.new(session_id.encode(), b"exportfarm-csrf", hashlib.sha256).hexdigest()[:40]
 
 
 templates.env.globals["cell"] = lambda value: "" if value is None else cell(value)
@@ -54,8 +54,8 @@ templates.env.globals["cell"] = lambda value: "" if value is None else cell(valu
 
 def _page(request: Request, name: str, context: ContextDep, status_code: int = 200, **values) -> HTMLResponse:
     principal: Principal | None = getattr(request.state, "principal", None)
-    token = request.cookies.get(COOKIE)
-    csrf = csrf_token(signing_secret(context.settings), token) if token else ""
+    session_id = request.cookies.get(COOKIE)
+    csrf = csrf_token(session_id) if session_id else ""
     return templates.TemplateResponse(request, name, {"principal": principal, "csrf": csrf, **values},
                                       status_code=status_code)
 
@@ -67,11 +67,8 @@ TITLES = {400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Confli
 def error_page(request: Request, status_code: int, detail: str, error_id: str | None = None,
                headers: dict | None = None) -> HTMLResponse:
     principal = getattr(request.state, "principal", None)
-    token = request.cookies.get(COOKIE)
-    try:
-        csrf = csrf_token(signing_secret(request.app.state.context.settings), token) if token else ""
-    except Exception:  # an error page never fails for want of a form token
-        csrf = ""
+    session_id = request.cookies.get(COOKIE)
+    csrf = csrf_token(session_id) if session_id else ""
     response = templates.TemplateResponse(
         request, "error.html", {"principal": principal, "csrf": csrf, "status_code": status_code, "detail": detail,
                                 "error_id": error_id, "title": TITLES.get(status_code, "Error")},
@@ -81,10 +78,10 @@ def error_page(request: Request, status_code: int, detail: str, error_id: str | 
 
 
 def _check_csrf(request: Request, context: ContextDep, csrf: str) -> None:
-    token = request.cookies.get(COOKIE) or ""
-    expected = csrf_token(signing_secret(context.settings), token) if token else ""
+    session_id = request.cookies.get(COOKIE) or ""
+    expected = csrf_token(session_id) if session_id else ""
     # bytes: compare_digest refuses a str with non-ASCII characters (a form could post one: a 500)
-    if not token or not hmac.compare_digest(str(csrf).encode("utf-8", "replace"), expected.encode()):
+    if not session_id or not hmac.compare_digest(str(csrf).encode("utf-8", "replace"), expected.encode()):
         raise jobs.Forbidden("the form's CSRF token does not match this session: reload the page and try again")
 
 
@@ -115,14 +112,18 @@ def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_
         return _page(request, "login.html", context, 401, error="Unknown, revoked or expired token.")
     response = RedirectResponse("/ui/catalog", status_code=303)
     secure = request.url.scheme == "https" or context.settings.public_base_url.startswith("https://")
-    response.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", path="/ui", secure=secure,
-                        max_age=12 * 3600)
+    # the cookie is a session of its own (revoked at sign-out, ended with its token), never the token
+    response.set_cookie(COOKIE, start_ui_session(context.sessions, principal), httponly=True, samesite="strict",
+                        path="/ui", secure=secure, max_age=UI_SESSION_S)
     return response
 
 
 @router.post("/logout")
 def logout(request: Request, context: ContextDep, csrf: Annotated[str, Form(max_length=100)] = ""):
     _check_csrf(request, context, csrf)
+    session_id = request.cookies.get(COOKIE)
+    if session_id:
+        end_ui_session(context.sessions, session_id)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
     return response
