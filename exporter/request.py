@@ -57,7 +57,8 @@ def trained_in_bf16(checkpoint_dir) -> bool:
         config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    config = {**config.get("text_config", {}), **config} if isinstance(config, dict) else {}
+    config = config if isinstance(config, dict) else {}
+    config = {**(config.get("text_config") or {}), **config}
     said = config.get("dtype") or config.get("torch_dtype")
     if isinstance(said, str):
         return said == "bfloat16"

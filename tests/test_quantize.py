@@ -206,7 +206,9 @@ def test_a_cuda_quantized_export_of_a_bf16_trained_checkpoint_computes_in_bf16(c
     assert manifest["quantization"]["activations"] == "bf16"
     [slices, tensors], _ = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), "int4", "bf16")
     assert slices.passed and tensors.passed, slices.message
-    assert slices.details["bit_exact"] >= len(_nbits_nodes(out / "model.onnx"))  # each quantized one, at least
+    # quantized by the exporter's numpy quantizer (onnxruntime's takes no bf16), so held to their
+    # source by value within the quantization's bound rather than to that same code's answer
+    assert slices.details["compared_by_statistics"] >= len(_nbits_nodes(out / "model.onnx"))
     chosen = _export(source, tmp_path / "fp16", ep="cuda", variant="gqa", quant={"activations": "fp16"})
     assert json.loads((chosen / "manifest.json").read_text())["quantization"]["activations"] == "fp16"
     with pytest.raises(ExportError, match="apply to cuda only"):

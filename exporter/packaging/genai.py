@@ -36,7 +36,8 @@ GENAI_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
     "gemma3_text": "gemma3_text", "granite": "granite", "olmo2": "decoder", "smollm3": "smollm3",
 }
-# Tokenizer files a checkpoint may carry; copied verbatim (their sha256 lands in the manifest).
+# Tokenizer files a checkpoint may carry; copied (their sha256 lands in the manifest), a genai
+# package's tokenizer_config.json then given the special-token flags genai reads (align_special_tokens).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
@@ -97,10 +98,10 @@ def write_genai_package(
     """
     out_dir, source_dir = Path(out_dir), Path(source_dir)
     tokenizer_files = copy_tokenizer_files(source_dir, out_dir)
-    special, unusable = align_special_tokens(source_dir, out_dir) if tokenizer_files else ({}, None)
     reason = genai_unsupported_reason(config, variant, input_names)
     if reason is not None:
-        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files, special_tokens=special)
+        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
+    special, unusable = align_special_tokens(source_dir, out_dir) if tokenizer_files else ({}, None)
     genai_config = build_genai_config(config, variant, request, input_names, output_names, source_dir)
     (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
     note = None
@@ -149,9 +150,11 @@ def align_special_tokens(source_dir: Path, out_dir: Path) -> tuple[dict, str | N
     class genai reads as BPE cannot load in genai at all ("type must be object, but is array"):
     that is returned as the reason, files untouched."""
     config_path, json_path = out_dir / "tokenizer_config.json", out_dir / "tokenizer.json"
-    config, tokenizer_json = _read_json(config_path), _read_json(json_path)
     if not config_path.is_file():
         return {}, None
+    config, tokenizer_json = _read_json(config_path), _read_json(json_path)
+    if not config:
+        return {}, "tokenizer_config.json is not a JSON object this packager can read: left as the checkpoint has it"
     model_type = (tokenizer_json.get("model") or {}).get("type")
     tokenizer_class = str(config.get("tokenizer_class") or "")
     if model_type not in (None, "BPE") and tokenizer_class.removesuffix("Fast") not in _GENAI_UNIGRAM_CLASSES:
@@ -178,23 +181,24 @@ def align_special_tokens(source_dir: Path, out_dir: Path) -> tuple[dict, str | N
     if suffix:
         written["eos_token"] = hf.convert_ids_to_tokens(suffix[0])
     config.update(written)
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     processor = tokenizer_json.get("post_processor")
     named = json.dumps(processor, ensure_ascii=False) if processor else ""
     drop = [t for t, added in ((hf.bos_token, prefix), (hf.eos_token, suffix)) if t and not added and t in named]
     if drop:
-        tokenizer_json["post_processor"] = _without_tokens(processor, set(drop))
-        json_path.write_text(json.dumps(tokenizer_json, ensure_ascii=False, indent=2) + "\n")
-        written["post_processor_dropped"] = sorted(drop)
+        changed = _without_tokens(processor, set(drop))
+        if changed != processor:
+            tokenizer_json["post_processor"] = changed
+            json_path.write_text(json.dumps(tokenizer_json, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+            written["post_processor_dropped"] = sorted(drop)
     return written, None
 
 
-def _without_tokens(processor: dict, tokens: set[str]) -> dict | None:
+def _without_tokens(processor: dict, tokens: set[str]) -> dict:
     """A tokenizer.json post-processor with ``tokens`` taken out of its templates (inside a Sequence,
-    each step); a template left with nothing to add becomes no post-processor step."""
+    each step); other processors as they are."""
     if processor.get("type") == "Sequence":
-        steps = [_without_tokens(p, tokens) for p in processor.get("processors", [])]
-        return {**processor, "processors": [p for p in steps if p is not None]}
+        return {**processor, "processors": [_without_tokens(p, tokens) for p in processor.get("processors", [])]}
     if processor.get("type") != "TemplateProcessing":
         return processor
     out = dict(processor)
@@ -367,7 +371,7 @@ def _cache_templates(variant: Variant) -> tuple[str, str, str, str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

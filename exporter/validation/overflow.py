@@ -52,7 +52,7 @@ def part_name(layer: int, num_layers: int) -> str:
     return f"decoder layer {layer}"
 
 
-def _attribute(graph, num_layers: int) -> tuple[list[tuple[str, int, str, str]], int]:
+def _attribute(graph, num_layers: int) -> list[tuple[str, int, str, str]]:
     """(value, layer, op type, node name) of every floating value an op computes, in graph order.
     A node's layer is the highest layer of a weight it reads or of a value it takes (-1 before the
     first layer); a node reading a weight of no layer (the final norm, the LM head) past the first
@@ -88,7 +88,7 @@ def _attribute(graph, num_layers: int) -> tuple[list[tuple[str, int, str, str]],
             if is_float:
                 floating.add(out)
                 probes.append((out, layer, node.op_type, node.name))
-    return probes, num_layers
+    return probes
 
 
 def probed_model(model_path: Path, num_layers: int):
@@ -99,7 +99,7 @@ def probed_model(model_path: Path, num_layers: int):
 
     model = onnx.load(str(model_path), load_external_data=False)
     graph = model.graph
-    probes, _ = _attribute(graph, num_layers)
+    probes = _attribute(graph, num_layers)
     zero = helper.make_tensor(f"{_PROBE}zero", TensorProto.FLOAT, [1], [0.0])
     flat = helper.make_tensor(f"{_PROBE}flat", TensorProto.INT64, [1], [-1])
     graph.initializer.extend([zero, flat])
@@ -128,7 +128,7 @@ def locate(model_path: Path, ep: str, tokens: list[int], num_layers: int, sessio
     ``Decoder``)."""
     import onnx
 
-    from exporter.runtime.session import Decoder
+    from exporter.runtime.session import Decoder, run_bound
 
     model_path = Path(model_path)
     model, probes, names = probed_model(model_path, num_layers)
@@ -143,7 +143,8 @@ def locate(model_path: Path, ep: str, tokens: list[int], num_layers: int, sessio
         for (name_in, _), cache in zip(lm.pairs, state.caches):
             feeds[name_in] = cache
         wanted = [f"{p}_{kind}" for p in names for kind in ("peak", "finite")]
-        values = dict(zip(wanted, lm.session.run(wanted, feeds)))
+        # bound, not fed: onnxruntime's numpy bridge takes no bf16 cache arrays
+        values = run_bound(lm.session, feeds, {name: np.empty((), np.float32) for name in wanted})
         del lm
     finally:
         probe_path.unlink(missing_ok=True)

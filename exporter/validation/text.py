@@ -21,11 +21,17 @@ def has_tokenizer(checkpoint: Path) -> bool:
     return any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILES)
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(checkpoint: Path):
-    """transformers' tokenizer of ``checkpoint`` (None where it has no tokenizer files)."""
+    """transformers' tokenizer of ``checkpoint`` (None where it has no tokenizer files); kept while
+    its files are unchanged (parity, the quality gate and the genai gate of one export share it)."""
     if not has_tokenizer(checkpoint):
         return None
+    stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(Path(checkpoint).glob("tokenizer*")))
+    return _load_tokenizer(Path(checkpoint).resolve(), stamp)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_tokenizer(checkpoint: Path, stamp: tuple):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(checkpoint))

@@ -83,6 +83,9 @@ class Drift:
 
 def drift(run: str, dtype: str, logits: list[np.ndarray], ref: ReferenceRun) -> Drift:
     """``logits[i]`` (the logits that choose step i's token, on the reference's history) against ``ref``."""
+    if len(logits) != len(ref.tokens) or len(ref.step_logits) != len(ref.tokens) or not ref.tokens:
+        raise ValueError(f"{run}: {len(logits)} steps of logits against a reference run of {len(ref.tokens)} tokens "
+                         f"({len(ref.step_logits)} logits)")
     errors, gap_errors, flips, flip_gaps, nonfinite = [], [], [], [], []
     for i, (got, expected) in enumerate(zip(logits, ref.step_logits)):
         got = np.asarray(got, np.float64)
@@ -92,7 +95,8 @@ def drift(run: str, dtype: str, logits: list[np.ndarray], ref: ReferenceRun) -> 
             gap_errors.append(math.inf)
             continue
         errors.append(float(np.max(np.abs(got - expected))))
-        first, second = np.argsort(expected)[-1], np.argsort(expected)[-2]
+        top = np.argpartition(expected, -2)[-2:]
+        first, second = (top[1], top[0]) if expected[top[1]] >= expected[top[0]] else (top[0], top[1])
         gap_errors.append(abs(float(got[first] - got[second]) - ref.gaps[i]))
         if int(np.argmax(got)) != ref.tokens[i]:
             flips.append(i)

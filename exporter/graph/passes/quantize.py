@@ -51,8 +51,6 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
         # onnxruntime's quantizer takes fp32 or fp16 only (a bf16 array is converted to a copy, and
         # the scales it writes there are lost). Its algorithm on the bf16 scales, as for fp16: the
         # scale rounded to the stored dtype, each element quantized by that stored scale.
-        from exporter.validation.gates.weights import quantize_rows
-
         packed, scales, zero_points = quantize_rows(np.ascontiguousarray(weight_kn.T), scheme.bits,
                                                     scheme.block_size, scheme.symmetric)
         if scheme.symmetric:
@@ -67,6 +65,59 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
     quantize = quantize_matmul_4bits if scheme.bits == 4 else quantize_matmul_8bits
     quantize(packed, weight_kn, scales, zero_points, scheme.block_size, n, k_blocks * scheme.block_size, scheme.symmetric)
     return packed, scales, zero_points
+
+
+def quantize_rows(rows: np.ndarray, bits: int, block_size: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' packed ``[n, k_blocks, blob]``, scales ``[n, k_blocks]`` (the rows' dtype) and zero
+    points ``[n, zero-point bytes]`` of ``rows`` (``[n, K]``, fp32, fp16 or bf16: the weight's output columns),
+    computed in numpy as onnxruntime's blockwise quantizer computes them: per block of ``block_size``
+    along K (zero-padded), the symmetric scale is -(the value of largest magnitude) / 2^(bits-1) with
+    the zero point at 2^(bits-1), the asymmetric one (max(max, 0) - min(min, 0)) / (2^bits - 1) with
+    the zero point -min / scale rounded; each element q = clamp(round(v / scale + zp), 0, 2^bits - 1)
+    (as v times the float32 reciprocal of the stored scale), rounding half away from zero."""
+    n, k = rows.shape
+    k_blocks = -(-k // block_size)
+    if k_blocks * block_size != k:
+        rows = np.pad(rows, ((0, 0), (0, k_blocks * block_size - k)))
+    values = rows.reshape(n, k_blocks, block_size).astype(np.float32)
+    low, high = values.min(axis=-1), values.max(axis=-1)
+    top = np.float32((1 << bits) - 1)
+    if symmetric:
+        half = np.float32(1 << (bits - 1))
+        scale = (-np.where(np.abs(high) > np.abs(low), high, low) / half).astype(rows.dtype)
+        zero = np.full((n, k_blocks), half, np.float32)
+    else:
+        low, high = np.minimum(low, 0), np.maximum(high, 0)
+        scale32 = (high - low) / top
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zero = np.where(scale32 != 0, np.float32(0) - low / scale32, low)
+        zero = np.clip(_round_half_away(zero), 0, top)
+        scale = scale32.astype(rows.dtype)
+    stored = scale.astype(np.float32)
+    with np.errstate(divide="ignore"):
+        reciprocal = np.where(stored != 0, np.float32(1) / stored, np.float32(0)).astype(np.float32)
+    q = np.clip(_round_half_away(values * reciprocal[..., None] + zero[..., None]), 0, top).astype(np.uint8)
+    q = q.reshape(n, k_blocks * block_size)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)) if bits == 4 else q
+    zero_points = np.zeros((n, 0), np.uint8)
+    if not symmetric:
+        z = zero.astype(np.uint8)
+        if bits == 4:
+            z = np.pad(z, ((0, 0), (0, k_blocks % 2)))
+            z = z[:, 0::2] | (z[:, 1::2] << 4)
+        zero_points = z
+    return packed.reshape(n, k_blocks, -1), scale, zero_points
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf on float32, exactly: numpy's rint rounds ties to even, so the (rare) ties are
+    moved away from zero afterwards (x - rint(x) is exact in float32)."""
+    rounded = np.rint(x)
+    ties = np.abs(x - rounded) == np.float32(0.5)
+    if ties.any():
+        whole = np.trunc(x[ties])
+        rounded[ties] = whole + np.sign(x[ties])
+    return rounded
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, scheme: QuantScheme, k: int) -> np.ndarray:

@@ -79,9 +79,19 @@ def genai_gates(export_dir: Path, manifest: dict, checkpoint: Path, ep: str, pro
     checked["loads"] = True
     hf = text.load_tokenizer(Path(checkpoint))
     if hf is not None and entry.get("tokenizer") == "copied":
-        gates += _tokenizer_gates(og, model, hf, checked)
+        try:
+            gates += _tokenizer_gates(og, model, hf, checked)
+        except Exception as err:  # genai raised on a text: a package that fails in genai, not a crash here
+            checked["tokenizer"] = False
+            gates.append(GateResult("genai", "genai's tokenizer gives transformers' ids", False, "error", "none",
+                                    f"onnxruntime-genai's tokenizer raised: {str(err)[:300]}"))
     if prompt and own_tokens:
-        gates.append(_generation_gate(model, prompt, own_tokens, eos, checked, own_gaps or [], near_tie))
+        try:
+            gates.append(_generation_gate(model, prompt, own_tokens, eos, checked, own_gaps or [], near_tie))
+        except Exception as err:
+            checked["generation"] = {"error": str(err)[:300]}
+            gates.append(GateResult("genai", "genai's greedy loop gives the export's own tokens", False, "error",
+                                    "all equal", f"onnxruntime-genai's generator raised: {str(err)[:300]}"))
     del model
     return gates, checked
 
@@ -135,7 +145,10 @@ def _generation_gate(model, prompt: list[int], own: list[int], eos: list[int], c
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + len(own))
+    # greedy as the export's own session chose, whatever the package's search defaults (taken from
+    # generation_config.json: a repetition penalty or a minimum length would change the tokens)
+    params.set_search_options(do_sample=False, num_beams=1, repetition_penalty=1.0, min_length=0,
+                              no_repeat_ngram_size=0, max_length=len(prompt) + len(own))
     generator = og.Generator(model, params)
     generator.append_tokens(prompt)
     while not generator.is_done():
@@ -148,9 +161,10 @@ def _generation_gate(model, prompt: list[int], own: list[int], eos: list[int], c
     if got and got[-1] in eos:
         got = got[:-1]
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    # where both go on and the export's own choice there was a near tie, the two runs of one graph
-    # parted on rounding (their histories differ from there: nothing after it can be compared)
-    tie = first < min(len(got), len(want)) and first < len(gaps) and gaps[first] < near_tie
+    # where the export's own choice was a near tie, the two runs of one graph parted on rounding
+    # (one of them may have ended the sequence there); their histories differ from there, so
+    # nothing after it can be compared
+    tie = got != want and first < len(gaps) and gaps[first] < near_tie
     ok = got == want or tie
     checked["generation"] = {"prompt_tokens": len(prompt), "tokens": len(got), "equal": got == want,
                              "near_tie_at": first if tie else None}
@@ -159,8 +173,12 @@ def _generation_gate(model, prompt: list[int], own: list[int], eos: list[int], c
         f"{first}/{len(want)} equal", f"all equal up to a near tie (gap < {near_tie:g})",
         "" if got == want else
         (f"genai parts at token {first}, where the export's own top-1/top-2 gap is {gaps[first]:.3g} (a near tie)"
-         if tie else f"genai departs at token {first}: genai {_clip(got[first:])} from there, the export's session "
-                     f"{_clip(want[first:])}"))
+         if tie else f"genai departs at token {first}: genai {_say(got[first:])} from there, the export's session "
+                     f"{_say(want[first:])}"))
+
+
+def _say(ids: list[int]) -> str:
+    return _clip(ids) if ids else "ends the sequence"
 
 
 def _clip(ids: list[int], n: int = 12) -> str:

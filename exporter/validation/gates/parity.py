@@ -35,7 +35,9 @@ def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str, yardstick: Drift
     fixed = NEAR_TIE_MARGIN[dtype]
     yard_sound = yardstick is not None and sound(yardstick, ref, PREFILL_TOLERANCE[dtype], fixed)
     measured_margin = yardstick.tie_margin() if yard_sound else None
-    margin = measured_margin if measured_margin is not None else fixed
+    # the measured margin widens the dtype's fixed one where transformers' own half precision moves
+    # gaps further; it never narrows it (onnxruntime's kernels round differently from torch's)
+    margin = max(measured_margin, fixed) if measured_margin is not None else fixed
     result = judge(run, ref, margin)
     export = drift("export", dtype, run.logits[: len(ref.tokens)], ref)
     limit = PREFILL_TOLERANCE[dtype] * result.logit_range
@@ -62,21 +64,24 @@ def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str, yardstick: Drift
             "parity", f"greedy decode, {result.steps} steps (teacher-forced){suffix}", not result.mismatches,
             f"{result.steps - len(result.mismatches) - len(result.tie_mismatches)}/{result.steps} tokens equal",
             f"no mismatch outside near ties (gap < {margin:.3g}"
-            + (", measured" if measured_margin is not None else "") + ")",
+            + (", measured" if measured_margin is not None and measured_margin > fixed else "") + ")",
             "" if not result.mismatches else
             f"different token at decisive steps {result.mismatches} (fp32 gaps "
             + ", ".join(f"{ref.gaps[i]:.3g}" for i in result.mismatches) + ")"
             + (f"; {why}" if why and export.finite and prefill_ok else ""),
             details={"near_ties": result.near_ties, "near_tie_flips": result.tie_mismatches,
-                     "near_tie_margin": margin, "margin_source": "measured" if measured_margin is not None else "fixed",
+                     "near_tie_margin": margin, "measured_margin": measured_margin,
+                     "margin_source": "measured" if measured_margin is not None and measured_margin > fixed else "fixed",
                      "reference_tokens": ref.tokens, "export_tokens": result.tokens},
         ),
     ]
     if yardstick is not None:
+        departed = not export.finite or not prefill_ok or bool(result.mismatches)
         gates.append(GateResult(
             "parity", f"transformers in {dtype} beside the export{suffix}", True,
             f"transformers {yardstick.describe()}; export {export.describe()}",
-            "the export is judged against fp32", why, informational=True,
+            "the export is judged against fp32",
+            why if departed or not yard_sound else "", informational=True,
             details={"export": export.to_dict(), "transformers": yardstick.to_dict(),
                      **({"transformers_" + other.dtype: other.to_dict()} if other else {})}))
     return gates, result
