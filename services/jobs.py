@@ -19,7 +19,7 @@ from exporter.request import ExportRequest, cache_key
 from exporter.validation.validate import check_validatable
 from services.catalog import exports as catalog
 from services.catalog.exports import lease_expired, request_of
-from services.catalog.models import Export, ExportStatus
+from services.catalog.models import Export, ExportStatus, db_now
 from services.catalog.workers import live_workers
 from services import placement
 from services.settings import Settings
@@ -167,7 +167,8 @@ def request_cancel(session: Session, settings: Settings, export_id: str) -> tupl
         catalog.transition(session, export, ExportStatus.CANCELLED, message="cancelled while queued")
         export.error, export.live_key = "cancelled", None
         return export, False
-    live = export.status is ExportStatus.RUNNING and not lease_expired(export, settings.lease_s)
+    live = export.status is ExportStatus.RUNNING and not lease_expired(export, settings.lease_s,
+                                                                        db_now(session))
     return export, not live
 
 

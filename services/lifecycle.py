@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.catalog.exports import ended_fields, request_of, runtime_fields
 from exporter.request import cache_key
-from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now
 
 
 class Fenced(Exception):
@@ -72,7 +72,7 @@ def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: 
         return Claim(None, export, "its cancellation is pending")
     if export.target_ort and export.target_ort != ort_version:
         return Claim(None, export, f"it targets onnxruntime {export.target_ort}; this worker runs {ort_version}")
-    attempt, now = export.attempts + 1, utcnow()
+    attempt, now = export.attempts + 1, db_now(session)
     result = session.execute(
         update(Export)
         .where(Export.id == export_id, Export.status == ExportStatus.QUEUED, Export.attempts == export.attempts,
@@ -104,7 +104,7 @@ def reroute(session: Session, export: Export, queue: str, worker: str, why: str,
     estimate = {**(export.estimate or {}), "refused_on": tried}
     result = session.execute(
         update(Export).where(*_queued(export))
-        .values(queue=queue, dispatched_at=None, updated_at=utcnow(), estimate=estimate)
+        .values(queue=queue, dispatched_at=None, updated_at=db_now(session), estimate=estimate)
         .execution_options(synchronize_session=False))
     if result.rowcount != 1:
         return False
@@ -129,7 +129,7 @@ def defer(session: Session, export: Export, worker: str, why: str) -> bool:
 def refuse(session: Session, export: Export, worker: str, why: str) -> bool:
     """Fail a queued export no worker class can hold, once, with the figures, before any attempt."""
     export_id = export.id
-    now = utcnow()
+    now = db_now(session)
     result = session.execute(
         update(Export).where(*_queued(export))
         .values(status=ExportStatus.FAILED, error=why, finished_at=now, updated_at=now,
@@ -145,7 +145,7 @@ def refuse(session: Session, export: Export, worker: str, why: str) -> bool:
 def renew(session: Session, lease: Lease) -> bool:
     """Extend the lease; returns whether a cancel was requested. Raises Fenced if it is no longer ours."""
     row = session.execute(
-        update(Export).where(*_owned(lease)).values(heartbeat_at=utcnow())
+        update(Export).where(*_owned(lease)).values(heartbeat_at=db_now(session))
         .returning(Export.cancel_requested).execution_options(synchronize_session=False)
     ).first()
     if row is None:
@@ -159,7 +159,8 @@ def record_stage(session: Session, lease: Lease, stage: str, percent: int) -> bo
     if current is None:
         raise Fenced(f"{lease}: refused to record stage {stage}")
     row = session.execute(
-        update(Export).where(*_owned(lease)).values(stage=stage, percent=percent, heartbeat_at=utcnow(), updated_at=utcnow())
+        update(Export).where(*_owned(lease)).values(stage=stage, percent=percent, heartbeat_at=db_now(session),
+                                                  updated_at=db_now(session))
         .returning(Export.cancel_requested).execution_options(synchronize_session=False)
     ).first()
     if row is None:
@@ -175,7 +176,7 @@ def record_revision(session: Session, lease: Lease, revision: str) -> None:
     result = session.execute(
         update(Export).where(*_owned(lease)).values(
             revision=revision, cache_key=cache_key(request_of(export), revision, export.exporter_version,
-                                                   export.ort_version), heartbeat_at=utcnow())
+                                                   export.ort_version), heartbeat_at=db_now(session))
         .execution_options(synchronize_session=False))
     if result.rowcount != 1:
         raise Fenced(f"{lease}: refused to record revision {revision}")
@@ -194,7 +195,7 @@ def begin_publish(session: Session, lease: Lease, prefix: str) -> str | None:
         raise CancelRequested(lease.export_id)
     result = session.execute(
         update(Export).where(*_owned(lease), Export.cancel_requested.is_(False))
-        .values(storage_prefix=prefix, heartbeat_at=utcnow(), updated_at=utcnow())
+        .values(storage_prefix=prefix, heartbeat_at=db_now(session), updated_at=db_now(session))
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
@@ -219,7 +220,7 @@ def finish(session: Session, lease: Lease, status: ExportStatus, *, message: str
         fields["percent"] = 100
     if runtime is not None and export is not None:
         fields |= runtime_fields(export, runtime)
-    now = utcnow()
+    now = db_now(session)
     result = session.execute(
         update(Export).where(*conditions)
         .values(status=status, finished_at=now, updated_at=now, heartbeat_at=None, error=message,

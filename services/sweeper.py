@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from exporter.contract import BENCH_FILE, DIFF_JSON, REPORT_JSON
 from services.catalog.database import session_scope
 from services.catalog.exports import ended_fields, lease_expired, outcome_fields, runtime_fields
-from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, utcnow
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
 from services.publish import read_published, read_published_manifest, unpublish
@@ -85,9 +85,20 @@ class Sweeper:
 
     # --- 1. attempts whose lease ran out ---------------------------------------------------------
 
+    def _heartbeat_older_than_lease(self):
+        """The lease has run out, by the catalog's clock, as the statement runs (a condition of the
+        UPDATE that settles the attempt: a worker that renewed meanwhile keeps its job)."""
+        from sqlalchemy import func, literal
+
+        if self._url.startswith("sqlite"):  # the embedded catalog: one host, its clock is the database's
+            stale = Export.heartbeat_at < utcnow() - datetime.timedelta(seconds=self.settings.lease_s)
+        else:
+            stale = Export.heartbeat_at < func.now() - literal(datetime.timedelta(seconds=self.settings.lease_s))
+        return or_(Export.heartbeat_at.is_(None), stale)
+
     def _lost_attempts(self) -> list[tuple[str, int]]:
-        cutoff = utcnow() - datetime.timedelta(seconds=self.settings.lease_s)
         with session_scope(self._url) as session:
+            cutoff = db_now(session) - datetime.timedelta(seconds=self.settings.lease_s)
             rows = session.execute(
                 select(Export.id, Export.attempts).where(
                     Export.status == ExportStatus.RUNNING, or_(Export.heartbeat_at.is_(None), Export.heartbeat_at < cutoff))
@@ -106,7 +117,7 @@ class Sweeper:
             export = session.get(Export, export_id)
             if export is None or export.status is not ExportStatus.RUNNING or export.attempts != attempt:
                 return
-            if not lease_expired(export, self.settings.lease_s):
+            if not lease_expired(export, self.settings.lease_s, db_now(session)):
                 return
             prefix, cancel, stage, lost_before = (export.storage_prefix, export.cancel_requested, export.stage,
                                                   export.lost_attempts)
@@ -119,8 +130,7 @@ class Sweeper:
         if manifest is not None and manifest.get("export_id") != export_id:
             manifest = None
         lost = (Export.id == export_id, Export.status == ExportStatus.RUNNING, Export.attempts == attempt,
-                or_(Export.heartbeat_at.is_(None),
-                    Export.heartbeat_at < utcnow() - datetime.timedelta(seconds=self.settings.lease_s)))
+                self._heartbeat_older_than_lease())
         if manifest is not None and not cancel and manifest.get("status") in ("ready", "quarantined"):
             fields = outcome_fields(prefix, manifest, read_published(self.store, prefix, REPORT_JSON),
                                     read_published(self.store, prefix, BENCH_FILE),
@@ -147,7 +157,7 @@ class Sweeper:
         with session_scope(self._url) as session:
             result = session.execute(
                 update(Export).where(*lost).values(status=ExportStatus.QUEUED, dispatched_at=None, heartbeat_at=None,
-                                                   lost_reason=cause, updated_at=utcnow(), **counted)
+                                                   lost_reason=cause, updated_at=db_now(session), **counted)
                 .execution_options(synchronize_session=False))
             if result.rowcount == 1:
                 _event(session, export_id, ExportStatus.RUNNING, ExportStatus.QUEUED, stage,
@@ -162,7 +172,7 @@ class Sweeper:
             export = session.scalars(select(Export).where(*conditions)).first()
             if export is None:
                 return False
-            from_status, now = export.status, utcnow()
+            from_status, now = export.status, db_now(session)
             values = {"status": status, "finished_at": now, "updated_at": now, "heartbeat_at": None,
                       **ended_fields(status), **fields}
             if status in (ExportStatus.FAILED, ExportStatus.CANCELLED):
@@ -198,7 +208,7 @@ class Sweeper:
                 result = session.execute(
                     update(Export).where(Export.id == export_id, Export.status == ExportStatus.RUNNING,
                                          Export.attempts == export.attempts)
-                    .values(status=ExportStatus.QUEUED, dispatched_at=None, heartbeat_at=None, updated_at=utcnow())
+                    .values(status=ExportStatus.QUEUED, dispatched_at=None, heartbeat_at=None, updated_at=db_now(session))
                     .execution_options(synchronize_session=False))
                 if result.rowcount == 1:
                     _event(session, export_id, ExportStatus.RUNNING, ExportStatus.QUEUED, export.stage,
@@ -218,7 +228,8 @@ class Sweeper:
             export = session.get(Export, export_id)
             if export is None or export.status.terminal or not export.cancel_requested:
                 return False
-            if export.status is ExportStatus.RUNNING and not lease_expired(export, self.settings.lease_s):
+            if export.status is ExportStatus.RUNNING and not lease_expired(export, self.settings.lease_s,
+                                                                          db_now(session)):
                 return False  # its worker stops at its next checkpoint and cleans up itself
             status, attempt, prefix, stage = export.status, export.attempts, export.storage_prefix, export.stage
         if prefix:
@@ -230,8 +241,7 @@ class Sweeper:
         conditions = (Export.id == export_id, Export.status == status, Export.attempts == attempt,
                       Export.cancel_requested.is_(True))
         if status is ExportStatus.RUNNING:
-            conditions += (or_(Export.heartbeat_at.is_(None),
-                               Export.heartbeat_at < utcnow() - datetime.timedelta(seconds=self.settings.lease_s)),)
+            conditions += (self._heartbeat_older_than_lease(),)
         where = "while queued" if status is ExportStatus.QUEUED else "its worker was gone"
         return self._end(conditions, ExportStatus.CANCELLED, f"cancelled ({where})", stage, {})
 
@@ -245,8 +255,8 @@ class Sweeper:
     # --- 3. re-exports nobody can run -------------------------------------------------------------
 
     def expire_reexports(self, report: SweepReport) -> None:
-        horizon = utcnow() - datetime.timedelta(seconds=self.settings.reexport_timeout_s)
         with session_scope(self._url) as session:
+            horizon = db_now(session) - datetime.timedelta(seconds=self.settings.reexport_timeout_s)
             stale = session.execute(select(Export.id, Export.attempts, Export.target_ort).where(
                 Export.status == ExportStatus.QUEUED, Export.target_ort.is_not(None), Export.created_at < horizon)).all()
         for row in stale:
@@ -273,7 +283,7 @@ class Sweeper:
                 conditions.append(Export.dispatched_at.is_(None))
             if placed_on is not None:
                 conditions.append(Export.queue == placed_on)
-            session.execute(update(Export).where(*conditions).values(dispatched_at=utcnow())
+            session.execute(update(Export).where(*conditions).values(dispatched_at=db_now(session))
                             .execution_options(synchronize_session=False))
         return True
 
@@ -281,8 +291,8 @@ class Sweeper:
         """The outbox: send committed exports that were never sent (the API sends its own at once;
         ``grace_s`` keeps the sweeper from racing it)."""
         grace = min(5.0, self.settings.redispatch_s) if grace_s is None else grace_s
-        horizon = utcnow() - datetime.timedelta(seconds=grace)
         with session_scope(self._url) as session:
+            horizon = db_now(session) - datetime.timedelta(seconds=grace)
             pending = session.scalars(
                 select(Export).where(Export.status == ExportStatus.QUEUED, Export.dispatched_at.is_(None),
                                      Export.cancel_requested.is_(False),
@@ -303,8 +313,8 @@ class Sweeper:
             report.dispatched.append(export.id)
 
     def redispatch(self, report: SweepReport) -> None:
-        horizon = utcnow() - datetime.timedelta(seconds=self.settings.redispatch_s)
         with session_scope(self._url) as session:
+            horizon = db_now(session) - datetime.timedelta(seconds=self.settings.redispatch_s)
             waiting = session.execute(select(Export.id, Export.ep, Export.target_ort, Export.queue).where(
                 Export.status == ExportStatus.QUEUED, Export.dispatched_at < horizon,
                 Export.cancel_requested.is_(False))).all()

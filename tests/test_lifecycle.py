@@ -283,3 +283,38 @@ def test_a_failed_export_stops_answering_identical_requests(settings):
     with session_scope(settings.catalog_url) as session:
         retry, created = submit_export(session, settings, request)
         assert created and retry.id != first_id
+
+
+@pytest.mark.parametrize("skew_s", [-90, 90, 3600])
+def test_leases_are_stamped_and_judged_by_the_catalogs_clock(tmp_path, checkpoint, monkeypatch, skew_s):
+    """A worker's host clock 90 s behind or ahead, or an hour ahead, changes nothing: its heartbeats
+    carry PostgreSQL's time, and the sweeper (on a host whose clock is right) judges them by it. A
+    host-clock lease had every healthy job of a worker 65 s behind requeued, and kept a dead one 1 h
+    ahead `running` for an hour."""
+    import datetime
+
+    from services.catalog import models
+
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "tiny-llama").symlink_to(checkpoint("llama"))
+    with fresh_postgres_database() as url:
+        settings = Settings(database_url=url, data_dir=tmp_path / "data", models_dir=models_dir, lease_s=LEASE_S,
+                            heartbeat_s=0.2, redispatch_s=0.5, max_attempts=2,
+                            signing_secret="lifecycle-signing-secret-0123456789abcdef")
+        upgrade_schema(settings.catalog_url)
+        store = make_store(settings)
+        store.ensure_bucket()
+        sweeper = Sweeper(settings, CeleryQueue(settings), store)
+        export_id = submit(settings)
+        real = models.utcnow
+        monkeypatch.setattr(models, "utcnow", lambda: real() + datetime.timedelta(seconds=skew_s))  # the worker's host
+        lease = claim(settings, export_id).lease
+        assert write(settings, lifecycle.renew, lease) is False
+        monkeypatch.setattr(models, "utcnow", real)  # the sweeper's host
+        beat = row(settings, export_id).heartbeat_at
+        assert abs((beat - real()).total_seconds()) < 5, beat  # the catalog's time, not the worker's
+        assert sweeper.sweep().requeued == []  # a healthy job stays with its worker
+        time.sleep(LEASE_S + 0.3)
+        report = sweeper.sweep()  # and a silent one is taken back after LEASE_S of the catalog's time
+        assert report.requeued == [export_id] and row(settings, export_id).status is ExportStatus.QUEUED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from exporter import __version__
 from services.catalog.database import session_scope
-from services.catalog.models import RuntimeReport, Worker, utcnow
+from services.catalog.models import RuntimeReport, Worker, db_now
 from services.settings import Settings
 from services.placement import machine_capacity
 from workers.runtime_info import RuntimeInfo, runtime_info
@@ -18,12 +18,12 @@ def report_worker(settings: Settings, hostname: str, queues: str, info: RuntimeI
         changed = worker is None or (worker.onnxruntime, worker.cuda, worker.gpu, worker.queues) != (
             info.onnxruntime, info.cuda, info.gpu, queues)
         if worker is None:
-            worker = Worker(hostname=hostname, started_at=utcnow())
+            worker = Worker(hostname=hostname, started_at=db_now(session))
             session.add(worker)
         worker.queues, worker.onnxruntime, worker.cuda, worker.gpu = queues, info.onnxruntime, info.cuda, info.gpu
         worker.gpu_device = settings.gpu_device
         worker.capacity = machine_capacity(settings, hostname).to_dict()
-        worker.exporter_version, worker.last_seen = __version__, utcnow()
+        worker.exporter_version, worker.last_seen = __version__, db_now(session)
         if changed:
             session.add(RuntimeReport(hostname=hostname, queues=queues, onnxruntime=info.onnxruntime,
                                       cuda=info.cuda, gpu=info.gpu))

@@ -406,7 +406,7 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, ca
                                                         _loaded(ref_source.path, ep)).pop()
                 drafts = [0]
 
-                def redraft(tokens: list[int], prompt=prompt) -> list[int]:
+                def redraft(tokens: list[int], prompt=prompt, lm=lm) -> list[int]:
                     drafts[0] += 1
                     return export_decode(lm, prompt + tokens, steps - len(tokens)).chosen
 

@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from exporter.request import ExportRequest, cache_key
-from services.catalog.models import Export, ExportEvent, ExportStatus, utcnow
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, utcnow
 
 # Which status may follow which. Anything else is a bug in the caller, not a user error.
 TRANSITIONS = {
@@ -36,7 +36,7 @@ def transition(
     """Move ``export`` (a row this session has locked or just read) to status ``to`` and record the event."""
     if to not in TRANSITIONS[export.status]:
         raise TransitionError(f"export {export.id}: {export.status.value} -> {to.value} is not allowed")
-    now = utcnow()
+    now = db_now(session)
     session.add(ExportEvent(
         export_id=export.id, at=now, from_status=export.status.value, to_status=to.value, stage=stage,
         message=message, worker=worker,

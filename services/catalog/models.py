@@ -14,6 +14,20 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def db_now(session) -> datetime.datetime:
+    """The catalog's clock, for everything that stamps or judges a lease: a worker's host clock and
+    the sweeper's may disagree by minutes (a worker 65 s behind had every healthy job requeued), the
+    database's is one for all of them. PostgreSQL's ``now()`` (the transaction's start); SQLite is the
+    embedded catalog on the one host every process runs on, so that host's clock is the database's."""
+    from sqlalchemy import func, select
+
+    if session.get_bind().dialect.name == "sqlite":
+        return utcnow()
+    with session.no_autoflush:  # asking the time must not write a half-built row
+        value = session.execute(select(func.now())).scalar_one()
+    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 

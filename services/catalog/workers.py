@@ -7,7 +7,7 @@ import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from services.catalog.models import Export, ExportStatus, Worker, utcnow
+from services.catalog.models import Export, ExportStatus, Worker, db_now
 from services.settings import Settings
 
 
@@ -20,7 +20,7 @@ def aware(moment: datetime.datetime | None) -> datetime.datetime | None:
 
 def live_workers(settings: Settings, session: Session, within_s: float | None = None) -> list[Worker]:
     """Workers that reported within three report intervals (or ``within_s``)."""
-    horizon = utcnow() - datetime.timedelta(seconds=within_s or 3 * settings.worker_report_s)
+    horizon = db_now(session) - datetime.timedelta(seconds=within_s or 3 * settings.worker_report_s)
     return [w for w in session.scalars(select(Worker)).all() if aware(w.last_seen) >= horizon]
 
 
