@@ -167,7 +167,12 @@ class Sweeper:
 
     def _end(self, conditions: tuple, status: ExportStatus, message: str, stage: str | None, fields: dict,
              runtime: str | None = None) -> bool:
-        """One conditional UPDATE to a terminal status (+ its event); False if the row moved on."""
+        """One conditional UPDATE to a terminal status (+ its event); False if the row moved on. Ready
+        and quarantined (adopting what a lost attempt published) also need no cancel to have been
+        requested meanwhile, as ``lifecycle.finish`` does: a cancel that lands between the read and
+        this write leaves the row to the cancel, which unpublishes it."""
+        if status in (ExportStatus.READY, ExportStatus.QUARANTINED):
+            conditions = (*conditions, Export.cancel_requested.is_(False))
         with session_scope(self._url) as session:
             export = session.scalars(select(Export).where(*conditions)).first()
             if export is None:

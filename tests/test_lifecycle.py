@@ -318,3 +318,30 @@ def test_leases_are_stamped_and_judged_by_the_catalogs_clock(tmp_path, checkpoin
         time.sleep(LEASE_S + 0.3)
         report = sweeper.sweep()  # and a silent one is taken back after LEASE_S of the catalog's time
         assert report.requeued == [export_id] and row(settings, export_id).status is ExportStatus.QUEUED
+
+
+def test_a_cancel_that_lands_while_the_sweeper_adopts_wins(settings, sweeper, exported, monkeypatch):
+    """The sweeper reads what a lost attempt published, then ends the row ready; a cancel requested in
+    between must not end ready with an empty store: the adopt is refused and the cancel unpublishes."""
+    from services import sweeper as sweeper_module
+
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1", pid=7).lease
+    prefix = published_export(settings, exported, export_id, lease)
+    write(settings, lifecycle.release_lost, export_id, "w1", 7, "killed after writing the manifest")
+    read = sweeper_module.read_published_manifest
+
+    def read_then_cancel(store, at):
+        manifest = read(store, at)
+        with session_scope(settings.catalog_url) as session:  # the user's cancel, between read and write
+            request_cancel(session, settings, export_id)
+        return manifest
+
+    monkeypatch.setattr(sweeper_module, "read_published_manifest", read_then_cancel)
+    assert sweeper.sweep().adopted == []
+    assert row(settings, export_id).status is not ExportStatus.READY
+    monkeypatch.setattr(sweeper_module, "read_published_manifest", read)
+    sweeper.sweep()
+    done = row(settings, export_id)
+    assert done.status is ExportStatus.CANCELLED
+    assert make_store(settings).list_keys(prefix) == []  # no cancelled export keeps a manifest
