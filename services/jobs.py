@@ -23,7 +23,7 @@ from services.catalog.models import Export, ExportStatus, db_now
 from services.catalog.workers import live_workers
 from services import placement
 from services.settings import Settings
-from services.sources import ModelSource, directory_signature, locate_model, request_revision
+from services.sources import UNRESOLVED_PREFIX, ModelSource, directory_signature, locate_model, request_revision
 
 
 class NotFound(Exception):
@@ -79,6 +79,7 @@ def _model_config(directory: str, signature: tuple):
 def submit_export(
     session: Session, settings: Settings, request: ExportRequest, *, force: bool = False,
     reason: str = "request", predecessor_id: str | None = None, target_ort: str | None = None,
+    revision: str | None = None,
 ) -> tuple[Export, bool]:
     """Add an export to the catalog as queued; an identical live one is returned instead unless ``force``.
 
@@ -86,13 +87,21 @@ def submit_export(
     onnxruntime); a unique constraint on the live key makes concurrent identical requests share one
     export on SQLite and PostgreSQL alike. The row is the outbox entry: the caller commits it, then
     sends it (Sweeper.ring); if that send never happens, the sweeper sends it. A re-export names the
-    onnxruntime it must be built on (``target_ort``); only workers running it take it.
+    onnxruntime it must be built on (``target_ort``); only workers running it take it. ``revision``
+    pins the weights (a re-export is built from its predecessor's): a hub commit is downloaded as
+    it is; a local checkpoint whose files changed since is refused, since a runtime diff on other
+    weights would blame onnxruntime for them.
     """
     source = locate_model(settings, request.model)
     check_against_local_config(source, request)
     check_validatable(request.max_seq_len)  # the farm validates every export
     variant = request.resolved_variant()
-    revision = request_revision(source)
+    current = request_revision(source)
+    if revision is None or revision.startswith(UNRESOLVED_PREFIX):
+        revision = current
+    elif source.local and revision != current:
+        raise ExportError(f"{request.model} changed since it was exported ({revision} -> {current}): a re-export "
+                          "compares runtimes on the same weights; export the new weights as a new request")
     # What the job needs, before anything runs: the smallest worker class that holds it, or a
     # refusal with the figures when none can (a hub model's config is read by its worker).
     estimate = placement.job_estimate(settings, request, source)

@@ -139,8 +139,9 @@ def plan_and_queue_reexports(
             continue
         try:
             with session.begin_nested():  # another check may add the same successor at the same moment
+                # the predecessor's weights: a hub export's commit, not wherever its branch is now
                 new, created = submit_export(session, settings, request_of(export), reason="ort-upgrade",
-                                             predecessor_id=export.id, target_ort=target)
+                                             predecessor_id=export.id, target_ort=target, revision=export.revision)
                 session.flush()
         except IntegrityError:
             plan.skipped.append({**entry, "why": f"re-exported to onnxruntime {target} already (concurrently)"})

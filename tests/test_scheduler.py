@@ -184,3 +184,32 @@ def test_migrations_match_the_models(tmp_path):
     config.set_main_option("script_location", str(MIGRATIONS))
     config.set_main_option("sqlalchemy.url", url)
     command.check(config)  # raises if a model change has no migration
+
+
+def test_a_reexport_is_built_from_its_predecessors_weights(settings, tmp_path):
+    """A hub export's successor downloads the predecessor's commit, not wherever its branch is now;
+    a local checkpoint whose weights changed since is skipped with the reason, not re-exported on
+    other weights (an upgrade diff would blame onnxruntime for them)."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    hub = settings.model_copy(update={"hub_access": True})
+    with session_scope(settings.catalog_url) as session:
+        pinned, _ = submit_export(session, hub, ExportRequest(model="org/model", dtype="fp32", ep="cpu"),
+                                  revision=commit, reason="ort-upgrade")
+        assert pinned.revision == commit
+        moving, _ = submit_export(session, hub, ExportRequest(model="org/model", dtype="fp16", ep="cpu"))
+        assert moving.revision == "ref-main"  # a user's request follows the branch
+    local = settings.models_dir / "tiny-copy"
+    shutil.copytree(settings.models_dir / "tiny-llama", local)
+    worker(settings, "old-node", "1.30.0")
+    before = ready_export(settings, "tiny-copy")
+    [shard] = local.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one weight's last byte: other weights
+    shard.write_bytes(bytes(data))
+    worker(settings, "new-node", "1.31.1")
+    result = plan(settings)
+    [skipped] = [s for s in result.skipped if s["predecessor_id"] == before]
+    assert "changed since it was exported" in skipped["why"]
+    assert before not in [q["predecessor_id"] for q in result.queued]
