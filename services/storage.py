@@ -277,10 +277,15 @@ class S3Store(ArtifactStore):
             return StorageError(f"{self._where()} does not exist: create it (ensure_bucket) or fix the bucket name")
         return StorageError(f"cannot {action} in {self._where()}: {code}: {message}")
 
-    def _call(self, action: str, operation: Callable[[], T]) -> T:
-        """Run one S3 operation, waiting out an unreachable endpoint, and raise only StorageError."""
+    def _call(self, action: str, operation: Callable[[], T], guard: Guard | None = None) -> T:
+        """Run one S3 operation, waiting out an unreachable endpoint, and raise only StorageError.
+        ``guard`` (a write's fence: does this attempt still own its job?) is asked before every try,
+        so a worker cut off from the catalog and the store does not write once S3 comes back after
+        its lease was given away; whatever it raises ends the retries."""
         attempt = 1
         while True:
+            if guard is not None:
+                guard()
             try:
                 return operation()
             except _UNREACHABLE as err:
@@ -324,13 +329,12 @@ class S3Store(ArtifactStore):
                 self._client.upload_fileobj(_GuardedReader(raw, guard), self.bucket, key, ExtraArgs=extra,
                                             Config=self._transfer, Callback=lambda _sent: guard())
 
-        self._call(f"upload {key}", upload)
+        self._call(f"upload {key}", upload, guard)
         return ObjectInfo(path.stat().st_size, sha256)
 
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
                   guard: Guard | None = None) -> ObjectInfo:
         check_key(key)
-        (guard or _no_guard)()
         sha256 = hashlib.sha256(data).hexdigest()
         self._call(
             f"upload {key}",
@@ -338,6 +342,7 @@ class S3Store(ArtifactStore):
                 Bucket=self.bucket, Key=key, Body=data, ContentType=content_type,
                 Metadata={SHA256_METADATA: sha256}, **self._checksum_args(),
             ),
+            guard or _no_guard,
         )
         return ObjectInfo(len(data), sha256)
 

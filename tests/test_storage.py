@@ -589,3 +589,26 @@ def test_a_worker_that_lost_its_lease_shares_no_reference_run(store):
     with pytest.raises(LeaseLost):
         StoreReferences(store, guard=lost).publish(name, b"run")
     assert store.get_bytes(REFERENCES_PREFIX + name) is None
+
+
+def test_a_write_asks_its_fence_before_every_retry():
+    """A worker cut off from the catalog and S3 must not write once S3 is back after its lease went
+    to another attempt: the guard is asked before every try of the patient store, and what it raises
+    ends the retries (the write is never sent)."""
+    from services.storage import S3Store
+
+    class Fenced(Exception):
+        pass
+
+    store = S3Store("http://127.0.0.1:9", "bucket", "k", "s", attempts=4, backoff_s=0.01, client_attempts=1,
+                    connect_timeout_s=0.2)
+    asked = []
+
+    def guard():
+        asked.append(len(asked))
+        if len(asked) == 3:
+            raise Fenced("the lease was taken away")
+
+    with pytest.raises(Fenced):
+        store.put_bytes("exports/x/manifest.json", b"{}", guard=guard)
+    assert len(asked) == 3  # before the first try and before each retry, until it refused
