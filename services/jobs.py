@@ -6,7 +6,7 @@ import functools
 import time
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -168,14 +168,33 @@ def request_cancel(session: Session, settings: Settings, export_id: str) -> tupl
         raise NotFound(f"no export {export_id}")
     if export.status.terminal:
         raise Conflict(f"export {export_id} is already {export.status.value}")
+    if export.status is ExportStatus.QUEUED and not export.storage_prefix:
+        # One conditional UPDATE: SQLite takes no row lock on the read above, so a worker may have
+        # claimed the row since; then this changes nothing and the cancel goes to its worker.
+        now, attempts = db_now(session), export.attempts
+        done = session.execute(
+            update(Export).where(Export.id == export_id, Export.status == ExportStatus.QUEUED,
+                                 Export.attempts == attempts, Export.storage_prefix.is_(None))
+            .values(status=ExportStatus.CANCELLED, cancel_requested=True, error="cancelled", live_key=None,
+                    finished_at=now, updated_at=now)
+            .execution_options(synchronize_session=False))
+        session.expire(export)
+        if done.rowcount == 1:
+            for message, to in (("cancel requested", ExportStatus.QUEUED), ("cancelled while queued",
+                                                                            ExportStatus.CANCELLED)):
+                session.add(catalog.ExportEvent(export_id=export_id, at=now, from_status=ExportStatus.QUEUED.value,
+                                                to_status=to.value, message=message))
+            return session.get(Export, export_id), False
+        export = session.get(Export, export_id)
+        if export.status.terminal:
+            raise Conflict(f"export {export_id} is already {export.status.value}")
     if not export.cancel_requested:
-        export.cancel_requested = True
+        session.execute(update(Export).where(Export.id == export_id).values(cancel_requested=True)
+                        .execution_options(synchronize_session=False))
+        session.expire(export)
+        export = session.get(Export, export_id)
         session.add(catalog.ExportEvent(export_id=export.id, from_status=export.status.value,
                                         to_status=export.status.value, stage=export.stage, message="cancel requested"))
-    if export.status is ExportStatus.QUEUED and not export.storage_prefix:
-        catalog.transition(session, export, ExportStatus.CANCELLED, message="cancelled while queued")
-        export.error, export.live_key = "cancelled", None
-        return export, False
     live = export.status is ExportStatus.RUNNING and not lease_expired(export, settings.lease_s,
                                                                         db_now(session))
     return export, not live

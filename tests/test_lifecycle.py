@@ -345,3 +345,31 @@ def test_a_cancel_that_lands_while_the_sweeper_adopts_wins(settings, sweeper, ex
     done = row(settings, export_id)
     assert done.status is ExportStatus.CANCELLED
     assert make_store(settings).list_keys(prefix) == []  # no cancelled export keeps a manifest
+
+
+def test_a_cancel_racing_a_claim_never_overwrites_the_claimed_row(settings, monkeypatch):
+    """The cancel read the row queued; a worker claims it before the cancel writes: the row stays
+    the worker's (running, its attempt), with the cancel requested for the worker to act on. On
+    SQLite the read takes no row lock, and the cancel once wrote `cancelled` over the claim."""
+    from services import jobs
+
+    if settings.database_url:
+        pytest.skip("PostgreSQL locks the row the cancel read (SELECT ... FOR UPDATE): the claim waits for it")
+    export_id = submit(settings)
+    real = jobs.db_now
+    claimed = []
+
+    def claim_first(session):
+        if not claimed:  # the worker's claim lands between the cancel's read and its write
+            claimed.append(claim(settings, export_id, "w1").lease)
+        return real(session)
+
+    monkeypatch.setattr(jobs, "db_now", claim_first)
+    with session_scope(settings.catalog_url) as session:
+        export, settle = request_cancel(session, settings, export_id)
+        status = export.status
+    [lease] = claimed
+    assert lease is not None and status is ExportStatus.RUNNING and not settle  # its live worker settles it
+    done = row(settings, export_id)
+    assert done.status is ExportStatus.RUNNING and done.attempts == lease.attempt and done.cancel_requested
+    assert write(settings, lifecycle.renew, lease) is True  # the worker hears the cancel
