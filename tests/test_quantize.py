@@ -82,7 +82,7 @@ def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(c
             by_gate[g.gate].append(g)
         for gate in ("structure", "weights", "runtime"):
             assert all(g.status in ("pass", "info") for g in by_gate[gate]), [g.to_dict() for g in by_gate[gate]]
-        assert "parity" not in by_gate and len(by_gate["quality"]) == 4
+        assert "parity" not in by_gate and len(by_gate["quality"]) == 5  # the measurement check, then the four
         decode = by_gate["quality"][-1]
         assert "decode steps through the cache" in decode.check and decode.status == "pass", decode.to_dict()
         assert report.quality["positions"] > 100 and report.quality["tokenizer"] == "bytes"
