@@ -260,10 +260,15 @@ class Sweeper:
     # --- 3. re-exports nobody can run -------------------------------------------------------------
 
     def expire_reexports(self, report: SweepReport) -> None:
+        """Fail a re-export no worker of its target runtime can take: queued past REEXPORT_TIMEOUT_S
+        while no live worker consumes its runtime queue. One that waits behind users' exports on
+        live workers of that runtime is held back, not stale: it stays queued."""
         with session_scope(self._url) as session:
             horizon = db_now(session) - datetime.timedelta(seconds=self.settings.reexport_timeout_s)
-            stale = session.execute(select(Export.id, Export.attempts, Export.target_ort).where(
+            old = session.execute(select(Export.id, Export.attempts, Export.target_ort, Export.queue, Export.ep).where(
                 Export.status == ExportStatus.QUEUED, Export.target_ort.is_not(None), Export.created_at < horizon)).all()
+            served = set(consumers(self.settings, session)) if old else set()
+        stale = [row for row in old if queue_for(row.ep, row.target_ort, row.queue) not in served]
         for row in stale:
             conditions = (Export.id == row.id, Export.status == ExportStatus.QUEUED, Export.attempts == row.attempts)
             message = (f"no worker running onnxruntime {row.target_ort} started this re-export within "

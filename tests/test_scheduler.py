@@ -213,3 +213,30 @@ def test_a_reexport_is_built_from_its_predecessors_weights(settings, tmp_path):
     [skipped] = [s for s in result.skipped if s["predecessor_id"] == before]
     assert "changed since it was exported" in skipped["why"]
     assert before not in [q["predecessor_id"] for q in result.queued]
+
+
+def test_a_reexport_waiting_behind_users_on_live_workers_is_not_expired(settings):
+    """REEXPORT_TIMEOUT_S fails a re-export no worker of its runtime can take, not one held back by
+    users' exports while such workers are alive."""
+    import time
+
+    from services.queue import CeleryQueue
+    from services.storage_factory import make_store
+    from services.sweeper import SweepReport, Sweeper
+
+    worker(settings, "old-node", "1.30.0")
+    predecessor = ready_export(settings, "tiny-llama")
+    worker(settings, "new-node", "1.31.1")
+    [queued] = plan(settings).queued
+    fast = settings.model_copy(update={"reexport_timeout_s": 0.2, "signing_secret": "s" * 40})
+    sweeper = Sweeper(fast, CeleryQueue(fast), make_store(fast))
+    time.sleep(0.3)
+    report = SweepReport()
+    sweeper.expire_reexports(report)
+    assert report.failed == []  # new-node (1.31.1) is alive: the re-export waits for it
+    with session_scope(settings.catalog_url) as session:
+        from services.catalog.models import Worker
+
+        session.get(Worker, "new-node").last_seen = session.get(Worker, "new-node").last_seen.replace(year=2000)
+    sweeper.expire_reexports(report)
+    assert report.failed == [queued["export_id"]] and predecessor
