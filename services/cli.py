@@ -109,7 +109,6 @@ def _cmd_beat(args) -> int:
     from services.beat import Beat
     from services.queue import CeleryQueue
     from services.settings import get_settings
-    from services.storage_factory import make_store
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
@@ -119,7 +118,7 @@ def _cmd_beat(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     logging.getLogger("exportfarm").info("beat: sweeping every %g s, checking runtimes every %g s",
                                          settings.sweep_interval_s, settings.beat_interval_s)
-    Beat(settings, CeleryQueue(settings), make_store(settings)).run(stop)
+    Beat(settings, CeleryQueue(settings)).run(stop)
     return 0
 
 

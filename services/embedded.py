@@ -23,7 +23,6 @@ from exporter.locks import Held, hold
 from services.beat import Beat
 from services.queue import CeleryQueue
 from services.settings import Settings
-from services.storage_factory import make_store
 
 log = logging.getLogger(__name__)
 WORKER_NAME = "embedded"
@@ -41,7 +40,7 @@ def describe_exit(returncode: int) -> str:
 class EmbeddedFarm:
     def __init__(self, settings: Settings, *, worker: bool = True, queues: str = "cpu,gpu"):
         self.settings, self.with_worker, self.queues = settings, worker, queues
-        self.beat = Beat(settings, CeleryQueue(settings), make_store(settings))
+        self.beat = Beat(settings, CeleryQueue(settings))
         self._stopping = threading.Event()
         self._proc: subprocess.Popen | None = None
         self._proc_lock = threading.Lock()

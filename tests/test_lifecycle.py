@@ -373,3 +373,24 @@ def test_a_cancel_racing_a_claim_never_overwrites_the_claimed_row(settings, monk
     done = row(settings, export_id)
     assert done.status is ExportStatus.RUNNING and done.attempts == lease.attempt and done.cancel_requested
     assert write(settings, lifecycle.renew, lease) is True  # the worker hears the cancel
+
+
+def test_a_sweep_with_s3_down_notes_it_and_still_sends_what_waits(settings):
+    """The beat's store is the impatient one: an expired lease whose publish must be read from a down
+    S3 is noted for the next sweep within seconds (the workers' patient store took ~90 s per lease),
+    and a queued export behind it is still sent."""
+    from services.beat import Beat
+
+    down = settings.model_copy(update={"s3_endpoint_url": "http://127.0.0.1:9", "s3_access_key": "k",
+                                       "s3_secret_key": "s"})
+    lost = submit(settings)
+    lease = claim(settings, lost).lease
+    write(settings, lifecycle.begin_publish, lease, "exports/some/prefix/")
+    waiting = submit(settings, dtype="fp16")
+    time.sleep(LEASE_S + 0.1)
+    beat = Beat(down, CeleryQueue(down))
+    started = time.monotonic()
+    report = beat.sweeper.sweep()
+    assert time.monotonic() - started < 15
+    assert any(lost in p and "object store unavailable" in p for p in report.problems), report.problems
+    assert waiting in report.dispatched
