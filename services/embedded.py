@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 WORKER_NAME = "embedded"
 
 
+def worker_name(settings: Settings) -> str:
+    """The embedded worker's name: its host and its DATA_DIR, which one serve holds at a time. Two
+    serves sharing a DATABASE_URL settle only their own worker's jobs at start (one name for every
+    embedded worker once released another serve's live job)."""
+    import hashlib
+    import socket
+
+    where = hashlib.sha256(str(settings.data_dir.expanduser().resolve()).encode()).hexdigest()[:8]
+    return f"{WORKER_NAME}-{socket.gethostname()}-{where}"
+
+
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -40,6 +51,7 @@ def describe_exit(returncode: int) -> str:
 class EmbeddedFarm:
     def __init__(self, settings: Settings, *, worker: bool = True, queues: str = "cpu,gpu"):
         self.settings, self.with_worker, self.queues = settings, worker, queues
+        self.worker_name = worker_name(settings)
         self.beat = Beat(settings, CeleryQueue(settings))
         self._stopping = threading.Event()
         self._proc: subprocess.Popen | None = None
@@ -63,7 +75,7 @@ class EmbeddedFarm:
     def start(self) -> None:
         self._lock_data_dir()
         settled = self.beat.sweeper.recover_worker(
-            WORKER_NAME, None, "the embedded worker stopped when the previous exportfarm serve did")
+            self.worker_name, None, "the embedded worker stopped when the previous exportfarm serve did")
         if settled.changed():
             log.info("embedded: settled what the previous serve's worker held: %s",
                      {k: v for k, v in settled.to_dict().items() if v})
@@ -77,9 +89,9 @@ class EmbeddedFarm:
         self._threads.append(thread)
 
     def _start_worker(self) -> subprocess.Popen:
-        env = {**os.environ, "EXPORTFARM_WORKER_NAME": WORKER_NAME, "EXPORTFARM_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, "EXPORTFARM_WORKER_NAME": self.worker_name, "EXPORTFARM_PARENT_PID": str(os.getpid())}
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "worker", "--queues", self.queues, "--name", WORKER_NAME],
+            [sys.executable, "-m", "services.cli", "worker", "--queues", self.queues, "--name", self.worker_name],
             env=env, start_new_session=True,  # its own process group: a signal reaches its pool process too
         )
 
@@ -99,7 +111,7 @@ class EmbeddedFarm:
             log.warning("embedded: worker (pid %d) %s; settling its job and restarting it", proc.pid, how)
             _kill_group(proc.pid)  # a pool process that outlived its parent
             try:
-                self.beat.sweeper.recover_worker(WORKER_NAME, proc.pid, f"the embedded worker process was {how}"
+                self.beat.sweeper.recover_worker(self.worker_name, proc.pid, f"the embedded worker process was {how}"
                                                  if returncode < 0 else f"the embedded worker process ended ({how})")
             except Exception:
                 log.warning("embedded: could not settle the worker's job now; its lease will expire", exc_info=True)
@@ -124,7 +136,7 @@ class EmbeddedFarm:
         if proc is not None:
             _kill_group(proc.pid)
             try:
-                returned = self.beat.sweeper.hand_back(WORKER_NAME, proc.pid, "exportfarm serve stopped")
+                returned = self.beat.sweeper.hand_back(self.worker_name, proc.pid, "exportfarm serve stopped")
                 if returned:
                     log.info("embedded: handed back %s; it resumes when serve starts again", ", ".join(returned))
             except Exception:

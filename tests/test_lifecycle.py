@@ -6,6 +6,7 @@ local object store with a real export published into it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -394,3 +395,30 @@ def test_a_sweep_with_s3_down_notes_it_and_still_sends_what_waits(settings):
     assert time.monotonic() - started < 15
     assert any(lost in p and "object store unavailable" in p for p in report.problems), report.problems
     assert waiting in report.dispatched
+
+
+def test_a_serve_starting_on_a_shared_catalog_leaves_another_serves_job_alone(tmp_path, checkpoint):
+    """Two serves with their own DATA_DIR and one DATABASE_URL (no Redis): each settles only its own
+    embedded worker's jobs when it starts."""
+    from services.embedded import EmbeddedFarm
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-llama").symlink_to(checkpoint("llama"))
+    with fresh_postgres_database() as url:
+        common = dict(database_url=url, models_dir=models, lease_s=60, heartbeat_s=5,
+                      signing_secret="lifecycle-signing-secret-0123456789abcdef")
+        first = Settings(data_dir=tmp_path / "a", **common)
+        upgrade_schema(first.catalog_url)
+        farm_a = EmbeddedFarm(first, worker=False)
+        export_id = submit(first)
+        lease = claim(first, export_id, farm_a.worker_name, pid=os.getpid()).lease  # a's worker at work
+        farm_b = EmbeddedFarm(Settings(data_dir=tmp_path / "b", **common), worker=False)
+        assert farm_b.worker_name != farm_a.worker_name
+        farm_b.start()
+        try:
+            held = row(first, export_id)
+            assert held.status is ExportStatus.RUNNING and held.attempts == lease.attempt, held.lost_reason
+            assert write(first, lifecycle.renew, lease) is False  # still a's
+        finally:
+            farm_b.stop()
