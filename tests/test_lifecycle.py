@@ -422,3 +422,23 @@ def test_a_serve_starting_on_a_shared_catalog_leaves_another_serves_job_alone(tm
             assert write(first, lifecycle.renew, lease) is False  # still a's
         finally:
             farm_b.stop()
+
+
+def test_a_full_disk_releases_the_job_for_another_attempt_instead_of_failing_it(settings, sweeper, monkeypatch):
+    """No space left on this worker's disk is the worker's trouble, not the export's: the attempt is
+    released as lost (its scratch freed) and the sweeper queues it again, instead of "internal error"."""
+    import errno
+
+    from workers import job as worker_job
+    from workers.job import WorkerIdentity, run_export_job
+
+    def full(job, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(worker_job, "STAGES", (("resolve", full),))
+    export_id = submit(settings)
+    assert run_export_job(settings, export_id, WorkerIdentity("w1", os.getpid())) == "released"
+    held = row(settings, export_id)
+    assert held.status is ExportStatus.RUNNING and held.heartbeat_at is None and "disk filled" in held.lost_reason
+    assert sweeper.sweep().requeued == [export_id]
+    assert row(settings, export_id).status is ExportStatus.QUEUED and row(settings, export_id).error is None

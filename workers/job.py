@@ -14,6 +14,7 @@ lease), the next check raises ``Fenced`` and the job ends here without writing a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -566,6 +567,18 @@ def _run(job: Job, record: JobRecord) -> str:
         return "released"
     except ExportError as err:
         return _end_unpublished(job, ExportStatus.FAILED, str(err))
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.exception("%s failed in %s", job.lease, stage)
+            return _end_unpublished(job, ExportStatus.FAILED, f"internal error during {stage}: {type(err).__name__}: {err}")
+        # This worker's disk, not the export: the attempt is given up as lost (counted against
+        # MAX_ATTEMPTS), its scratch freed, and the sweeper queues it again for a worker with room.
+        log.warning("%s: the disk filled during %s; releasing the job for another attempt", job.lease, stage)
+        shutil.rmtree(job.work, ignore_errors=True)
+        with session_scope(job.settings.catalog_url) as session:
+            lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
+                                   f"the worker's disk filled during {stage} ({err.strerror}): {job.settings.scratch_dir}")
+        return "released"
     except Exception as err:  # a bug: fail the export loudly, naming the stage, rather than retry it forever
         log.exception("%s failed in %s", job.lease, stage)
         return _end_unpublished(job, ExportStatus.FAILED, f"internal error during {stage}: {type(err).__name__}: {err}")
