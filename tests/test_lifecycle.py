@@ -442,3 +442,28 @@ def test_a_full_disk_releases_the_job_for_another_attempt_instead_of_failing_it(
     assert held.status is ExportStatus.RUNNING and held.heartbeat_at is None and "disk filled" in held.lost_reason
     assert sweeper.sweep().requeued == [export_id]
     assert row(settings, export_id).status is ExportStatus.QUEUED and row(settings, export_id).error is None
+
+
+def test_a_later_attempt_that_fails_removes_what_an_earlier_one_uploaded(settings, sweeper, monkeypatch):
+    """Attempt 1 began publishing and was lost; attempt 2 fails before publishing its own: the failed
+    export keeps nothing in the store (attempt 1's objects stayed there before)."""
+    from exporter.errors import ExportError
+    from workers import job as worker_job
+    from workers.job import WorkerIdentity, run_export_job
+
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1", pid=7).lease
+    prefix = "exports/tiny/attempt-one/"
+    write(settings, lifecycle.begin_publish, lease, prefix)
+    store = make_store(settings)
+    store.put_bytes(prefix + "model.onnx.data", b"half an upload")
+    write(settings, lifecycle.release_lost, export_id, "w1", 7, "killed while uploading")
+    assert sweeper.sweep().requeued == [export_id]
+
+    def broken(job, record):
+        raise ExportError("the checkpoint is gone")
+
+    monkeypatch.setattr(worker_job, "STAGES", (("resolve", broken),))
+    assert run_export_job(settings, export_id, WorkerIdentity("w2", os.getpid())) == "failed"
+    assert row(settings, export_id).status is ExportStatus.FAILED
+    assert store.list_keys(prefix) == []

@@ -184,6 +184,7 @@ class JobRecord:
     parity_report: dict | None = None
     benchmark: dict | None = None
     diff: dict | None = None
+    earlier_prefix: str | None = None  # the catalog's storage_prefix when this attempt claimed the job
 
     def save(self, work: Path) -> None:
         tmp = work / f".{RECORD_FILE}.{uuid.uuid4().hex[:8]}"
@@ -404,7 +405,9 @@ def _claim(session, export_id: str, identity: WorkerIdentity) -> tuple[lifecycle
     if claim.lease is None:
         return claim, None
     e = claim.export
-    return claim, JobRecord(e.id, request_of(e).to_dict(), e.revision, e.predecessor_id, current_runtime())
+    record = JobRecord(e.id, request_of(e).to_dict(), e.revision, e.predecessor_id, current_runtime())
+    record.earlier_prefix = e.storage_prefix  # where a lost earlier attempt began publishing, if one did
+    return claim, record
 
 
 def _prune(settings: Settings, root: Path, keep: str) -> None:
@@ -513,11 +516,13 @@ def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity 
         log.info("export %s: nothing to do (%s)", export_id, claim.why)
         return f"skipped: {claim.why}"
     lease = claim.lease
+    earlier = record.earlier_prefix  # as the catalog says now, not as a saved checkpoint remembers
     root = _work_root(settings, identity)
     work = root / export_id
     saved = JobRecord.load(work)
     if saved is not None and saved.export_id == export_id and saved.runtime == record.runtime:
         record = saved  # resume after the last finished stage
+        record.earlier_prefix = earlier
         log.info("%s: resuming after %s", lease, ", ".join(record.done) or "nothing")
     else:
         shutil.rmtree(work, ignore_errors=True)
@@ -527,7 +532,9 @@ def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity 
     except SQLAlchemyError:
         pass
     with LeaseKeeper(settings, lease) as keeper:
-        job = Job(settings, lease, keeper, make_store(settings), work)
+        # An earlier attempt's uploads are this attempt's to remove if it ends failed or cancelled
+        # before publishing its own (publish replaces them with its own prefix).
+        job = Job(settings, lease, keeper, make_store(settings), work, publishing=earlier)
         job.progress = CatalogProgress(job)
         outcome = _run(job, record)
     if outcome in ("ready", "quarantined", "failed", "cancelled"):
