@@ -50,12 +50,16 @@ def activation_dtype(dtype: DType, ep: EP, chosen: str | None = None, trained_in
 def trained_in_bf16(checkpoint_dir) -> bool:
     """Whether a checkpoint says it was trained in bf16: config.json's dtype (torch_dtype), else
     every floating tensor of its safetensors stored in bf16."""
-    import json
     from pathlib import Path
 
+    import onnx_ir as ir
+
+    from exporter.graph.config import read_raw_config
+    from exporter.packaging.checkpoint import Checkpoint
+
     try:
-        config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_raw_config(Path(checkpoint_dir))
+    except ExportError:
         config = {}
     config = config if isinstance(config, dict) else {}
     config = {**(config.get("text_config") or {}), **config}
@@ -63,14 +67,9 @@ def trained_in_bf16(checkpoint_dir) -> bool:
     if isinstance(said, str):
         return said == "bfloat16"
     try:
-        from exporter.packaging.checkpoint import Checkpoint
-
-        source = Checkpoint(Path(checkpoint_dir))
-        kinds = {source.stored_dtype(name).name for name in source.names()}
+        return Checkpoint(Path(checkpoint_dir)).floating_dtypes() == {ir.DataType.BFLOAT16}
     except Exception:
         return False
-    floating = kinds & {"BFLOAT16", "FLOAT16", "FLOAT", "DOUBLE"}
-    return floating == {"BFLOAT16"}
 
 
 # What a weight-only export keeps at higher precision, by tensor role.

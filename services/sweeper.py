@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from exporter.contract import BENCH_FILE, DIFF_JSON, REPORT_JSON
 from services.catalog.database import session_scope
 from services.catalog.exports import ended_fields, lease_expired, outcome_fields, runtime_fields
-from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, utcnow
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, db_time_ago
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
 from services.publish import read_published, read_published_manifest, unpublish
@@ -88,13 +88,7 @@ class Sweeper:
     def _heartbeat_older_than_lease(self):
         """The lease has run out, by the catalog's clock, as the statement runs (a condition of the
         UPDATE that settles the attempt: a worker that renewed meanwhile keeps its job)."""
-        from sqlalchemy import func, literal
-
-        if self._url.startswith("sqlite"):  # the embedded catalog: one host, its clock is the database's
-            stale = Export.heartbeat_at < utcnow() - datetime.timedelta(seconds=self.settings.lease_s)
-        else:
-            stale = Export.heartbeat_at < func.now() - literal(datetime.timedelta(seconds=self.settings.lease_s))
-        return or_(Export.heartbeat_at.is_(None), stale)
+        return or_(Export.heartbeat_at.is_(None), Export.heartbeat_at < db_time_ago(self._url, self.settings.lease_s))
 
     def _lost_attempts(self) -> list[tuple[str, int]]:
         with session_scope(self._url) as session:

@@ -126,6 +126,11 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def floating_dtypes(self) -> set[ir.DataType]:
+        """The dtypes the checkpoint's floating tensors are stored in."""
+        stored = {self.stored_dtype(name) for name in self.names()}
+        return stored & {ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+
     def names(self) -> list[str]:
         return sorted(self._where)
 

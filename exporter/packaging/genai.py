@@ -162,19 +162,23 @@ def align_special_tokens(source_dir: Path, out_dir: Path) -> tuple[dict, str | N
                     f"tokenizer_class {tokenizer_class or '(none)'} makes genai read it as BPE ('type must be object, "
                     "but is array'); re-save the tokenizer with transformers 5 (which writes it as BPE), or "
                     "tokenize with transformers and feed genai token ids")
-    try:
-        from transformers import AutoTokenizer
+    from exporter.validation import text
 
-        hf = AutoTokenizer.from_pretrained(str(source_dir))
+    try:
+        # the one validation's gates use too (kept while the files are unchanged: loaded once)
+        hf = text.load_tokenizer(source_dir)
+        if hf is None:  # vocab.json / merges.txt only
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(source_dir))
     except Exception as err:  # the package still carries the files; the genai gate reports what loads
         return {}, f"transformers cannot load the checkpoint's tokenizer ({str(err).splitlines()[0][:160]})"
-    probe = "Hello world"
-    bare, full = hf.encode(probe, add_special_tokens=False), hf.encode(probe)
-    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
-    prefix, suffix = (full[:at], full[at + len(bare):]) if at is not None else (None, None)
-    if prefix is None or len(prefix) > 1 or len(suffix) > 1:
-        return {}, (f"transformers' tokenizer adds {full} around {bare}: genai's tokenizer can add one BOS and one "
-                    "EOS only; tokenize with transformers and feed genai token ids")
+    added = text.added_special_ids(hf)
+    if added is None or len(added[0]) > 1 or len(added[1]) > 1:
+        said = "tokens inside the text" if added is None else f"{added[0]} before and {added[1]} after a text"
+        return {}, (f"transformers' tokenizer adds {said}: genai's tokenizer can add one BOS and one EOS only; "
+                    "tokenize with transformers and feed genai token ids")
+    prefix, suffix = added
     written = {"add_bos_token": bool(prefix), "add_eos_token": bool(suffix)}
     if prefix:
         written["bos_token"] = hf.convert_ids_to_tokens(prefix[0])

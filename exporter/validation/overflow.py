@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
+from exporter.graph.passes.quantize import LAYER_NAME
+
 # Ops whose outputs are integers (or booleans) whatever their inputs are.
 _INTEGER_OPS = {"Shape", "Size", "ArgMax", "ArgMin", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
                 "Not", "And", "Or", "Xor", "NonZero", "IsNaN", "IsInf", "TopK"}
@@ -69,12 +69,12 @@ def _attribute(graph, num_layers: int) -> list[tuple[str, int, str, str]]:
         layers = [layer_of.get(name, -1) for name in node.input if name]
         reads = [name for name in node.input if name in weights]
         for name in reads:
-            found = _LAYER.search(name)
+            found = LAYER_NAME.search(name)
             if found:
                 layers.append(int(found.group(1)))
         layer = max(layers, default=-1)
         if layer >= 0 and node.op_type != "Gather" and any(
-                _LAYER.search(n) is None and ("norm" in n or "lm_head" in n or "embed" in n) for n in reads):
+                LAYER_NAME.search(n) is None and ("norm" in n or "lm_head" in n or "embed" in n) for n in reads):
             layer = num_layers
         if node.op_type == "Cast":
             to = next((a.i for a in node.attribute if a.name == "to"), None)

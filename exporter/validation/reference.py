@@ -82,8 +82,8 @@ def _stored_dtype(checkpoint: Path):
         return None  # not safetensors: transformers loads it its own way
     floating = {ir.DataType.BFLOAT16: torch.bfloat16, ir.DataType.FLOAT16: torch.float16,
                 ir.DataType.FLOAT: torch.float32, ir.DataType.DOUBLE: torch.float64}
-    kinds = {floating.get(source.stored_dtype(name)) for name in source.names()} - {None}
-    return kinds.pop() if len(kinds) == 1 else None
+    kinds = source.floating_dtypes()
+    return floating[kinds.pop()] if len(kinds) == 1 else None
 
 
 def _cast_with_buffers(model, target) -> bool:
@@ -272,6 +272,13 @@ def _rope_switch(config) -> int | None:
 
 def _cached_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:
     """The prompt in one pass, then one token per pass through transformers' KV cache."""
+    tokens, step_logits = cached_steps(model, prompt, steps)
+    return ReferenceRun(list(prompt), step_logits[0].copy(), tokens, step_logits, [top2_gap(g) for g in step_logits])
+
+
+def cached_steps(model, prompt: list[int], steps: int, feed: list[int] | None = None):
+    """(tokens, the logits that chose each): the prompt in one pass, then one token per pass through
+    transformers' KV cache, each token ``feed[i]`` (teacher forcing) or, without ``feed``, the argmax."""
     import inspect
 
     import torch
@@ -282,14 +289,10 @@ def _cached_greedy(model, prompt: list[int], steps: int) -> ReferenceRun:
     step_logits: list[np.ndarray] = []
     with torch.no_grad():
         out = model(input_ids=torch.tensor([list(prompt)], dtype=torch.long), use_cache=True)
-        logits = out.logits[0, -1].float().cpu().numpy()
-        prefill = logits.copy()
         while True:
-            tokens.append(int(np.argmax(logits)))
-            step_logits.append(logits)
+            step_logits.append(out.logits[0, -1].float().cpu().numpy())
+            tokens.append(int(feed[len(tokens)]) if feed is not None else int(np.argmax(step_logits[-1])))
             if len(tokens) == steps:
-                break
+                return tokens, step_logits
             past = getattr(out, cache_arg, None) or out.past_key_values
             out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_arg: past})
-            logits = out.logits[0, -1].float().cpu().numpy()
-    return ReferenceRun(list(prompt), prefill, tokens, step_logits, [top2_gap(g) for g in step_logits])

@@ -37,16 +37,22 @@ def _load_tokenizer(checkpoint: Path, stamp: tuple):
     return AutoTokenizer.from_pretrained(str(checkpoint))
 
 
-def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+def added_special_ids(tokenizer) -> tuple[list[int], list[int]] | None:
     """The ids the tokenizer puts before and after a text when it encodes one for the model (BOS,
-    say): ``encode(text)`` is ``prefix + encode(text, add_special_tokens=False) + suffix``."""
+    say): ``encode(text)`` is ``prefix + encode(text, add_special_tokens=False) + suffix``; None
+    where what it adds is not around the text."""
     probe = "Hello world"
     bare = tokenizer.encode(probe, add_special_tokens=False)
     full = tokenizer.encode(probe)
     for start in range(len(full) - len(bare) + 1):
         if full[start:start + len(bare)] == bare:
             return list(full[:start]), list(full[start + len(bare):])
-    return [], []
+    return None
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """``added_special_ids``, nothing where what the tokenizer adds is not around the text."""
+    return added_special_ids(tokenizer) or ([], [])
 
 
 def chat_prompt(tokenizer) -> tuple[list[int], str]:

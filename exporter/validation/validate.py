@@ -22,7 +22,7 @@ import numpy as np
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.errors import ExportError
 from exporter.validation.gates import GateResult
-from exporter.validation.gates.genai import genai_gates
+from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
 from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
 from exporter.validation.gates.runtime_probe import runtime_gate
@@ -231,11 +231,13 @@ def validate_export(
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations)
         runtime: list[GateResult] = []
-        own: dict = {}  # the export's own greedy tokens on a prompt, for the genai gate
+        # the export's own greedy tokens on a prompt, for the genai gate (None: it will not run)
+        own: dict | None = {} if will_check_genai(manifest) else None
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
                                          shared_references, runtime, timings, own)
         t0 = time.perf_counter()
+        own = own or {}
         genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),
                                            own.get("tokens"), _eos_ids(export_dir), own.get("gaps"),
                                            NEAR_TIE_MARGIN[activations])
@@ -275,7 +277,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
                    steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings, own):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
     quantized exports, the quality gate); appends to ``gates``, returns (parity, quality). ``own``
-    gets the export's own greedy tokens on the real-text prompt (else the first), for the genai gate."""
+    (unless None) gets the export's own greedy tokens on the real-text prompt (else the first), for
+    the genai gate."""
     from exporter.validation import reference
 
     def probe():
@@ -288,7 +291,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         probe()
         return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
                               quality_thresholds, reference_cache, shared_references, own,
-                              parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [])[-1][1], steps)
+                              parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [])[-1][1]
+                              if own is not None else None, steps)
 
     prompts = parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, gates)
     t0 = time.perf_counter()
@@ -424,8 +428,7 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, ca
             parity_s += time.perf_counter() - t0
             refs.append(ref)
             runs.append(run)
-        mine = free_run if free_run is not None else export_decode(lm, prompts[-1][1], steps)
-        own.update(prompt=prompts[-1][1], tokens=mine.chosen, gaps=[top2_gap(l) for l in mine.logits[:steps]])
+        _note_own_greedy(own, lm, prompts[-1][1], steps, free_run, runs[-1])
     finally:
         if model is not None:
             model.close()
@@ -450,6 +453,23 @@ def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, ca
     if len(results) > 1:
         parity["prompts"] = [{"prompt": label, **result} for (label, _), result in zip(prompts[1:], results[1:])]
     return parity
+
+
+def will_check_genai(manifest: dict) -> bool:
+    """Whether the genai gate will load this export: a genai package, onnxruntime-genai importable."""
+    return bool((manifest.get("genai") or {}).get("package")) and genai_importable()
+
+
+def _note_own_greedy(own: dict | None, lm, prompt: list[int], steps: int, *made) -> None:
+    """The export's own greedy tokens on ``prompt`` (and its top-1/top-2 gaps) into ``own``, for the
+    genai gate; nothing where it will not run (None). A run of ``prompt`` already ``made`` serves
+    where it was the export's own greedy run (it chose every token it was fed)."""
+    if own is None:
+        return
+    from exporter.validation.parity import export_decode
+
+    mine = next((r for r in made if r is not None and r.chosen == r.fed), None) or export_decode(lm, prompt, steps)
+    own.update(prompt=prompt, tokens=mine.chosen, gaps=[top2_gap(logits) for logits in mine.logits[:steps]])
 
 
 def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timings):
@@ -521,7 +541,6 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     reference's logits over the quality text come from the streamed reference (one pass over the
     weights for every window of one length) and are kept per checkpoint and text, like parity's."""
     from exporter.validation import reference
-    from exporter.validation.parity import export_decode
     from exporter.validation.gates.quality import WINDOW, export_logits, quality_gates, reference_logits, score, \
         text_tokens, windows
 
@@ -549,8 +568,7 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds, cfg["vocab_size"])
     gates.append(_decode_consistency(lm, chunks[0], got[0], activations))
-    mine = export_decode(lm, prompt, steps)
-    own.update(prompt=prompt, tokens=mine.chosen, gaps=[top2_gap(l) for l in mine.logits[:steps]])
+    _note_own_greedy(own, lm, prompt, steps)
     del lm  # the probe below makes a session of its own
     bad = [i for i, logits in enumerate(got) if not np.isfinite(logits).all()]
     if bad:

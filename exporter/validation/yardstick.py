@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.validation.reference import ReferenceRun, _rope_switch
+from exporter.validation.reference import ReferenceRun, _rope_switch, cached_steps
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 LARGEST = {"fp16": 65504.0, "bf16": 3.3895313892515355e38}
@@ -129,7 +129,7 @@ def measure(checkpoint: Path, device: str, dtype: str, ref: ReferenceRun) -> Dri
         tokens = list(ref.prompt) + list(ref.tokens[:-1])
         switch = _rope_switch(model.config)
         if switch is not None and len(ref.prompt) <= switch < len(tokens) + 1:
-            logits = _token_by_token(model, ref.prompt, ref.tokens[:-1])
+            _, logits = cached_steps(model, ref.prompt, len(ref.tokens), ref.tokens)
         else:
             out = model(input_ids=torch.tensor([tokens], dtype=torch.long), use_cache=False)
             logits = list(out.logits[0, len(ref.prompt) - 1:].float().numpy())
@@ -144,21 +144,6 @@ def measure(checkpoint: Path, device: str, dtype: str, ref: ReferenceRun) -> Dri
     if peaks:
         result.peak_activation, result.peak_layer = max(peaks)
     return result
-
-
-def _token_by_token(model, prompt: list[int], fed: list[int]) -> list[np.ndarray]:
-    import inspect
-
-    import torch
-
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=torch.tensor([list(prompt)], dtype=torch.long), use_cache=True)
-    logits = [out.logits[0, -1].float().numpy()]
-    for token in fed:
-        past = getattr(out, cache_arg, None) or out.past_key_values
-        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{cache_arg: past})
-        logits.append(out.logits[0, -1].float().numpy())
-    return logits
 
 
 def cached_measure(cache_dir: Path | None, revision: str, checkpoint: Path, ep: str, dtype: str, *,

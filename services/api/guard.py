@@ -58,6 +58,14 @@ class FailureLimiter:
                 return None
             return max(1, math.ceil(WINDOW_S - (now - failures[0])))
 
+    def count_failure(self, client: str) -> int | None:
+        """Count a failed authentication of ``client``: the seconds it must wait (a 429) where it had
+        already failed too often in the last minute, else None. Asked only once a credential has
+        failed, so a valid one is never refused for the failures before it."""
+        wait = self.retry_after(client)
+        self.failed(client)
+        return wait
+
     def failed(self, client: str) -> None:
         with self._lock:
             failures = self._failures.setdefault(client, collections.deque())
@@ -136,8 +144,7 @@ class Guard:
     def _refuse(self, client: str, response: JSONResponse | RedirectResponse):
         """A failed authentication: counted against ``client``, and answered 429 once it has failed
         too often in the last minute (checked after the token, so a valid one always gets in)."""
-        wait = self.limiter.retry_after(client)
-        self.limiter.failed(client)
+        wait = self.limiter.count_failure(client)
         if wait is not None:
             return _error(429, f"too many failed authentications from {client}: try again in {wait} s",
                           {"Retry-After": str(wait)})

@@ -14,6 +14,22 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def _host_is_db_clock(dialect: str) -> bool:
+    """SQLite is the embedded catalog on the one host every process runs on: its clock is that host's."""
+    return dialect == "sqlite"
+
+
+def db_time_ago(url: str, seconds: float):
+    """The catalog's time ``seconds`` ago, as the statement it is used in runs (``db_now`` for use
+    inside an UPDATE's condition, so nothing changes between reading the clock and writing)."""
+    from sqlalchemy import func, literal
+
+    delta = datetime.timedelta(seconds=seconds)
+    if _host_is_db_clock(url.split(":", 1)[0].split("+", 1)[0]):
+        return utcnow() - delta
+    return func.now() - literal(delta)
+
+
 def db_now(session) -> datetime.datetime:
     """The catalog's clock, for everything that stamps or judges a lease: a worker's host clock and
     the sweeper's may disagree by minutes (a worker 65 s behind had every healthy job requeued), the
@@ -21,7 +37,7 @@ def db_now(session) -> datetime.datetime:
     embedded catalog on the one host every process runs on, so that host's clock is the database's."""
     from sqlalchemy import func, select
 
-    if session.get_bind().dialect.name == "sqlite":
+    if _host_is_db_clock(session.get_bind().dialect.name):
         return utcnow()
     with session.no_autoflush:  # asking the time must not write a half-built row
         value = session.execute(select(func.now())).scalar_one()

@@ -104,9 +104,7 @@ def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_
     limiter = context.auth_limiter
     principal = authenticate(context.sessions, token.strip(), context.settings.token_cache_s)
     if principal is None:  # a valid token always signs in; failures are counted and slowed
-        wait = limiter.retry_after(client) if limiter else None
-        if limiter:
-            limiter.failed(client)
+        wait = limiter.count_failure(client) if limiter else None
         if wait is not None:
             return _page(request, "login.html", context, 429, error=f"Too many failed sign-ins: try again in {wait} s.")
         return _page(request, "login.html", context, 401, error="Unknown, revoked or expired token.")

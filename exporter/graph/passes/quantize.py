@@ -21,7 +21,7 @@ from exporter.packaging.checkpoint import CheckpointTensor
 from exporter.graph.passes.dtype import make_initializer
 
 MS_DOMAIN = "com.microsoft"
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's weight, and its index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +217,7 @@ def tensor_role(weight_name: str, num_layers: int, is_lm_head: bool) -> set[str]
     roles = set()
     if is_lm_head:
         roles.add("lm_head")
-    match = _LAYER.search(weight_name)
+    match = LAYER_NAME.search(weight_name)
     if match:
         layer = int(match.group(1))
         if layer == 0:
