@@ -20,8 +20,23 @@ fault hits), injects one fault, heals it, and waits for the export to end:
 * ``redis-restart``: Redis killed and started again empty after 1-3 s (every message lost).
 * ``postgres-restart``: ``pg_ctl restart -m fast`` (every connection cut).
 * ``s3-outage``: SeaweedFS stopped for 3-8 s while the export publishes.
+* ``s3-sigstop``: mid-publish, SeaweedFS and the holding worker are both SIGSTOPped (the worker cut
+  off from the catalog and the store, a request of its own in flight); S3 is resumed once the lease
+  has expired, so the takeover attempt publishes while the stopped one's request lands late; the
+  stopped worker is resumed last and must write nothing more.
+* ``clock-skew``: the workers run under libfaketime with their wall clocks 90 s ahead and 90 s
+  behind; the job is held in a stage for twice the lease. Leases are stamped and judged on the
+  database's clock, so it must finish in its first attempt.
+* ``cancel``: a cancel requested while the job is held in a random stage (resolve ... upload), or
+  just after its worker was killed having published its manifest but not recorded it (the sweeper
+  adopts such a manifest: the cancel races the adopt).
 
-A trial counts as *completed exactly once* when the export ends ``ready`` with one ready event, its
+Every ended export is checked against the store: a ready one's catalog row lists the same files and
+sha256 as the published manifest and the served bytes; a cancelled or failed one has no manifest
+that is not withdrawn.
+
+A trial counts as *completed exactly once* when the export ends ``ready`` (``cancelled`` where a
+cancel won the race) with one terminal event, its
 published manifest lists files whose sha256 match what the store serves, no other export id is
 published under its prefix, and the store does not change afterwards (a stale attempt writing late
 would). ``lost``: it ended anything but ready; ``stuck``: not ended within the timeout;
@@ -31,8 +46,10 @@ fault to the start of the attempt that finished (trials where a new attempt was 
 
 Usage::
 
-    python benchmarks/faults.py [--trials 20] [--modes embedded,redis] [--seed 7]
-                                [--out benchmarks/results/faults.json]
+    python benchmarks/faults.py [--trials 20] [--modes embedded,redis] [--faults a,b] [--per-fault]
+                                [--seed 7] [--out benchmarks/results/faults.json]
+
+``--per-fault`` runs ``--trials`` trials of every fault (else ``--trials`` in all, faults taken in turn).
 """
 
 from __future__ import annotations
@@ -67,8 +84,22 @@ LEASE_S = 3.0
 STAGES = ["resolve", "build", "validate", "bench", "upload"]
 FAULTS = {
     "embedded": ["worker-sigkill", "worker-sigstop", "farm-crash"],
-    "redis": ["worker-sigkill", "worker-sigstop", "redis-restart", "postgres-restart", "s3-outage"],
+    "redis": ["worker-sigkill", "worker-sigstop", "redis-restart", "postgres-restart", "s3-outage", "s3-sigstop",
+              "clock-skew", "cancel"],
 }
+SKEWS = ("+90s", "-90s")
+
+
+def libfaketime_path() -> Path:
+    """The libfaketime the PyPI package ``libfaketime`` (extra ``bench``) builds. Debian's 0.9.10
+    fails time.sleep with EINVAL once monotonic time is left real, and hangs threading waits if it
+    is faked too; this build does neither."""
+    import libfaketime
+
+    path = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    if not path.is_file():
+        raise RuntimeError(f"no libfaketime library at {path}: pip install 'libfaketime>=3'")
+    return path
 TERMINAL = ("ready", "failed", "cancelled", "quarantined")
 TIMINGS = {"HEARTBEAT_S": "0.5", "LEASE_S": str(LEASE_S), "SWEEP_INTERVAL_S": "0.5", "REDISPATCH_S": "3",
            "WORKER_REPORT_S": "1", "BENCH_CONTEXTS": "[16]", "BENCH_STEPS": "4", "SHUTDOWN_GRACE_S": "3",
@@ -152,6 +183,10 @@ class EmbeddedFarm(Farm):
     def fetch(self, url: str) -> bytes:
         return httpx.get(url, timeout=60).content
 
+    def read_object(self, key: str) -> bytes | None:
+        path = self.data / "store" / "objects" / key
+        return path.read_bytes() if path.is_file() else None
+
     def close(self) -> None:
         self.serve.stop()
 
@@ -171,6 +206,8 @@ class RedisFarm(Farm):
                     "MODELS_DIR": str(models), "DATA_DIR": str(root / "data"), "WORK_DIR": str(root / "work"),
                     "ADMIN_TOKEN": ADMIN, "EXPORTFARM_FAILPOINTS": str(self.failpoints.path), "HF_HUB_OFFLINE": "1",
                     **TIMINGS}
+        from services.catalog.database import upgrade_schema
+        upgrade_schema(self.pg.url)  # as `exportfarm db-upgrade` (the chart's migration job) does
         port = free_ports(1)[0]
         self.api = farm.serve(self.env, port, self.logs, name="api")
         self._client(port)
@@ -180,12 +217,26 @@ class RedisFarm(Farm):
         self.count = 0
         self.fill()
 
-    def fill(self) -> None:
+    def fill(self, skewed: bool = False) -> None:
+        """Two live workers; with ``skewed`` their wall clocks run 90 s ahead and 90 s behind
+        (libfaketime preloaded into the worker and its pool process; monotonic time is real, as
+        a host whose wall clock is off still measures intervals right)."""
         self.workers = {n: w for n, w in self.workers.items() if w.alive()}
         while len(self.workers) < 2:
             self.count += 1
             name = f"w{self.count}"
-            self.workers[name] = farm.worker(self.env, name, self.logs)
+            extra = {}
+            if skewed:
+                extra = {"LD_PRELOAD": str(libfaketime_path()), "FAKETIME": SKEWS[self.count % 2],
+                         "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+            self.workers[name] = farm.worker(self.env, name, self.logs, **extra)
+        self.skewed = skewed
+
+    def restart_workers(self, skewed: bool) -> None:
+        for process in self.workers.values():
+            process.stop()
+        self.workers = {}
+        self.fill(skewed)
 
     def holder_signaller(self, export_id: str):
         return self.workers[self.export(export_id)["worker"]].signal
@@ -205,6 +256,12 @@ class RedisFarm(Farm):
     def fetch(self, url: str) -> bytes:
         return httpx.get(url, timeout=60).content
 
+    def read_object(self, key: str) -> bytes | None:
+        try:
+            return self.s3.client().get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception:  # gone since it was listed
+            return None
+
     def close(self) -> None:
         for process in (*self.workers.values(), self.beat, self.api):
             process.stop()
@@ -220,7 +277,9 @@ def event_time(export: dict, prefix: str) -> float | None:
 
 
 def verify(farm_: Farm, export: dict) -> list[str]:
-    """What is wrong with a ready export: nothing, for one completed exactly once."""
+    """What is wrong with a ready export: nothing, for one completed exactly once. The catalog's
+    sha256 of every file (what the artifacts endpoint serves) must be the published manifest's and
+    the served bytes'."""
     problems = []
     if [e["to_status"] for e in export["events"]].count("ready") != 1:
         problems.append("more than one ready event")
@@ -228,7 +287,11 @@ def verify(farm_: Farm, export: dict) -> list[str]:
     manifest = json.loads(farm_.fetch(links["manifest.json"]["url"]))
     if manifest.get("status") != "ready" or manifest.get("export_id") != export["id"]:
         problems.append("published manifest does not say ready for this export")
+    if set(manifest["files"]) != set(links) - {"manifest.json"}:
+        problems.append("the catalog and the published manifest list different files")
     for name, entry in manifest["files"].items():
+        if name in links and links[name]["sha256"] != entry["sha256"]:
+            problems.append(f"the catalog's sha256 of {name} is not the store's")
         if hashlib.sha256(farm_.fetch(links[name]["url"])).hexdigest() != entry["sha256"]:
             problems.append(f"{name} does not match its sha256")
     published = [k for k in farm_.store_objects(export["id"]) if k.endswith("manifest.json")]
@@ -237,15 +300,89 @@ def verify(farm_: Farm, export: dict) -> list[str]:
     return problems
 
 
-def trial(farm_: Farm, index: int, fault: str, rng: random.Random, timeout: float = 240) -> dict:
-    stage = "upload" if fault == "s3-outage" else rng.choice(STAGES)
-    pause = {"redis-restart": 2.5, "postgres-restart": 2.5, "s3-outage": 1.0}.get(fault, 3600)
-    farm_.failpoints.set(stage, attempt=1, seconds=pause)
+def live_manifests(farm_: Farm, export_id: str) -> list[str]:
+    """Keys of this export's manifests in the store that are not withdrawn (a cancelled or failed
+    export must have none)."""
+    found = []
+    for key in farm_.store_objects(export_id):
+        if key.endswith("manifest.json"):
+            data = farm_.read_object(key)
+            if data is not None and json.loads(data).get("status") != "withdrawn":
+                found.append(key)
+    return found
+
+
+def wait_end(farm_: Farm, export_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    export = farm_.export(export_id)
+    while export["status"] not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.2)
+        export = farm_.export(export_id)
+    return export
+
+
+def cancel_trial(farm_: RedisFarm, index: int, rng: random.Random, timeout: float = 240) -> dict:
+    """Cancel while the job is held in a stage, or racing the sweeper's adopt of a manifest its
+    killed worker published but never recorded. Accepted (202): it must end cancelled with no live
+    manifest; refused (409, it had already ended): it must be a correct ready export."""
+    stage = rng.choice([*STAGES, "adopt"])
+    farm_.failpoints.set("published" if stage == "adopt" else stage, attempt=1, seconds=3600)
+    export_id = submit(farm_, index, rng)
+    record = {"trial": index, "mode": farm_.mode, "fault": "cancel", "stage": stage, "export_id": export_id}
+    catalog_stage = "publish" if stage in ("upload", "adopt") else stage
+    farm.until(lambda: farm_.export(export_id), lambda e: e["status"] == "running" and e["stage"] == catalog_stage,
+               120, f"stage {stage}")
+    if stage == "upload":
+        farm.until(lambda: farm_.store_objects(export_id), bool, 60, "the first upload")
+    fault_at = time.time()
+    if stage == "adopt":
+        farm.until(lambda: live_manifests(farm_, export_id), bool, 60, "the manifest")
+        farm_.signal_holder(export_id, signal.SIGKILL)
+        time.sleep(rng.uniform(0, LEASE_S + 2))  # before, at or after the sweeper adopts it
+        farm_.fill()
+    answer = farm_.http.delete(f"/exports/{export_id}")
+    farm_.failpoints.clear()
+    record["cancel_answer"] = answer.status_code
+    export = wait_end(farm_, export_id, timeout)
+    record.update(status=export["status"], attempts=export["attempts"], error=export["error"],
+                  recovery_s=round(time.time() - fault_at, 2))
+    if export["status"] not in TERMINAL:
+        return record | {"outcome": "stuck"}
+    problems = []
+    if answer.status_code == 202 and export["status"] != "cancelled":
+        problems.append(f"cancel accepted, but the export ended {export['status']}")
+    if answer.status_code not in (202, 409):
+        problems.append(f"cancel answered {answer.status_code}")
+    if export["status"] == "ready":
+        problems += verify(farm_, export)
+    elif live := live_manifests(farm_, export_id):
+        problems.append(f"{export['status']} export has a live manifest: {live}")
+    before = farm_.store_objects(export_id)
+    time.sleep(LEASE_S + 1)
+    if live_manifests(farm_, export_id) and export["status"] != "ready":
+        problems.append("a manifest appeared after the export ended")
+    if export["status"] == "ready" and farm_.store_objects(export_id) != before:
+        problems.append("the store changed after the export was ready")
+    record["problems"] = problems
+    return record | {"outcome": "duplicated" if problems else "completed_exactly_once"}
+
+
+def submit(farm_: Farm, index: int, rng: random.Random) -> str:
     body = {"model": rng.choice(["tiny-llama", "tiny-qwen2"]), "dtype": "fp32", "ep": "cpu", "variant": "attn_dynamic",
             "max_seq_len": 40 + index}  # a request of its own: identical requests share one export
     posted = farm_.http.post("/exports", json=body)
     posted.raise_for_status()
-    export_id = posted.json()["id"]
+    return posted.json()["id"]
+
+
+def trial(farm_: Farm, index: int, fault: str, rng: random.Random, timeout: float = 240) -> dict:
+    if fault == "cancel":
+        return cancel_trial(farm_, index, rng, timeout)
+    stage = "upload" if fault in ("s3-outage", "s3-sigstop") else rng.choice(STAGES)
+    pause = {"redis-restart": 2.5, "postgres-restart": 2.5, "s3-outage": 1.0, "s3-sigstop": 1.0,
+             "clock-skew": 2 * LEASE_S}.get(fault, 3600)
+    farm_.failpoints.set(stage, attempt=1, seconds=pause)
+    export_id = submit(farm_, index, rng)
     record = {"trial": index, "mode": farm_.mode, "fault": fault, "stage": stage, "export_id": export_id}
     catalog_stage = "publish" if stage == "upload" else stage
     farm.until(lambda: farm_.export(export_id), lambda e: e["status"] == "running" and e["stage"] == catalog_stage,
@@ -287,11 +424,21 @@ def trial(farm_: Farm, index: int, fault: str, rng: random.Random, timeout: floa
         time.sleep(rng.uniform(3, 8))
         farm_.s3.start()
         farm_.failpoints.clear()
-    deadline = time.monotonic() + timeout
-    export = farm_.export(export_id)
-    while export["status"] not in TERMINAL and time.monotonic() < deadline:
-        time.sleep(0.2)
-        export = farm_.export(export_id)
+    elif fault == "s3-sigstop":
+        os.kill(farm_.s3.pid, signal.SIGSTOP)
+        time.sleep(pause + 0.5)  # the worker leaves its failpoint and sends its next upload into the stopped S3
+        stopped_worker = farm_.holder_signaller(export_id)
+        stopped_worker(signal.SIGSTOP)
+        farm_.failpoints.clear()
+        time.sleep(LEASE_S + rng.uniform(2, 4))  # the lease expires; another worker takes the job over
+        os.kill(farm_.s3.pid, signal.SIGCONT)  # the stopped attempt's request lands now, late
+        farm.until(lambda: farm_.export(export_id), lambda e: e["attempts"] > 1 or e["status"] in TERMINAL, 120,
+                   "the takeover")
+        time.sleep(rng.uniform(0, 3))
+        stopped_worker(signal.SIGCONT)
+    elif fault == "clock-skew":
+        pass  # the job sits in its stage for twice the lease on a worker whose clock is 90 s off
+    export = wait_end(farm_, export_id, timeout)
     ended_at = time.time()
     record.update(status=export["status"], attempts=export["attempts"], error=export["error"])
     if export["status"] not in TERMINAL:
@@ -303,6 +450,10 @@ def trial(farm_: Farm, index: int, fault: str, rng: random.Random, timeout: floa
     if export["attempts"] > 1 and started is not None:
         record["takeover_s"] = round(started - fault_at, 2)
     problems = verify(farm_, export)
+    if fault == "clock-skew":
+        record["worker_clock"] = SKEWS[int(export["worker"].lstrip("w")) % 2] if export["worker"] else None
+        if export["attempts"] != 1:
+            problems.append(f"a healthy job on a skewed worker took {export['attempts']} attempts")
     before = farm_.store_objects(export_id)
     time.sleep(LEASE_S + 1)  # a stale attempt that still wrote would show up now
     if farm_.store_objects(export_id) != before or farm_.export(export_id)["events"] != export["events"]:
@@ -322,16 +473,19 @@ def summarize(records: list[dict]) -> dict:
     return summary
 
 
-def run_mode(mode: str, trials: int, rng: random.Random, work: Path, models: Path) -> dict:
+def run_mode(mode: str, trials: int, rng: random.Random, work: Path, models: Path,
+             faults: list[str] | None = None, per_fault: bool = False) -> dict:
+    faults = [f for f in FAULTS[mode] if faults is None or f in faults]
     farm_ = (EmbeddedFarm if mode == "embedded" else RedisFarm)(work / mode, models)
     records = []
     try:
-        faults = FAULTS[mode]
-        order = [faults[i % len(faults)] for i in range(trials)]
+        order = [f for f in faults for _ in range(trials)] if per_fault else [faults[i % len(faults)] for i in range(trials)]
         rng.shuffle(order)
         for index, fault in enumerate(order, start=1):
             if isinstance(farm_, RedisFarm):
-                farm_.fill()
+                if (fault == "clock-skew") != farm_.skewed:
+                    farm_.restart_workers(skewed=fault == "clock-skew")
+                farm_.fill(farm_.skewed)
             try:
                 record = trial(farm_, index, fault, rng)
             except Exception as err:  # the harness could not drive the trial: count it, keep going
@@ -342,7 +496,7 @@ def run_mode(mode: str, trials: int, rng: random.Random, work: Path, models: Pat
                   f" (attempts {record.get('attempts')}, recovery {record.get('recovery_s')} s)", flush=True)
     finally:
         farm_.close()
-    by_fault = {f: summarize([r for r in records if r["fault"] == f]) for f in FAULTS[mode]}
+    by_fault = {f: summarize([r for r in records if r["fault"] == f]) for f in faults}
     return {**summarize(records), "by_fault": by_fault, "records": records}
 
 
@@ -350,6 +504,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials per mode (default 20)")
     parser.add_argument("--modes", default="embedded,redis")
+    parser.add_argument("--faults", default=None, help="comma-separated faults to run (default: every fault of the mode)")
+    parser.add_argument("--per-fault", action="store_true", help="--trials trials of every fault")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "faults.json")
     parser.add_argument("--work-dir", type=Path, default=None)
@@ -360,7 +516,8 @@ def main() -> int:
     started = time.time()
     modes = {}
     for mode in args.modes.split(","):
-        modes[mode] = run_mode(mode, args.trials, rng, work, models)
+        modes[mode] = run_mode(mode, args.trials, rng, work, models,
+                               args.faults.split(",") if args.faults else None, args.per_fault)
     result = {
         "benchmark": "faults",
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

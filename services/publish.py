@@ -4,6 +4,13 @@ A prefix without manifest.json is not an export (DESIGN.md, Publishing): every f
 lists is uploaded and verified (size and sha256 as the store reports them) before the manifest
 is written, so a reader that finds a manifest can trust every object it names. A failed publish
 leaves only objects without a manifest, which the next attempt reuses where they already match.
+
+Every write is fenced by the attempt that makes it: it names the version of the key it saw
+(``Precondition``: none, or that etag), and the store refuses it once the key changed. A lost
+attempt's request that reaches the store late (S3 stopped, a partition) therefore cannot replace
+what the attempt that took the job over wrote, and the manifest carries the attempt that
+published it. Unpublishing leaves a withdrawn manifest (a tombstone), never an empty key, so a
+late manifest write cannot bring a cancelled export back.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ from pathlib import Path
 from exporter.errors import ExportError
 from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.pipeline import load_manifest
-from services.storage import ArtifactStore, Guard, ObjectInfo, StorageError, check_key
+from services.storage import ArtifactStore, Guard, ObjectInfo, Precondition, PreconditionFailed, StorageError, check_key
 
 STATUSES = ("ready", "quarantined", "unvalidated")
+WITHDRAWN = "withdrawn"  # a tombstone manifest: the prefix held an export that was unpublished
+# How many times a write re-reads a key that another writer changed under it before giving up.
+CONFLICT_TRIES = 5
 # The weights first (by far the biggest, the most likely to be interrupted), then the graph.
 UPLOAD_FIRST = (DATA_FILE, MODEL_FILE)
 _UNSAFE_SEGMENT_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
@@ -81,9 +91,16 @@ def export_prefix(manifest: dict) -> str:
 
 
 def read_published_manifest(store: ArtifactStore, prefix: str) -> dict | None:
-    """The manifest published at ``prefix``, or None: without one, the prefix holds no export."""
+    """The manifest published at ``prefix``, or None: without one (or with a withdrawn one), the
+    prefix holds no export."""
     data = store.get_bytes(_directory(prefix) + MANIFEST_FILE)
-    return json.loads(data) if data is not None else None
+    manifest = json.loads(data) if data is not None else None
+    return None if manifest is None or manifest.get("status") == WITHDRAWN else manifest
+
+
+def files_match_store(store: ArtifactStore, prefix: str, manifest: dict) -> bool:
+    """Whether every file ``manifest`` lists is in the store under ``prefix`` with its size and sha256."""
+    return all(_matches(store.head(_directory(prefix) + name), entry) for name, entry in manifest["files"].items())
 
 
 def _directory(prefix: str) -> str:
@@ -101,14 +118,29 @@ def _matches(info: ObjectInfo | None, entry: dict) -> bool:
     return info is not None and info.size == entry["size"] and info.sha256 == entry["sha256"]
 
 
+def _conflicts(key: str):
+    """Tries of a conditional write of ``key``: each re-reads the key that another writer changed."""
+    for _ in range(CONFLICT_TRIES):
+        yield
+    raise StorageError(f"{key} kept changing under this publish ({CONFLICT_TRIES} conditional writes refused): "
+                       "another writer is publishing the same export; not publishing")
+
+
 def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, entry: dict, guard: Guard | None) -> bool:
-    """Upload one file unless an identical object is there; verify it. True if it was uploaded."""
-    if _matches(store.head(key), entry):
-        return False
+    """Upload one file unless an identical object is there, replacing only the version it saw;
+    verify it. True if it was uploaded."""
     path = export_dir / name
-    if not path.is_file():
-        raise ExportError(f"{export_dir} has no {name}, which its manifest lists: export it again")
-    store.put_file(key, path, entry["sha256"], guard)
+    for _ in _conflicts(key):
+        seen = store.head(key)
+        if _matches(seen, entry):
+            return False
+        if not path.is_file():
+            raise ExportError(f"{export_dir} has no {name}, which its manifest lists: export it again")
+        try:
+            store.put_file(key, path, entry["sha256"], guard, expect=Precondition.of(seen))
+            break
+        except PreconditionFailed:
+            continue
     info = store.head(key)
     if not _matches(info, entry):
         found = f"size {info.size}, sha256 {info.sha256}" if info else "no object"
@@ -121,30 +153,31 @@ def _publish_file(store: ArtifactStore, export_dir: Path, key: str, name: str, e
 
 def publish_export(
     store: ArtifactStore, export_dir: Path, prefix: str, status: str, guard: Guard | None = None,
-    on_uploaded: Callable[[str], None] | None = None,
+    on_uploaded: Callable[[str], None] | None = None, attempt: int | None = None,
 ) -> PublishResult:
     """Publish the export in ``export_dir`` under ``prefix`` with ``status`` (e.g. "ready").
 
     Uploads every file in the manifest's "files" map (model.onnx.data, model.onnx, then the rest),
     verifies each against its manifest entry, and only then writes manifest.json with "status" and
-    a "published" block. Idempotent: if this export's manifest is already at the prefix it is
-    returned untouched, and objects that already match are not uploaded again. A different export
-    at the same prefix is refused. ``guard()`` runs before and during every write and aborts the
-    publish by raising (a worker whose lease ended); ``on_uploaded(name)`` follows each file.
+    a "published" block naming ``attempt``. Idempotent: if this attempt's manifest is already at
+    the prefix it is returned untouched, and objects that already match are not uploaded again; a
+    manifest another attempt of the same export left (one lost before it recorded it, or whose
+    write landed late) is replaced once this attempt's files are in place. A different export, or
+    a withdrawn one, at the same prefix is refused. ``guard()`` runs before and during every write
+    and aborts the publish by raising (a worker whose lease ended); ``on_uploaded(name)`` follows
+    each file.
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
     prefix = _directory(prefix)
-    existing = read_published_manifest(store, prefix)
+    manifest_key = prefix + MANIFEST_FILE
+    existing, _ = _manifest_object(store, manifest_key)
     if existing is not None:
-        if existing.get("export_id") != manifest["export_id"]:
-            raise StorageError(
-                f"{prefix} already holds export {existing.get('export_id')}, not {manifest['export_id']}: "
-                "publish each export under its own prefix (export_prefix)"
-            )
-        return PublishResult(prefix, existing, uploaded=[], skipped=[], already_published=True)
+        _check_same_export(existing, manifest, prefix)
+        if existing.get("published", {}).get("attempt") == attempt:
+            return PublishResult(prefix, existing, uploaded=[], skipped=[], already_published=True)
 
     uploaded, skipped = [], []
     files = manifest["files"]
@@ -162,20 +195,59 @@ def publish_export(
         "published": {
             "prefix": prefix,
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "attempt": attempt,
         },
     }
-    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(published, indent=2) + "\n").encode(), "application/json", guard)
+    body = (json.dumps(published, indent=2) + "\n").encode()
+    for _ in _conflicts(manifest_key):
+        current, seen = _manifest_object(store, manifest_key)
+        if current is not None:
+            _check_same_export(current, manifest, prefix)
+        try:
+            store.put_bytes(manifest_key, body, "application/json", guard, expect=Precondition.of(seen))
+            break
+        except PreconditionFailed:
+            continue
     return PublishResult(prefix, published, uploaded, skipped)
 
 
-def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None) -> int:
-    """Remove what was published under ``prefix``: manifest.json first, so the prefix stops being an
-    export before any file it names goes away. Returns how many objects were deleted."""
+def _manifest_object(store: ArtifactStore, key: str) -> tuple[dict | None, ObjectInfo | None]:
+    """The manifest object at ``key`` (withdrawn ones included) and the version read, or (None, None).
+    The version is taken before the bytes: a write conditional on it fails if they changed since."""
+    seen = store.head(key)
+    data = store.get_bytes(key) if seen is not None else None
+    if data is None:
+        return None, None
+    return json.loads(data), seen
+
+
+def _check_same_export(existing: dict, manifest: dict, prefix: str) -> None:
+    if existing.get("export_id") != manifest["export_id"]:
+        raise StorageError(
+            f"{prefix} already holds export {existing.get('export_id')}, not {manifest['export_id']}: "
+            "publish each export under its own prefix (export_prefix)"
+        )
+    if existing.get("status") == WITHDRAWN:
+        raise StorageError(f"export {manifest['export_id']} was withdrawn from {prefix} "
+                           f"({existing.get('withdrawn', {}).get('reason')}): it is not published again")
+
+
+def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, export_id: str | None = None,
+              reason: str = "unpublished") -> int:
+    """Withdraw what was published under ``prefix``: manifest.json is replaced by a withdrawn one
+    first, so the prefix stops being an export before any file it names goes away, and a lost
+    attempt's manifest write that lands later finds a key it did not expect and is refused. Returns
+    how many other objects were deleted."""
     prefix = _directory(prefix)
     if guard is not None:
         guard()
-    store.delete_key(prefix + MANIFEST_FILE)
-    return store.delete_prefix(prefix)
+    tombstone = {"export_id": export_id, "status": WITHDRAWN,
+                 "withdrawn": {"reason": reason, "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
+    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(tombstone, indent=2) + "\n").encode(), "application/json", guard)
+    keys = [key for key in store.list_keys(prefix) if key != prefix + MANIFEST_FILE]
+    for key in keys:
+        store.delete_key(key)
+    return len(keys)
 
 
 def read_published(store: ArtifactStore, prefix: str, name: str) -> dict | None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import abc
 import base64
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import hmac
@@ -48,12 +50,35 @@ class StorageError(Exception):
     """Object storage failed or refused; the message names the store and what to check."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write was refused: the object is not (any more) what the writer expected."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """What a store knows about one object: its size, and its sha256 (hex) when recorded."""
+    """What a store knows about one object: its size, its sha256 (hex) when recorded, and its
+    entity tag (a version stamp a conditional write can name; S3's ETag)."""
 
     size: int
     sha256: str | None
+    etag: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Precondition:
+    """What a write expects to replace: no object (``etag`` None), or the object with ``etag``.
+
+    The store checks it atomically with the write (S3 ``If-None-Match: *`` / ``If-Match``), so a
+    request that reaches the server late, after another writer changed the key, is refused there
+    with ``PreconditionFailed`` instead of overwriting (DESIGN.md, Publishing: fenced writes).
+    """
+
+    etag: str | None
+
+    @classmethod
+    def of(cls, info: ObjectInfo | None) -> Precondition:
+        """Expect exactly what ``info`` (a head of the key) saw: absent, or that version."""
+        return cls(None if info is None else info.etag)
 
 
 def check_key(key: str, *, prefix: bool = False) -> str:
@@ -116,7 +141,8 @@ class ArtifactStore(abc.ABC):
     """Where exports are published: put, read, list, delete and hand out time-limited links."""
 
     @abc.abstractmethod
-    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None,
+                 expect: Precondition | None = None) -> ObjectInfo:
         """Upload the file at ``path`` as ``key`` if its content hashes to ``sha256``.
 
         The file is hashed before it is stored, so bytes that changed since the caller computed
@@ -124,12 +150,15 @@ class ArtifactStore(abc.ABC):
         published under a checksum they do not have. The sha256 is recorded with the object.
         ``guard()`` is called before and while the bytes go out; whatever it raises aborts the
         upload, and no object is created (a worker that lost its job's lease stops mid-file).
+        With ``expect`` the write only lands if the key still holds what it names (else
+        ``PreconditionFailed``), however late the request reaches the store.
         """
 
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
-                  guard: Guard | None = None) -> ObjectInfo:
-        """Store ``data`` as ``key`` (replacing any object there), recording its sha256; ``guard`` as for put_file."""
+                  guard: Guard | None = None, expect: Precondition | None = None) -> ObjectInfo:
+        """Store ``data`` as ``key`` (replacing any object there), recording its sha256; ``guard``
+        and ``expect`` as for put_file."""
 
     @abc.abstractmethod
     def delete_key(self, key: str) -> None:
@@ -170,6 +199,9 @@ class ArtifactStore(abc.ABC):
 _UNREACHABLE = (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)
 _AUTH_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
+_PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+# Server-side failures a write may try again (its guard asked first); botocore retries them for reads.
+_RETRYABLE_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
 
 
 def _client_error(err: Exception) -> botocore.exceptions.ClientError | None:
@@ -201,6 +233,12 @@ class S3Store(ArtifactStore):
     each request in standard mode; on top of that every operation is retried ``attempts`` times with
     exponential backoff (``backoff_s`` doubling, at most ``max_backoff_s``) while the endpoint is
     unreachable, so a storage restart during a publish delays it instead of failing it.
+
+    Writes are fenced: they go through a client that never retries on its own, so every try of a
+    write asks its guard first (a worker that lost its lease sends nothing more), and a write with a
+    ``Precondition`` carries it as ``If-None-Match: *`` / ``If-Match`` on the request that creates
+    the object (PutObject, or CompleteMultipartUpload), so the server itself refuses a request that
+    arrives after another attempt changed the key.
     """
 
     def __init__(
@@ -238,14 +276,18 @@ class S3Store(ArtifactStore):
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
         )
-        self._client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=endpoint_url,
-            aws_access_key_id=access_key,
-            aws_secret_access_key=secret_key,
-            region_name=region,
-            config=config,
-        )
+        session = boto3.session.Session()
+        client_args = {"endpoint_url": endpoint_url, "aws_access_key_id": access_key,
+                       "aws_secret_access_key": secret_key, "region_name": region}
+        self._client = session.client("s3", config=config, **client_args)
+        self._write_client = session.client(
+            "s3", config=config.merge(botocore.config.Config(retries={"mode": "standard", "max_attempts": 1})),
+            **client_args)
+        # Preconditions of uploads in flight by key, added to the request that creates the object:
+        # s3transfer's managed upload does not pass If-None-Match / If-Match through its arguments.
+        self._expect: dict[str, Precondition] = {}
+        for operation in ("PutObject", "CompleteMultipartUpload"):
+            self._write_client.meta.events.register(f"before-parameter-build.s3.{operation}", self._add_precondition)
         self._transfer = TransferConfig(
             multipart_threshold=multipart_threshold_bytes, multipart_chunksize=multipart_chunk_bytes
         )
@@ -268,6 +310,11 @@ class S3Store(ArtifactStore):
             return StorageError(f"cannot {action} in {self._where()}: {err}")
         code = _error_code(client_err)
         message = client_err.response.get("Error", {}).get("Message") or code
+        if code in _PRECONDITION_CODES:
+            return PreconditionFailed(
+                f"{self._where()} refused to {action}: the object is no longer the version this write "
+                f"expected ({code}); another writer changed it"
+            )
         if code in _AUTH_CODES:
             return StorageError(
                 f"S3 at {self.endpoint_url} refused the credentials for bucket {self.bucket!r} ({code}) "
@@ -277,18 +324,32 @@ class S3Store(ArtifactStore):
             return StorageError(f"{self._where()} does not exist: create it (ensure_bucket) or fix the bucket name")
         return StorageError(f"cannot {action} in {self._where()}: {code}: {message}")
 
+    def _add_precondition(self, params: dict, **_kwargs) -> None:
+        params.update(self._precondition_args(self._expect.get(params.get("Key"))))
+
+    @staticmethod
+    def _precondition_args(expect: Precondition | None) -> dict:
+        if expect is None:
+            return {}
+        return {"IfNoneMatch": "*"} if expect.etag is None else {"IfMatch": expect.etag}
+
     def _call(self, action: str, operation: Callable[[], T], guard: Guard | None = None) -> T:
         """Run one S3 operation, waiting out an unreachable endpoint, and raise only StorageError.
         ``guard`` (a write's fence: does this attempt still own its job?) is asked before every try,
         so a worker cut off from the catalog and the store does not write once S3 comes back after
-        its lease was given away; whatever it raises ends the retries."""
+        its lease was given away; whatever it raises ends the retries. A guarded write also tries
+        again after a server error (5xx, SlowDown), which its client does not retry by itself."""
         attempt = 1
         while True:
             if guard is not None:
                 guard()
             try:
                 return operation()
-            except _UNREACHABLE as err:
+            except (*_UNREACHABLE, botocore.exceptions.ClientError, S3UploadFailedError) as err:
+                client_err = _client_error(err)
+                server_busy = client_err is not None and _error_code(client_err) in _RETRYABLE_CODES
+                if not (isinstance(err, _UNREACHABLE) or (guard is not None and server_busy)):
+                    raise self._storage_error(action, err) from None
                 if attempt >= self._attempts:
                     raise StorageError(
                         f"cannot reach S3 to {action} in {self._where()} after {attempt} attempts ({err}): "
@@ -301,13 +362,12 @@ class S3Store(ArtifactStore):
                 )
                 time.sleep(delay)
                 attempt += 1
-            except (botocore.exceptions.ClientError, S3UploadFailedError) as err:
-                raise self._storage_error(action, err) from None
 
     def _checksum_args(self) -> dict:
         return {"ChecksumAlgorithm": self._checksum_algorithm} if self._checksum_algorithm else {}
 
-    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None,
+                 expect: Precondition | None = None) -> ObjectInfo:
         check_key(key)
         path = Path(path)
         guard = guard or _no_guard
@@ -326,25 +386,30 @@ class S3Store(ArtifactStore):
             # 256 KiB sent, per part); whatever it raises aborts the request, or the whole multipart
             # upload, before the object exists.
             with path.open("rb") as raw:
-                self._client.upload_fileobj(_GuardedReader(raw, guard), self.bucket, key, ExtraArgs=extra,
-                                            Config=self._transfer, Callback=lambda _sent: guard())
+                self._write_client.upload_fileobj(_GuardedReader(raw, guard), self.bucket, key, ExtraArgs=extra,
+                                                  Config=self._transfer, Callback=lambda _sent: guard())
 
-        self._call(f"upload {key}", upload, guard)
+        if expect is not None:
+            self._expect[key] = expect
+        try:
+            self._call(f"upload {key}", upload, guard)
+        finally:
+            self._expect.pop(key, None)
         return ObjectInfo(path.stat().st_size, sha256)
 
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
-                  guard: Guard | None = None) -> ObjectInfo:
+                  guard: Guard | None = None, expect: Precondition | None = None) -> ObjectInfo:
         check_key(key)
         sha256 = hashlib.sha256(data).hexdigest()
-        self._call(
+        response = self._call(
             f"upload {key}",
-            lambda: self._client.put_object(
+            lambda: self._write_client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, ContentType=content_type,
-                Metadata={SHA256_METADATA: sha256}, **self._checksum_args(),
+                Metadata={SHA256_METADATA: sha256}, **self._checksum_args(), **self._precondition_args(expect),
             ),
             guard or _no_guard,
         )
-        return ObjectInfo(len(data), sha256)
+        return ObjectInfo(len(data), sha256, response.get("ETag"))
 
     def get_bytes(self, key: str) -> bytes | None:
         check_key(key)
@@ -376,7 +441,7 @@ class S3Store(ArtifactStore):
             return None
         # Prefer the server's own checksum of the content; multipart objects only have ours.
         sha256 = _server_sha256(response) or response.get("Metadata", {}).get(SHA256_METADATA)
-        return ObjectInfo(response["ContentLength"], sha256)
+        return ObjectInfo(response["ContentLength"], sha256, response.get("ETag"))
 
     def list_keys(self, prefix: str = "") -> list[str]:
         check_key(prefix, prefix=True)
@@ -475,6 +540,8 @@ class LocalStore(ArtifactStore):
     ``root/tmp`` and are renamed into place, so a reader sees a whole object or none; the checksum
     is removed before an object is replaced and written after, so a crash can leave an object
     without a recorded sha256 (which a publish re-uploads) but never one with a wrong sha256.
+    An object's etag is its file's identity and change time (a new one for every write, even of
+    the same bytes); a conditional write checks it and renames under one lock on the store.
     """
 
     def __init__(self, root: Path, base_url: str, secret: str) -> None:
@@ -514,23 +581,50 @@ class LocalStore(ArtifactStore):
             tmp.unlink(missing_ok=True)
             raise
 
-    def _store(self, key: str, sha256: str, write: Callable[[BinaryIO], object], guard: Guard) -> None:
-        """Write an object whole, then record its sha256 (see the class docstring for the order)."""
+    @staticmethod
+    def _etag(path: Path) -> str | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The store's write lock: a conditional write's check and rename happen under it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _store(self, key: str, sha256: str, write: Callable[[BinaryIO], object], guard: Guard,
+               expect: Precondition | None) -> str | None:
+        """Write an object whole, then record its sha256 (see the class docstring for the order);
+        returns its etag."""
         target, sha256_path = self._object_path(key), self._sha256_path(key)
         try:
             tmp = self._temp_file(write)
             try:
                 guard()  # the last moment a write can still be refused: nothing is visible yet
-            except BaseException:
+                with self._locked():  # (the guard may wait for the catalog: never while holding the lock)
+                    if expect is not None and self._etag(target) != expect.etag:
+                        raise PreconditionFailed(
+                            f"{key} under {self.root} is no longer the version this write expected "
+                            f"({expect.etag or 'no object'}): another writer changed it")
+                    sha256_path.unlink(missing_ok=True)
+                    self._rename_into(tmp, target)
+                    self._rename_into(self._temp_file(lambda f: f.write(sha256.encode())), sha256_path)
+                    return self._etag(target)
+            finally:
                 tmp.unlink(missing_ok=True)
-                raise
-            sha256_path.unlink(missing_ok=True)
-            self._rename_into(tmp, target)
-            self._rename_into(self._temp_file(lambda f: f.write(sha256.encode())), sha256_path)
         except OSError as err:
             raise StorageError(f"cannot write {key} under {self.root}: {err}") from None
 
-    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None) -> ObjectInfo:
+    def put_file(self, key: str, path: Path, sha256: str, guard: Guard | None = None,
+                 expect: Precondition | None = None) -> ObjectInfo:
         path = Path(path)
         guard = guard or _no_guard
         guard()
@@ -549,16 +643,16 @@ class LocalStore(ArtifactStore):
                     f"the file changed after it was checksummed; refusing to store it as {key}"
                 )
 
-        self._store(key, sha256, copy, guard)
-        return ObjectInfo(path.stat().st_size, sha256)
+        etag = self._store(key, sha256, copy, guard, expect)
+        return ObjectInfo(path.stat().st_size, sha256, etag)
 
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream",
-                  guard: Guard | None = None) -> ObjectInfo:
+                  guard: Guard | None = None, expect: Precondition | None = None) -> ObjectInfo:
         guard = guard or _no_guard
         guard()
         sha256 = hashlib.sha256(data).hexdigest()
-        self._store(key, sha256, lambda f: f.write(data), guard)
-        return ObjectInfo(len(data), sha256)
+        etag = self._store(key, sha256, lambda f: f.write(data), guard, expect)
+        return ObjectInfo(len(data), sha256, etag)
 
     def delete_key(self, key: str) -> None:
         # The checksum goes first, as in _store: an object may lack a sha256, never have a wrong one.
@@ -578,7 +672,7 @@ class LocalStore(ArtifactStore):
             return None
         sha256_path = self._sha256_path(key)
         sha256 = sha256_path.read_text().strip() if sha256_path.is_file() else None
-        return ObjectInfo(path.stat().st_size, sha256)
+        return ObjectInfo(path.stat().st_size, sha256, self._etag(path))
 
     def list_keys(self, prefix: str = "") -> list[str]:
         check_key(prefix, prefix=True)

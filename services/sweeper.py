@@ -32,7 +32,7 @@ from services.catalog.exports import ended_fields, lease_expired, outcome_fields
 from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, db_time_ago
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
-from services.publish import read_published, read_published_manifest, unpublish
+from services.publish import files_match_store, read_published, read_published_manifest, unpublish
 from services.placement import current_queue
 from services.queue import BrokerUnavailable, JobQueue, queue_for
 from services.settings import Settings
@@ -121,8 +121,9 @@ class Sweeper:
         # The store is read outside any transaction; every change below is conditional on the row
         # still being this expired attempt, so a worker that renewed meanwhile keeps its job.
         manifest = read_published_manifest(self.store, prefix) if prefix else None
-        if manifest is not None and manifest.get("export_id") != export_id:
-            manifest = None
+        if manifest is not None and (manifest.get("export_id") != export_id
+                                     or not files_match_store(self.store, prefix, manifest)):
+            manifest = None  # another export's, or one whose files a later write changed: not adopted
         lost = (Export.id == export_id, Export.status == ExportStatus.RUNNING, Export.attempts == attempt,
                 self._heartbeat_older_than_lease())
         if manifest is not None and not cancel and manifest.get("status") in ("ready", "quarantined"):
@@ -138,7 +139,8 @@ class Sweeper:
         counted = {"lost_attempts": lost_before + 1}
         if cancel or lost_before + 1 >= self.settings.max_attempts:
             if prefix:
-                unpublish(self.store, prefix)  # manifest first: a cancelled or failed export is never published
+                unpublish(self.store, prefix, export_id=export_id,  # a cancelled or failed export is never published
+                          reason="cancelled" if cancel else f"gave up after {lost_before + 1} lost attempts")
             if cancel:
                 ended = self._end(lost, ExportStatus.CANCELLED, f"cancelled; its worker was gone ({cause})", stage, counted)
                 (report.cancelled if ended else report.problems).append(export_id)
@@ -233,7 +235,7 @@ class Sweeper:
             status, attempt, prefix, stage = export.status, export.attempts, export.storage_prefix, export.stage
         if prefix:
             try:
-                unpublish(self.store, prefix)
+                unpublish(self.store, prefix, export_id=export_id, reason="cancelled")
             except StorageError as err:
                 log.warning("cancel of %s waits for the object store: %s", export_id, err)
                 return False

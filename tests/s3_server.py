@@ -20,7 +20,9 @@ import socket
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import boto3
@@ -209,3 +211,75 @@ class SeaweedS3:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class HoldingProxy:
+    """A TCP proxy on loopback in front of ``endpoint_url`` that can hold what clients send: a
+    network partition that delivers a request late. ``hold()`` keeps every byte clients send from
+    then on; ``release()`` delivers them to the server (even from clients that gave up and closed),
+    and the status line and first headers of each answer the server sends are kept in ``answers``.
+    """
+
+    def __init__(self, endpoint_url: str):
+        parsed = urllib.parse.urlsplit(endpoint_url)
+        self._upstream = (parsed.hostname, parsed.port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._released = threading.Event()
+        self._released.set()
+        self.answers: list[bytes] = []
+        self._closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._upstream)
+            threading.Thread(target=self._to_server, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._to_client, args=(upstream, client), daemon=True).start()
+
+    def _to_server(self, client: socket.socket, upstream: socket.socket) -> None:
+        held: list[bytes] = []
+        while True:
+            try:
+                data = client.recv(65536)
+            except OSError:
+                data = b""
+            if data and not self._released.is_set():
+                held.append(data)
+                continue
+            if held:
+                self._released.wait()
+                upstream.sendall(b"".join(held))
+                held.clear()
+            if not data:
+                return
+            upstream.sendall(data)
+
+    def _to_client(self, upstream: socket.socket, client: socket.socket) -> None:
+        while data := upstream.recv(65536):
+            for answer in data.split(b"HTTP/1.1 ")[1:] if data.startswith(b"HTTP/1.1 ") else []:
+                if not answer.startswith(b"100 "):  # interim 100 Continue: the real answer follows
+                    self.answers.append(b"HTTP/1.1 " + answer[:200])
+            try:
+                client.sendall(data)
+            except OSError:
+                pass  # the client gave up; the answer is still recorded
+        upstream.close()
+
+    def __enter__(self) -> HoldingProxy:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._closing = True
+        self.release()
+        self._listener.close()

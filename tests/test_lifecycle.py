@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 from pydantic import ValidationError
 
 from exporter.request import ExportRequest
@@ -18,7 +20,7 @@ from services.catalog.database import session_scope, upgrade_schema
 from services.catalog.models import Export, ExportEvent, ExportStatus
 from services.jobs import request_cancel, submit_export
 from services.lifecycle import CancelRequested, Fenced
-from services.publish import export_prefix, publish_export
+from services.publish import export_prefix, publish_export, read_published_manifest
 from services.queue import CeleryQueue
 from services.settings import Settings
 from services.storage_factory import make_store
@@ -210,6 +212,11 @@ def test_a_publish_whose_worker_died_before_recording_it_is_adopted(settings, sw
     assert done.manifest["export_id"] == export_id and done.figures["node_count"] > 0
 
 
+def only_withdrawn(store, prefix: str) -> bool:
+    """Nothing left under ``prefix`` but a withdrawn manifest (the tombstone unpublish leaves)."""
+    return store.list_keys(prefix) == [prefix + "manifest.json"] and read_published_manifest(store, prefix) is None
+
+
 def test_cancel_of_a_job_whose_worker_is_dead_completes_and_unpublishes(settings, sweeper, exported):
     export_id = submit(settings)
     lease = claim(settings, export_id, "w1", pid=7).lease
@@ -218,7 +225,7 @@ def test_cancel_of_a_job_whose_worker_is_dead_completes_and_unpublishes(settings
     assert store.list_keys(prefix)
     time.sleep(LEASE_S + 0.1)  # its worker is gone
     request_cancel_now(settings, sweeper, export_id)
-    assert store.list_keys(prefix) == []  # a cancelled export has nothing published
+    assert only_withdrawn(store, prefix)  # a cancelled export has nothing published
 
 
 def test_cancel_during_publish_refuses_ready(settings, sweeper, exported):
@@ -315,10 +322,61 @@ def test_leases_are_stamped_and_judged_by_the_catalogs_clock(tmp_path, checkpoin
         monkeypatch.setattr(models, "utcnow", real)  # the sweeper's host
         beat = row(settings, export_id).heartbeat_at
         assert abs((beat - real()).total_seconds()) < 5, beat  # the catalog's time, not the worker's
+
         assert sweeper.sweep().requeued == []  # a healthy job stays with its worker
         time.sleep(LEASE_S + 0.3)
         report = sweeper.sweep()  # and a silent one is taken back after LEASE_S of the catalog's time
         assert report.requeued == [export_id] and row(settings, export_id).status is ExportStatus.QUEUED
+
+
+SKEWED_CLAIM = """
+import sys, time
+from services import lifecycle
+from services.catalog.database import session_scope
+url, export_id = sys.argv[1:3]
+with session_scope(url) as session:
+    claim = lifecycle.claim(session, export_id, "skewed", 7, "1.32.0")
+with session_scope(url) as session:
+    lifecycle.record_stage(session, claim.lease, "build", 10)
+print(time.time())
+"""
+
+
+@pytest.mark.parametrize("skew", ["-90s", "+90s"])
+def test_a_worker_whose_wall_clock_is_off_writes_the_catalogs_time(tmp_path, checkpoint, skew):
+    """A real process whose clock libfaketime sets 90 s off claims a job: its lease, the export's
+    times and its events carry PostgreSQL's time, so the history reads in order (they once carried
+    the worker's: 'attempt 1 started' 90 s before 'queued')."""
+    import datetime
+    import subprocess
+    import sys
+
+    import libfaketime
+
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "tiny-llama").symlink_to(checkpoint("llama"))
+    with fresh_postgres_database() as url:
+        settings = Settings(database_url=url, data_dir=tmp_path / "data", models_dir=models_dir,
+                            signing_secret="lifecycle-signing-secret-0123456789abcdef")
+        upgrade_schema(settings.catalog_url)
+        export_id = submit(settings)
+        env = {**os.environ, "LD_PRELOAD": str(library), "FAKETIME": skew, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+               "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        out = subprocess.run([sys.executable, "-c", SKEWED_CLAIM, settings.catalog_url, export_id], env=env,
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        assert abs(float(out.split()[-1]) - time.time() - int(skew[:-1])) < 10  # the worker's clock was off
+        export = row(settings, export_id)
+        with session_scope(settings.catalog_url) as session:
+            events = session.scalars(select(ExportEvent).where(ExportEvent.export_id == export_id)
+                                     .order_by(ExportEvent.id)).all()
+        now = datetime.datetime.now(datetime.timezone.utc)
+        stamps = {"heartbeat": export.heartbeat_at, "started": export.started_at, "updated": export.updated_at,
+                  **{f"event {e.to_status} {e.stage}": e.at for e in events}}
+        assert len(events) == 3, stamps
+        assert all(abs((at - now).total_seconds()) < 30 for at in stamps.values()), stamps
+        assert [e.at for e in events] == sorted(e.at for e in events), stamps
 
 
 def test_a_cancel_that_lands_while_the_sweeper_adopts_wins(settings, sweeper, exported, monkeypatch):
@@ -345,7 +403,7 @@ def test_a_cancel_that_lands_while_the_sweeper_adopts_wins(settings, sweeper, ex
     sweeper.sweep()
     done = row(settings, export_id)
     assert done.status is ExportStatus.CANCELLED
-    assert make_store(settings).list_keys(prefix) == []  # no cancelled export keeps a manifest
+    assert only_withdrawn(make_store(settings), prefix)  # no cancelled export keeps a manifest
 
 
 def test_a_cancel_racing_a_claim_never_overwrites_the_claimed_row(settings, monkeypatch):
@@ -466,4 +524,4 @@ def test_a_later_attempt_that_fails_removes_what_an_earlier_one_uploaded(setting
     monkeypatch.setattr(worker_job, "STAGES", (("resolve", broken),))
     assert run_export_job(settings, export_id, WorkerIdentity("w2", os.getpid())) == "failed"
     assert row(settings, export_id).status is ExportStatus.FAILED
-    assert store.list_keys(prefix) == []
+    assert only_withdrawn(store, prefix)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import urllib.error
@@ -19,12 +20,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from s3_server import SeaweedS3, free_ports
+from s3_server import HoldingProxy, SeaweedS3, free_ports
 
 from exporter.errors import ExportError
 from exporter.packaging.package import DATA_FILE, MANIFEST_FILE, MODEL_FILE, file_entry
-from services.publish import export_prefix, publish_export, read_published_manifest, unpublish
-from services.storage import LocalStore, S3Store, StorageError, verify_local_signature
+from services.publish import export_prefix, files_match_store, publish_export, read_published_manifest, unpublish
+from services.storage import (LocalStore, Precondition, PreconditionFailed, S3Store, StorageError,
+                              verify_local_signature)
 
 BUCKET = "exportfarm-test"
 PART = 5 << 20  # the smallest multipart part S3 allows: files above it really go up in parts
@@ -42,7 +44,7 @@ def s3_store(server: SeaweedS3, bucket: str = BUCKET, secret_key: str | None = N
     """An S3Store on the test server that gives up quickly unless a test asks for patience."""
     options = {"attempts": 2, "backoff_s": 0.05, "client_attempts": 1,
                "multipart_threshold_bytes": PART, "multipart_chunk_bytes": PART} | kwargs
-    return S3Store(server.endpoint_url, bucket, server.access_key, secret_key or server.secret_key, **options)
+    return S3Store(options.pop("endpoint_url", server.endpoint_url), bucket, server.access_key, secret_key or server.secret_key, **options)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +82,14 @@ class RecordingStore:
     def __getattr__(self, name):
         return getattr(self.store, name)
 
-    def put_file(self, key, path, sha256, guard=None):
-        info = self.store.put_file(key, path, sha256, guard)
+    def put_file(self, key, path, sha256, guard=None, expect=None):
+        info = self.store.put_file(key, path, sha256, guard, expect)
         self.puts.append(key)
         self.after_put(key)
         return info
 
-    def put_bytes(self, key, data, content_type="application/octet-stream", guard=None):
-        info = self.store.put_bytes(key, data, content_type, guard)
+    def put_bytes(self, key, data, content_type="application/octet-stream", guard=None, expect=None):
+        info = self.store.put_bytes(key, data, content_type, guard, expect)
         self.puts.append(key)
         self.after_put(key)
         return info
@@ -322,25 +324,92 @@ def test_a_guard_that_raises_mid_upload_leaves_no_object(store, prefix, tmp_path
     assert store.list_keys(prefix) == []
 
 
-def test_unpublish_takes_the_manifest_away_first(store, prefix, tmp_path):
-    publish_export(store, make_export(tmp_path / "export"), prefix, status="ready")
+def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
+    export = make_export(tmp_path / "export")
+    published = publish_export(store, export, prefix, status="ready", attempt=1)
     order = []
 
     class Watching:
         def __getattr__(self, name):
             return getattr(store, name)
 
+        def put_bytes(self, key, data, *args, **kwargs):
+            order.append(("put", key.removeprefix(prefix), json.loads(data)["status"]))
+            return store.put_bytes(key, data, *args, **kwargs)
+
         def delete_key(self, key):
-            order.append(("key", key.removeprefix(prefix), len(store.list_keys(prefix))))
+            order.append(("delete", key.removeprefix(prefix)))
             return store.delete_key(key)
 
-        def delete_prefix(self, p):
-            order.append(("prefix", p.removeprefix(prefix), len(store.list_keys(prefix))))
-            return store.delete_prefix(p)
+    assert unpublish(Watching(), prefix, export_id=published.manifest["export_id"], reason="cancelled") == 4
+    assert order[0] == ("put", MANIFEST_FILE, "withdrawn")  # the prefix stops being an export first
+    assert sorted(order[1:]) == sorted(("delete", name) for name in published.manifest["files"])
+    # The withdrawn manifest stays (a tombstone): no export is read from it, and none is published over it.
+    assert store.list_keys(prefix) == [prefix + MANIFEST_FILE] and read_published_manifest(store, prefix) is None
+    with pytest.raises(StorageError, match="was withdrawn .*cancelled"):
+        publish_export(store, export, prefix, status="ready", attempt=2)
 
-    assert unpublish(Watching(), prefix) == 4  # the four data files; the manifest went first
-    assert order == [("key", MANIFEST_FILE, 5), ("prefix", "", 4)]
-    assert store.list_keys(prefix) == [] and read_published_manifest(store, prefix) is None
+
+def test_conditional_writes_refuse_a_key_that_changed(store, prefix, tmp_path):
+    key = prefix + "object"
+    first = store.put_bytes(key, b"one", expect=Precondition(None))
+    with pytest.raises(PreconditionFailed):  # expected no object: there is one now
+        store.put_bytes(key, b"two", expect=Precondition(None))
+    second = store.put_bytes(key, b"two", expect=Precondition.of(store.head(key)))
+    assert second.etag != first.etag and store.head(key).etag == second.etag
+    with pytest.raises(PreconditionFailed):  # expected the first version: it was replaced
+        store.put_bytes(key, b"three", expect=Precondition(first.etag))
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(3 * PART))  # multipart on S3: the condition rides on the completing request
+    with pytest.raises(PreconditionFailed):
+        store.put_file(key, big, sha256(big.read_bytes()), expect=Precondition(None))
+    assert store.get_bytes(key) == b"two"
+    store.put_file(key, big, sha256(big.read_bytes()), expect=Precondition(second.etag))
+    assert store.head(key).sha256 == sha256(big.read_bytes())
+
+
+def _another_attempt(export: Path, directory: Path) -> Path:
+    """The same export as a later attempt makes it: same id and weights, its own measured report
+    (as benchmark.json differs between runs)."""
+    shutil.copytree(export, directory)
+    (directory / "parity_report.json").write_text(f'{{"passed": true, "run": "{uuid.uuid4().hex}"}}\n')
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["files"]["parity_report.json"] = file_entry(directory / "parity_report.json")
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    return directory
+
+
+@pytest.mark.parametrize("lands", ["after the takeover published", "before the takeover published"])
+def test_a_lost_attempts_late_manifest_write_cannot_replace_the_takeovers(seaweed, bucket, prefix, tmp_path, lands):
+    """Attempt 1's manifest request reaches S3 only after its lease was given away (held in a
+    partitioned network here, a real TCP proxy in front of SeaweedFS). Unfenced, it replaced the
+    takeover's manifest: the catalog's sha256 of parity_report.json disagreed with the store's."""
+    first_dir = make_export(tmp_path / "attempt1")
+    second_dir = _another_attempt(first_dir, tmp_path / "attempt2")
+    direct = s3_store(seaweed)
+    with HoldingProxy(seaweed.endpoint_url) as proxy:
+        cut_off = s3_store(seaweed, endpoint_url=proxy.url, attempts=1, client_attempts=1, read_timeout_s=1.0)
+
+        class Partitioned(RecordingStore):
+            def put_bytes(self, key, *args, **kwargs):
+                proxy.hold()  # the network loses the manifest request, for now
+                return self.store.put_bytes(key, *args, **kwargs)
+
+        with pytest.raises(StorageError, match="cannot reach S3"):
+            publish_export(Partitioned(cut_off), first_dir, prefix, status="ready", attempt=1)
+        answered = len(proxy.answers)
+        if lands.startswith("before"):
+            proxy.release()
+            wait_until(lambda: read_published_manifest(direct, prefix) is not None)
+        takeover = publish_export(direct, second_dir, prefix, status="ready", attempt=2)
+        proxy.release()
+        wait_until(lambda: len(proxy.answers) > answered)  # attempt 1's request did reach S3, and was answered
+
+    stored = read_published_manifest(direct, prefix)
+    assert stored == takeover.manifest and stored["published"]["attempt"] == 2
+    assert files_match_store(direct, prefix, stored)
+    late = proxy.answers[answered]
+    assert late.startswith(b"HTTP/1.1 412" if lands.startswith("after") else b"HTTP/1.1 200"), late[:80]
 
 
 def test_publish_uploads_data_first_and_manifest_last(store, prefix, tmp_path):

@@ -359,12 +359,13 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
     earlier = job.catalog(lifecycle.begin_publish, prefix)
     job.publishing = prefix
     if earlier and earlier != prefix:
-        unpublish(job.store, earlier, job.keeper.check)  # what an earlier attempt left elsewhere
+        unpublish(job.store, earlier, job.keeper.check, job.lease.export_id,  # what an earlier attempt left elsewhere
+                  f"superseded by attempt {job.lease.attempt} at {prefix}")
     retries = max(1, job.settings.publish_retries)
     for attempt in range(1, retries + 1):
         try:
             publish_export(job.store, job.export_dir, prefix, status.value, guard=job.keeper.check,
-                           on_uploaded=lambda name: failpoints.pause("upload", job.lease.export_id, job.lease.attempt,
+                           attempt=job.lease.attempt, on_uploaded=lambda name: failpoints.pause("upload", job.lease.export_id, job.lease.attempt,
                                                                      job.keeper.check)
                            if name == DATA_FILE else None)
             break
@@ -431,7 +432,8 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
     """
     if job.publishing:
         try:
-            unpublish(job.store, job.publishing, job.keeper.check_owned)
+            unpublish(job.store, job.publishing, job.keeper.check_owned, job.lease.export_id,
+                      f"attempt {job.lease.attempt} ended {status.value}")
         except StorageError as err:
             with session_scope(job.settings.catalog_url) as session:
                 lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,

@@ -44,6 +44,17 @@ def db_now(session) -> datetime.datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
 
 
+def catalog_clock(context) -> datetime.datetime:
+    """Column default: the catalog's time (``db_now``) for rows any host inserts, so an export's
+    events and times read in order whatever the inserting worker's clock says."""
+    from sqlalchemy import func, select
+
+    if _host_is_db_clock(context.dialect.name):
+        return utcnow()
+    value = context.connection.execute(select(func.now())).scalar_one()
+    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -123,8 +134,8 @@ class Export(Base):
     timings: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     diff: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # against the predecessor (re-exports)
     regression: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    created_at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
-    updated_at: Mapped[datetime.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(default=catalog_clock)
+    updated_at: Mapped[datetime.datetime] = mapped_column(default=catalog_clock, onupdate=catalog_clock)
     started_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
     heartbeat_at: Mapped[datetime.datetime | None] = mapped_column(nullable=True)
@@ -139,7 +150,7 @@ class ExportEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     export_id: Mapped[str] = mapped_column(ForeignKey("exports.id"), index=True)
-    at: Mapped[datetime.datetime] = mapped_column(default=utcnow)
+    at: Mapped[datetime.datetime] = mapped_column(default=catalog_clock)
     from_status: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_status: Mapped[str] = mapped_column(String(16))
     stage: Mapped[str | None] = mapped_column(String(20), nullable=True)
