@@ -2,6 +2,8 @@
 
 Each cache holds pure functions of their key (reference runs, rope tables), so a file is either
 the right answer or not there; writers replace files atomically, readers recompute anything torn.
+A read marks a file used (its mtime), and ``trim_lru`` keeps a cache within a size by deleting
+what was used least recently; ``trim_hub_cache`` does the same for downloaded checkpoints.
 """
 
 from __future__ import annotations
@@ -9,12 +11,18 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+# A file (or checkpoint) used this recently is never evicted: a job on the same host may be reading it.
+IN_USE_S = 3600.0
 
 
 def cache_root() -> Path:
@@ -59,6 +67,75 @@ def read_npz(source: Path | bytes) -> dict[str, np.ndarray] | None:
         return None
     try:
         with np.load(io.BytesIO(source) if isinstance(source, bytes) else source) as data:
-            return {name: data[name] for name in data.files}
+            arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
+    if isinstance(source, Path):
+        mark_used(source)
+    return arrays
+
+
+def mark_used(path: Path) -> None:
+    """Record a cache hit (the file's mtime; atime is often not kept), so LRU eviction keeps it."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # read-only or gone: eviction just sees it as older
+
+
+def trim_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> tuple[int, int]:
+    """Delete the least recently used files under ``root`` until it holds at most ``max_bytes``,
+    never one used in the last ``in_use_s``; returns (files deleted, bytes freed)."""
+    entries = []
+    for path in Path(root).rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                stat = path.stat()
+                entries.append((stat.st_mtime, stat.st_size, path))
+        except OSError:
+            continue  # removed meanwhile
+    total = sum(size for _, size, _ in entries)
+    deleted = freed = 0
+    cutoff = time.time() - in_use_s
+    for mtime, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes or mtime > cutoff:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total, deleted, freed = total - size, deleted + 1, freed + size
+    return deleted, freed
+
+
+def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float = IN_USE_S,
+                   cache_dir: Path | None = None) -> tuple[list[str], int]:
+    """Delete downloaded checkpoint revisions (huggingface_hub's cache) least recently used first
+    until the cache holds at most ``max_bytes``, never a commit in ``keep`` nor one used in the last
+    ``in_use_s``; returns ("repo@commit" deleted, bytes freed). huggingface_hub scans and deletes
+    (blobs shared with a kept revision stay)."""
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        info = scan_cache_dir(cache_dir)
+    except Exception as err:  # no cache yet, or one it cannot read: nothing to trim
+        log.info("hub cache not trimmed: %s", err)
+        return [], 0
+    total = info.size_on_disk
+    cutoff = time.time() - in_use_s
+    candidates = sorted(
+        ((max(repo.last_accessed, revision.last_modified), repo, revision)
+         for repo in info.repos for revision in repo.revisions if revision.commit_hash not in keep),
+        key=lambda c: c[0])
+    chosen, names = [], []
+    for used, repo, revision in candidates:
+        if total <= max_bytes or used > cutoff:
+            break
+        chosen.append(revision.commit_hash)
+        names.append(f"{repo.repo_id}@{revision.commit_hash}")
+        total -= revision.size_on_disk
+    if not chosen:
+        return [], 0
+    strategy = info.delete_revisions(*chosen)
+    strategy.execute()
+    return names, strategy.expected_freed_size

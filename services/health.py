@@ -7,7 +7,10 @@ health checks and the Helm chart's probes all call this one module.
 
 A worker names itself celery@<hostname> (``exportfarm worker`` without ``--name``) and its main
 process answers control messages even while its pool child runs an export, so a hung or
-disconnected consumer fails the check while a busy one passes. Each check imports only the client
+disconnected consumer fails the check while a busy one passes. A broker this probe cannot reach
+is not the worker's fault: the check passes (saying so on stderr), since restarting every worker
+during a Redis outage would only kill their running exports; Celery reconnects by itself once the
+broker is back, and a worker that then still does not answer fails the check. Each check imports only the client
 it needs (celery, kombu, urllib), never the export code, so a probe stays cheap next to a running
 job. Exit status 0 when healthy, 1 when not, with the reason on stderr.
 """
@@ -28,16 +31,21 @@ def _broker_url() -> str:
 
 
 def worker(timeout_s: float) -> str | None:
-    """None when celery@<this hostname> answers a ping within timeout_s, else why not."""
+    """None when celery@<this hostname> answers a ping within timeout_s, or when the broker itself
+    cannot be reached (not a reason to restart this worker); else why not."""
     from celery import Celery
 
+    if (unreachable := beat(min(timeout_s, 5.0))) is not None:
+        print(f"health: {unreachable}; not restarting this worker for it (its running export goes on; "
+              "Celery reconnects when the broker is back)", file=sys.stderr)
+        return None
     app = Celery(broker=_broker_url())
     app.conf.broker_connection_timeout = 5
     node = f"celery@{socket.gethostname()}"
     try:
         replies = app.control.ping(destination=[node], timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the broker is "unhealthy"
-        return f"broker unreachable: {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - the broker answered a moment ago: this is the ping failing
+        return f"ping through the broker failed: {type(exc).__name__}: {exc}"
     return None if replies else f"{node} did not answer a ping within {timeout_s:g} s"
 
 
@@ -47,7 +55,7 @@ def beat(timeout_s: float) -> str | None:
 
     try:
         with Connection(_broker_url(), connect_timeout=timeout_s) as conn:
-            conn.ensure_connection(max_retries=1)
+            conn.ensure_connection(max_retries=1, timeout=timeout_s)
     except Exception as exc:  # noqa: BLE001
         return f"broker unreachable: {type(exc).__name__}"
     return None

@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     quality_thresholds: dict[str, dict[str, float]] = Field(
         default_factory=dict, description='int4 / int8 quality gate limits over the defaults, e.g. '
         '{"int4": {"kl_max": 0.2, "agreement_min": 0.8, "ppl_delta_max": 0.2}}')
+    cache_max_gb: float = Field(
+        20.0, gt=0, description="rope tables and reference runs a worker keeps under DATA_DIR (each), least recently used "
+        "deleted first")
+    hub_cache_max_gb: float | None = Field(
+        None, gt=0, description="downloaded hub checkpoints a worker keeps (huggingface_hub's cache), least recently "
+        "used revisions deleted first; default unbounded")
     bench_contexts: list[int] = Field([128, 512], description="decode context lengths the worker benchmarks")
     bench_batches: list[int] = Field([1], description="batch sizes the worker benchmarks (rows decoded at once)")
     bench_steps: int = Field(32, gt=0, description="timed decode steps per context")

@@ -289,7 +289,7 @@ def test_pods_restart_when_settings_change():
     assert checksums("--set-string", "credentials.redisUrl=redis://other:6379/0")[1] != secret
 
 
-def test_gpu_autoscaling_is_a_keda_scaledobject_on_the_celery_queue():
+def test_gpu_autoscaling_is_a_keda_scaledobject_on_the_catalog():
     docs = render(*VALUES["gpu-cluster"])
     (scaled,) = of_kind(docs, "ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
@@ -298,25 +298,60 @@ def test_gpu_autoscaling_is_a_keda_scaledobject_on_the_celery_queue():
                                       "name": f"{RELEASE}-exportfarm-gpu-worker"}
     assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     (trigger,) = spec["triggers"]
-    assert trigger["type"] == "redis"
-    # Celery's Redis transport keeps a queue's waiting jobs in a list named after the queue.
-    assert trigger["metadata"]["listName"] == "gpu"
-    assert re.fullmatch(r"[1-9][0-9]*", trigger["metadata"]["listLength"])
-    assert re.fullmatch(r"[^:/]+:[0-9]+", trigger["metadata"]["address"])
+    assert trigger["type"] == "postgresql"  # the catalog: waiting and running jobs, every GPU queue
+    assert re.fullmatch(r"[1-9][0-9]*", trigger["metadata"]["targetQueryValue"])
     assert all(isinstance(v, str) for v in trigger["metadata"].values())  # KEDA metadata is map[string]string
     (auth,) = of_kind(docs, "TriggerAuthentication")
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
-    assert auth["spec"]["secretTargetRef"][0]["parameter"] == "password"
+    assert auth["spec"]["secretTargetRef"] == [{"parameter": "connection", "name": "exportfarm-credentials",
+                                                "key": "CATALOG_CONNECTION"}]
     # KEDA owns the replica count: the Deployment must not fight it on every upgrade.
     assert "replicas" not in named(docs, "Deployment", "gpu-worker")["spec"]
     assert of_kind(render(), "ScaledObject") == []
+    refused = helm("template", RELEASE, str(CHART), "--set", "gpuWorker.autoscaling.enabled=true", check=False)
+    assert refused.returncode != 0 and "gpuWorker.autoscaling needs the catalog" in refused.stderr
+
+
+def test_gpu_autoscaling_counts_every_waiting_and_running_gpu_job(tmp_path):
+    """The query KEDA runs, rendered from the chart with the farm's own database URL, run against a
+    real migrated catalog: queued and running jobs of every GPU queue (runtime-pinned ones too) count;
+    CPU jobs and ended ones do not. (It once read only Celery's `gpu` list: running jobs and
+    `gpu.ort-<version>` re-exports were invisible, so busy GPUs were given back.)"""
+    import sqlalchemy
+
+    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.models import Export, ExportStatus
+    from tests.services_fixtures import fresh_postgres_database
+
+    with fresh_postgres_database() as url:
+        docs = render("--set", "gpuWorker.autoscaling.enabled=true", "--set-string", f"credentials.databaseUrl={url}")
+        (scaled,) = of_kind(docs, "ScaledObject")
+        query = scaled["spec"]["triggers"][0]["metadata"]["query"]
+        (secret,) = [d for d in of_kind(docs, "Secret") if "CATALOG_CONNECTION" in d.get("data", {})][:1]
+        connection = base64.b64decode(secret["data"]["CATALOG_CONNECTION"]).decode()
+        assert connection.startswith("postgresql://")  # libpq's form, as KEDA's driver reads it
+        upgrade_schema(url)
+        jobs = [("gpu", ExportStatus.QUEUED), ("gpu", ExportStatus.RUNNING), ("gpu.ort-1.33.0", ExportStatus.QUEUED),
+                ("gpu", ExportStatus.READY), ("gpu.ort-1.33.0", ExportStatus.FAILED), ("cpu", ExportStatus.QUEUED),
+                ("cpu", ExportStatus.RUNNING), ("gpu-large", ExportStatus.QUEUED)]
+        with session_scope(url) as session:
+            for index, (queue, status) in enumerate(jobs):
+                session.add(Export(model=f"m{index}", revision="r", cache_key=f"k{index}", request_key=f"r{index}",
+                                   variant="attn_dynamic", dtype="fp16", ep="cuda", ort_version="1.32.0",
+                                   exporter_version="0", queue=queue, status=status))
+        engine = sqlalchemy.create_engine(connection.replace("postgresql://", "postgresql+psycopg://", 1))
+        try:
+            with engine.connect() as db:
+                assert db.execute(sqlalchemy.text(query)).scalar_one() == 3
+        finally:
+            engine.dispose()
 
 
 @pytest.mark.parametrize(("bad", "where"), [
     ("logLevel=LOUD", "/logLevel"),
     ("config.validateEp=tpu", "/config/validateEp"),
     ("credentials.databaseUrl=postgresql://farm:pw@db/farm", "/credentials/databaseUrl"),  # psycopg2: not in the images
-    ("gpuWorker.autoscaling.enabled=true", "/gpuWorker/autoscaling/redis/address"),  # KEDA needs the address
+    ("gpuWorker.autoscaling.jobsPerWorker=0", "/gpuWorker/autoscaling/jobsPerWorker"),
     ("gpuWorker.replicaCount=-1", "/gpuWorker/replicaCount"),
     ("api.ingress.enabled=yes-please", "/api/ingress/enabled"),
 ])

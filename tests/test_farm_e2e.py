@@ -12,7 +12,10 @@ import datetime
 import hashlib
 import itertools
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -332,3 +335,20 @@ def test_s3_unreachable_during_publish_then_back(api, s3, pool):
         s3.start()
     export = wait_done(api, posted["id"])
     assert_published_once(api, s3, export)
+
+
+def test_the_worker_liveness_probe_does_not_restart_workers_for_a_redis_outage():
+    """`python -m services.health worker` (the chart's and compose's liveness check): with Redis up
+    and no worker answering it fails; with Redis down it passes, saying why, since restarting every
+    worker in an outage killed their running exports (the probe went through Redis)."""
+    redis_server = farm.RedisServer()
+    try:
+        probe = [sys.executable, "-m", "services.health", "worker", "--timeout", "1"]
+        env = {**os.environ, "REDIS_URL": redis_server.url}
+        up = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+        assert up.returncode == 1 and "did not answer a ping" in up.stderr, up.stderr
+        redis_server.stop()
+        down = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0 and "broker unreachable" in down.stderr and "not restarting" in down.stderr
+    finally:
+        redis_server.close()

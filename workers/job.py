@@ -31,7 +31,8 @@ from typing import TypeVar
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from exporter import __version__
+from exporter import __version__, checkpoints
+from exporter.cache import trim_hub_cache, trim_lru
 from exporter.runtime.bench import run_bench
 from exporter.reports.bench_report import write_report
 from exporter.contract import BENCH_FILE, DATA_FILE
@@ -276,9 +277,26 @@ class CatalogProgress(Progress):
 # --- the stages -------------------------------------------------------------------------------------
 
 
+def trim_caches(settings: Settings, keep_revision: str | None) -> None:
+    """Keep this worker's caches within their sizes before a job adds to them (least recently used
+    first; nothing another job on this host used in the last hour)."""
+    budget = int(settings.cache_max_gb * 2**30)
+    for name in ("rope", "references"):
+        deleted, freed = trim_lru(settings.data_dir / name, budget)
+        if deleted:
+            log.info("cache %s: deleted %d least recently used files (%.1f MB) to stay within CACHE_MAX_GB",
+                     name, deleted, freed / 2**20)
+    if settings.hub_cache_max_gb is not None:
+        removed, freed = trim_hub_cache(int(settings.hub_cache_max_gb * 2**30),
+                                        keep={keep_revision} if keep_revision else set())
+        if removed:
+            log.info("hub cache: deleted %s (%.1f GB) to stay within HUB_CACHE_MAX_GB", ", ".join(removed), freed / 2**30)
+
+
 def resolve(job: Job, record: JobRecord) -> None:
     """Find the checkpoint (only under MODELS_DIR, or on the hub when HUB_ACCESS allows), record its
     exact revision: a hub ref becomes the commit downloaded, so catalog and manifest keys agree."""
+    trim_caches(job.settings, None if record.revision.startswith(UNRESOLVED_PREFIX) else record.revision)
     source = locate_model(job.settings, record.request["model"])
     resolved = resolve_source(str(source.directory)) if source.local else resolve_hub_source(
         f"{source.repo_id}@{_commit_or_ref(record.revision, source.ref)}")
@@ -551,12 +569,15 @@ def _run(job: Job, record: JobRecord) -> str:
     stage = "resolve"
     try:
         job.progress.stage("resolve")
-        for stage, run in STAGES:
-            if stage in record.done:
-                continue
-            run(job, record)
-            record.done.append(stage)
-            record.save(job.work)
+        # Long work inside a stage (a hub download, the reference, the gates) checks the lease and
+        # a cancel at its own checkpoints, not only between stages.
+        with checkpoints.installed(job.keeper.check):
+            for stage, run in STAGES:
+                if stage in record.done:
+                    continue
+                run(job, record)
+                record.done.append(stage)
+                record.save(job.work)
         stage = "publish"
         return publish(job, record).value
     except Fenced as err:

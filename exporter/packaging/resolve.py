@@ -81,10 +81,13 @@ def _download(repo_id: str, revision: str | None) -> ResolvedSource:
         RevisionNotFoundError,
     )
 
+    from exporter import checkpoints
+
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         path = Path(
-            snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline)
+            snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline,
+                              tqdm_class=checkpoints.hub_progress_class())  # every chunk: a checkpoint
         )
     except RevisionNotFoundError:
         raise ExportError(f"revision {revision!r} does not exist in {repo_id}: check the @revision") from None
@@ -98,6 +101,8 @@ def _download(repo_id: str, revision: str | None) -> ResolvedSource:
             "cache; pass a local checkpoint directory, or run where the hub is reachable"
         ) from None
     except Exception as err:  # network stacks raise many types; a user needs one actionable line
+        if checkpoints.is_stop(err):
+            raise  # the caller stopped the download (a cancel, a lost lease): not a download error
         raise ExportError(
             f"cannot download {repo_id} from the Hugging Face hub ({type(err).__name__}): "
             "check the network or pass a local checkpoint directory"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from exporter import checkpoints
 from exporter.errors import ExportError
 
 # The LM head's weight is read in blocks of vocabulary rows of about this many fp32 bytes.
@@ -237,6 +238,7 @@ class StreamedReference:
         return future.result() if future is not None else self._load_layer(i)
 
     def _enter_layer(self, i: int) -> None:
+        checkpoints.checkpoint()  # a pass over a big model takes minutes: a cancel stops it between layers
         weights = self._take_layer(i)
         if self.prefetch and i + 1 < len(self.layers):
             with self._lock:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from exporter import checkpoints
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.errors import ExportError
 from exporter.validation.gates import GateResult
@@ -221,6 +222,7 @@ def validate_export(
     t0 = time.perf_counter()
     gates += structure_gates(model_path, variant, activations, cfg["num_layers"])
     timings["structure"] = time.perf_counter() - t0
+    checkpoints.checkpoint()
 
     # The value check of every weight (numpy over two gigabytes) runs on its own thread while the
     # runtime probe, the reference and the export's session run here: numpy, torch and onnxruntime
@@ -236,6 +238,7 @@ def validate_export(
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
                                          shared_references, runtime, timings, own)
+        checkpoints.checkpoint()
         t0 = time.perf_counter()
         own = own or {}
         genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),

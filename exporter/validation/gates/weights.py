@@ -40,6 +40,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 
+from exporter import checkpoints
 from exporter.graph.passes.quantize import quantize_rows  # noqa: F401 (the gate's exact answer; tests use it here)
 
 from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint
@@ -375,6 +376,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             offset += _part_rows(checkpoint, part)
 
     def compare(job):
+        checkpoints.checkpoint()
         """The slice's accumulator, or None when it is bit-exact."""
         name, data, transposed, offset, part = job
         quant = sources[name].get("quantization")

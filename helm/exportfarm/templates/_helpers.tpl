@@ -65,6 +65,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- range $key, $value := dict "DATABASE_URL" $c.databaseUrl "REDIS_URL" $c.redisUrl "S3_ACCESS_KEY" $c.s3AccessKey "S3_SECRET_KEY" $c.s3SecretKey "ADMIN_TOKEN" $c.adminToken "SIGNING_SECRET" $c.signingSecret }}
 {{- if $value }}{{ $_ := set $data $key $value }}{{ end }}
 {{- end }}
+{{- $a := .Values.gpuWorker.autoscaling }}
+{{- if and .Values.gpuWorker.enabled $a.enabled $c.databaseUrl (not $a.catalog.connectionSecret.name) }}
+{{- /* KEDA's PostgreSQL scaler reads the catalog with a libpq URL: the farm's, without SQLAlchemy's driver. */}}
+{{- $_ := set $data "CATALOG_CONNECTION" (regexReplaceAll "^postgresql\\+[a-z0-9]+://" $c.databaseUrl "postgresql://") }}
+{{- end }}
 {{- range $key, $value := $c.extraSecret }}
 {{- $_ := set $data $key $value }}
 {{- end }}

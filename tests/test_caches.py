@@ -1,0 +1,76 @@
+"""Worker caches stay within their sizes: rope tables and reference runs (least recently used
+first, a read counting as a use), and downloaded hub checkpoints (whole revisions, through
+huggingface_hub's own cache scan and delete). Nothing used in the last hour is evicted."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from exporter.cache import read_npz, trim_hub_cache, trim_lru, write_npz
+
+HOUR = 3600
+
+
+def aged(path: Path, hours: float) -> Path:
+    stamp = time.time() - hours * HOUR
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_trim_lru_deletes_least_recently_used_first_and_a_read_counts(tmp_path):
+    files = []
+    for i in range(4):  # run-0 written longest ago
+        write_npz(tmp_path / "references" / f"run-{i}.npz", x=np.zeros(25_000, np.float32))
+        files.append(aged(tmp_path / "references" / f"run-{i}.npz", 10 - i))
+    size = files[0].stat().st_size
+    aged(files[0], 20)
+    assert read_npz(files[0]) is not None  # the oldest one is read: used now
+    write_npz(tmp_path / "references" / "fresh.npz", x=np.zeros(25_000, np.float32))
+
+    deleted, freed = trim_lru(tmp_path / "references", max_bytes=3 * size)
+
+    assert (deleted, freed) == (2, 2 * size)
+    left = sorted(p.name for p in (tmp_path / "references").iterdir())
+    assert left == ["fresh.npz", "run-0.npz", "run-3.npz"]  # run-1 and run-2 were the least recently used
+
+
+def test_trim_lru_never_deletes_what_was_used_in_the_last_hour(tmp_path):
+    for i in range(3):
+        write_npz(tmp_path / f"t{i}.npz", x=np.zeros(1000))
+    assert trim_lru(tmp_path, max_bytes=0) == (0, 0)
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def _hub_revision(cache: Path, repo: str, commit: str, nbytes: int, hours_ago: float) -> None:
+    """One revision in huggingface_hub's documented cache layout (blobs, snapshots, refs)."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    blob = root / "blobs" / f"{commit}-weights"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(os.urandom(nbytes))
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    aged(blob, hours_ago)
+
+
+def test_trim_hub_cache_deletes_whole_least_recently_used_revisions(tmp_path):
+    cache = tmp_path / "hub"
+    mb = 1 << 20
+    _hub_revision(cache, "org/old", "a" * 40, mb, hours_ago=48)
+    _hub_revision(cache, "org/kept", "b" * 40, mb, hours_ago=72)  # the running job's revision
+    _hub_revision(cache, "org/middle", "c" * 40, mb, hours_ago=24)
+    _hub_revision(cache, "org/recent", "d" * 40, mb, hours_ago=0.1)  # another job's, in use
+
+    removed, freed = trim_hub_cache(2 * mb, keep={"b" * 40}, cache_dir=cache)
+
+    assert removed == ["org/old@" + "a" * 40, "org/middle@" + "c" * 40] and freed >= 2 * mb
+    left = sorted(p.name for p in cache.iterdir())
+    assert left == ["models--org--kept", "models--org--recent"]
+    removed, _ = trim_hub_cache(0, cache_dir=cache)  # no budget at all: still nothing used in the last hour
+    assert removed == ["org/kept@" + "b" * 40] and [p.name for p in cache.iterdir()] == ["models--org--recent"]
