@@ -227,22 +227,27 @@ def _check_same_export(existing: dict, manifest: dict, prefix: str) -> None:
             f"{prefix} already holds export {existing.get('export_id')}, not {manifest['export_id']}: "
             "publish each export under its own prefix (export_prefix)"
         )
-    if existing.get("status") == WITHDRAWN:
+    withdrawn = existing.get("withdrawn", {})
+    if existing.get("status") == WITHDRAWN and withdrawn.get("final", True):
         raise StorageError(f"export {manifest['export_id']} was withdrawn from {prefix} "
-                           f"({existing.get('withdrawn', {}).get('reason')}): it is not published again")
+                           f"({withdrawn.get('reason')}): it is not published again")
 
 
 def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, export_id: str | None = None,
-              reason: str = "unpublished") -> int:
+              reason: str = "unpublished", final: bool = True) -> int:
     """Withdraw what was published under ``prefix``: manifest.json is replaced by a withdrawn one
     first, so the prefix stops being an export before any file it names goes away, and a lost
-    attempt's manifest write that lands later finds a key it did not expect and is refused. Returns
-    how many other objects were deleted."""
+    attempt's manifest write that lands later finds a key it did not expect and is refused. A
+    ``final`` withdrawal (a cancel, a job given up) is never published over; a later attempt of the
+    same export may replace one that is not (an attempt cleaning up after its own failure, whose
+    end the catalog then refused because it had lost the job). Returns how many other objects
+    were deleted."""
     prefix = _directory(prefix)
     if guard is not None:
         guard()
     tombstone = {"export_id": export_id, "status": WITHDRAWN,
-                 "withdrawn": {"reason": reason, "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
+                 "withdrawn": {"reason": reason, "final": final,
+                               "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
     store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(tombstone, indent=2) + "\n").encode(), "application/json", guard)
     keys = [key for key in store.list_keys(prefix) if key != prefix + MANIFEST_FILE]
     for key in keys:

@@ -272,7 +272,7 @@ class S3Store(ArtifactStore):
         config = botocore.config.Config(
             signature_version="s3v4",
             s3={"addressing_style": "path"},  # SeaweedFS / MinIO do not serve bucket subdomains
-            retries={"mode": "standard", "max_attempts": client_attempts},
+            retries={"mode": "standard", "total_max_attempts": client_attempts},
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
         )
@@ -281,7 +281,7 @@ class S3Store(ArtifactStore):
                        "aws_secret_access_key": secret_key, "region_name": region}
         self._client = session.client("s3", config=config, **client_args)
         self._write_client = session.client(
-            "s3", config=config.merge(botocore.config.Config(retries={"mode": "standard", "max_attempts": 1})),
+            "s3", config=config.merge(botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 1})),
             **client_args)
         # Preconditions of uploads in flight by key, added to the request that creates the object:
         # s3transfer's managed upload does not pass If-None-Match / If-Match through its arguments.

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -350,6 +351,19 @@ def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
         publish_export(store, export, prefix, status="ready", attempt=2)
 
 
+def test_a_later_attempt_publishes_over_a_failed_attempts_own_cleanup(store, prefix, tmp_path):
+    """Attempt 1 failed during publish and withdrew its uploads, but had lost the job before the
+    catalog recorded the failure: attempt 2 publishes over that withdrawal (not over a cancel's)."""
+    export = make_export(tmp_path / "export")
+    manifest = json.loads((export / MANIFEST_FILE).read_text())
+    publish_export(store, export, prefix, status="ready", attempt=1)
+    unpublish(store, prefix, export_id=manifest["export_id"], reason="attempt 1 ended failed", final=False)
+    assert read_published_manifest(store, prefix) is None
+    result = publish_export(store, export, prefix, status="ready", attempt=2)
+    assert read_published_manifest(store, prefix) == result.manifest and result.manifest["published"]["attempt"] == 2
+    assert files_match_store(store, prefix, result.manifest)
+
+
 def test_conditional_writes_refuse_a_key_that_changed(store, prefix, tmp_path):
     key = prefix + "object"
     first = store.put_bytes(key, b"one", expect=Precondition(None))
@@ -366,6 +380,34 @@ def test_conditional_writes_refuse_a_key_that_changed(store, prefix, tmp_path):
     assert store.get_bytes(key) == b"two"
     store.put_file(key, big, sha256(big.read_bytes()), expect=Precondition(second.etag))
     assert store.head(key).sha256 == sha256(big.read_bytes())
+
+
+def test_every_write_request_is_preceded_by_its_guard(tmp_path):
+    """A server that takes requests and never answers: each try of a guarded write is one request,
+    after one guard check (botocore's own retry once sent a second copy nobody had fenced)."""
+    requests, guards = [], []
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: requests.extend(
+                chunk for chunk in iter(lambda: c.recv(65536), b"") if chunk.startswith(b"PUT ")), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        store = S3Store(f"http://127.0.0.1:{server.getsockname()[1]}", BUCKET, "key", "secret", attempts=2,
+                        backoff_s=0.05, client_attempts=3, read_timeout_s=0.5)
+        with pytest.raises(StorageError, match="after 2 attempts"):
+            store.put_bytes("k/manifest.json", b"{}", guard=lambda: guards.append(1))
+        wait_until(lambda: len(requests) >= 2)
+        time.sleep(0.5)
+        assert len(requests) == len(guards) == 2
+    finally:
+        server.close()
 
 
 def _another_attempt(export: Path, directory: Path) -> Path:
@@ -409,7 +451,8 @@ def test_a_lost_attempts_late_manifest_write_cannot_replace_the_takeovers(seawee
     assert stored == takeover.manifest and stored["published"]["attempt"] == 2
     assert files_match_store(direct, prefix, stored)
     late = proxy.answers[answered]
-    assert late.startswith(b"HTTP/1.1 412" if lands.startswith("after") else b"HTTP/1.1 200"), late[:80]
+    assert late.startswith(b"HTTP/1.1 412" if lands.startswith("after") else b"HTTP/1.1 200"), \
+        [a[:40] for a in proxy.answers]
 
 
 def test_publish_uploads_data_first_and_manifest_last(store, prefix, tmp_path):

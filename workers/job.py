@@ -378,7 +378,7 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
     job.publishing = prefix
     if earlier and earlier != prefix:
         unpublish(job.store, earlier, job.keeper.check, job.lease.export_id,  # what an earlier attempt left elsewhere
-                  f"superseded by attempt {job.lease.attempt} at {prefix}")
+                  f"superseded by attempt {job.lease.attempt} at {prefix}", final=False)
     retries = max(1, job.settings.publish_retries)
     for attempt in range(1, retries + 1):
         try:
@@ -451,7 +451,7 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
     if job.publishing:
         try:
             unpublish(job.store, job.publishing, job.keeper.check_owned, job.lease.export_id,
-                      f"attempt {job.lease.attempt} ended {status.value}")
+                      f"attempt {job.lease.attempt} ended {status.value}", final=status is ExportStatus.CANCELLED)
         except StorageError as err:
             with session_scope(job.settings.catalog_url) as session:
                 lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
