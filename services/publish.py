@@ -176,7 +176,7 @@ def publish_export(
     existing, _ = _manifest_object(store, manifest_key)
     if existing is not None:
         _check_same_export(existing, manifest, prefix)
-        if existing.get("published", {}).get("attempt") == attempt:
+        if existing.get("status") != WITHDRAWN and existing.get("published", {}).get("attempt") == attempt:
             return PublishResult(prefix, existing, uploaded=[], skipped=[], already_published=True)
 
     uploaded, skipped = [], []

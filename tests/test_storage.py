@@ -351,7 +351,8 @@ def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
         publish_export(store, export, prefix, status="ready", attempt=2)
 
 
-def test_a_later_attempt_publishes_over_a_failed_attempts_own_cleanup(store, prefix, tmp_path):
+@pytest.mark.parametrize("attempt", [2, None])  # None: a publish outside the farm (no attempt number)
+def test_a_later_attempt_publishes_over_a_failed_attempts_own_cleanup(store, prefix, tmp_path, attempt):
     """Attempt 1 failed during publish and withdrew its uploads, but had lost the job before the
     catalog recorded the failure: attempt 2 publishes over that withdrawal (not over a cancel's)."""
     export = make_export(tmp_path / "export")
@@ -359,8 +360,10 @@ def test_a_later_attempt_publishes_over_a_failed_attempts_own_cleanup(store, pre
     publish_export(store, export, prefix, status="ready", attempt=1)
     unpublish(store, prefix, export_id=manifest["export_id"], reason="attempt 1 ended failed", final=False)
     assert read_published_manifest(store, prefix) is None
-    result = publish_export(store, export, prefix, status="ready", attempt=2)
-    assert read_published_manifest(store, prefix) == result.manifest and result.manifest["published"]["attempt"] == 2
+    result = publish_export(store, export, prefix, status="ready", attempt=attempt)
+    assert not result.already_published
+    assert read_published_manifest(store, prefix) == result.manifest
+    assert result.manifest["published"]["attempt"] == attempt
     assert files_match_store(store, prefix, result.manifest)
 
 
