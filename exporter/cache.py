@@ -109,11 +109,11 @@ def trim_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> tuple[in
 
 
 def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float = IN_USE_S,
-                   cache_dir: Path | None = None) -> tuple[list[str], int]:
+                   cache_dir: Path | None = None, keep_repos: set[str] = frozenset()) -> tuple[list[str], int]:
     """Delete downloaded checkpoint revisions (huggingface_hub's cache) least recently used first
-    until the cache holds at most ``max_bytes``, never a commit in ``keep`` nor one used in the last
-    ``in_use_s``; returns ("repo@commit" deleted, bytes freed). huggingface_hub scans and deletes
-    (blobs shared with a kept revision stay)."""
+    until the cache holds at most ``max_bytes``, never a commit in ``keep``, a revision of a repository
+    in ``keep_repos``, nor one used in the last ``in_use_s``; returns ("repo@commit" deleted, bytes
+    freed). huggingface_hub scans and deletes (blobs shared with a kept revision stay)."""
     from huggingface_hub import scan_cache_dir
 
     try:
@@ -125,7 +125,8 @@ def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float
     cutoff = time.time() - in_use_s
     candidates = sorted(
         ((max(repo.last_accessed, revision.last_modified), repo, revision)
-         for repo in info.repos for revision in repo.revisions if revision.commit_hash not in keep),
+         for repo in info.repos if repo.repo_id not in keep_repos
+         for revision in repo.revisions if revision.commit_hash not in keep),
         key=lambda c: c[0])
     chosen, names = [], []
     for used, repo, revision in candidates:

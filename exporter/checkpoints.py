@@ -10,34 +10,32 @@ code that turns failures into messages (a download's "cannot download ...") lets
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 _check: Callable[[], None] | None = None
-_raised: dict[int, BaseException] = {}  # by thread: what the check raised last
-_lock = threading.Lock()
+_STOP_MARK = "_exportfarm_checkpoint_stop"
 
 
 def checkpoint() -> None:
-    """Call the installed check (from any thread); re-raises what it raises."""
+    """Call the installed check (from any thread); re-raises what it raises, marked as a stop."""
     check = _check
     if check is None:
         return
     try:
         check()
     except BaseException as err:
-        with _lock:
-            _raised[threading.get_ident()] = err
+        try:
+            setattr(err, _STOP_MARK, True)
+        except AttributeError:
+            pass  # an exception type without attributes: is_stop cannot tell it apart
         raise
 
 
-def is_stop(err: BaseException) -> bool:
+def is_stop(err: BaseException | None) -> bool:
     """Whether ``err`` is (or was caused by) a stop a checkpoint raised, on any thread."""
-    with _lock:
-        stops = {id(e) for e in _raised.values()}
     seen = 0
     while err is not None and seen < 16:
-        if id(err) in stops:
+        if getattr(err, _STOP_MARK, False):
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
@@ -52,13 +50,13 @@ def installed(check: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _check = previous
-        with _lock:
-            _raised.clear()
 
 
 def hub_progress_class():
     """A huggingface_hub progress bar class whose every update is a checkpoint: a download of a
-    many-gigabyte shard stops within one chunk of a cancel instead of at the end of the file."""
+    many-gigabyte shard stops within one chunk of a cancel instead of at the end of the file. (A
+    repository served through Xet reports progress from hf_xet's own threads, which may log an
+    exception raised there and go on: such a download stops at the end of the file it is in.)"""
     from huggingface_hub.utils import tqdm as hub_tqdm
 
     class CheckedProgress(hub_tqdm):

@@ -10,7 +10,8 @@ process answers control messages even while its pool child runs an export, so a 
 disconnected consumer fails the check while a busy one passes. A broker this probe cannot reach
 is not the worker's fault: the check passes (saying so on stderr), since restarting every worker
 during a Redis outage would only kill their running exports; Celery reconnects by itself once the
-broker is back, and a worker that then still does not answer fails the check. Each check imports only the client
+broker is back, and a worker that then still does not answer fails the check. A broker that answers
+but refuses the credentials (a rotated password) fails it: a restart reads the new secret. Each check imports only the client
 it needs (celery, kombu, urllib), never the export code, so a probe stays cheap next to a running
 job. Exit status 0 when healthy, 1 when not, with the reason on stderr.
 """
@@ -35,9 +36,12 @@ def worker(timeout_s: float) -> str | None:
     cannot be reached (not a reason to restart this worker); else why not."""
     from celery import Celery
 
-    if (unreachable := beat(min(timeout_s, 5.0))) is not None:
-        print(f"health: {unreachable}; not restarting this worker for it (its running export goes on; "
-              "Celery reconnects when the broker is back)", file=sys.stderr)
+    error = _broker_error(min(timeout_s, 5.0))
+    if error is not None and _refused_credentials(error):
+        return f"the broker refused this worker's credentials: {error}"  # a restart picks up new ones
+    if error is not None:
+        print(f"health: broker unreachable ({type(error).__name__}: {error}); not restarting this worker for "
+              "it (its running export goes on; Celery reconnects when the broker is back)", file=sys.stderr)
         return None
     app = Celery(broker=_broker_url())
     app.conf.broker_connection_timeout = 5
@@ -49,16 +53,31 @@ def worker(timeout_s: float) -> str | None:
     return None if replies else f"{node} did not answer a ping within {timeout_s:g} s"
 
 
-def beat(timeout_s: float) -> str | None:
-    """None when the broker accepts a connection from here."""
+def _broker_error(timeout_s: float) -> Exception | None:
+    """Why the broker does not accept a connection from here, or None when it does."""
     from kombu import Connection
 
     try:
         with Connection(_broker_url(), connect_timeout=timeout_s) as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001
-        return f"broker unreachable: {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the caller says what it means
+        return exc
     return None
+
+
+def _refused_credentials(error: BaseException | None) -> bool:
+    """The broker answered, and refused the password (a rotated secret): not an outage."""
+    while error is not None:
+        if type(error).__name__ in ("AuthenticationError", "AuthenticationWrongNumberOfArgsError"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def beat(timeout_s: float) -> str | None:
+    """None when the broker accepts a connection from here."""
+    error = _broker_error(timeout_s)
+    return None if error is None else f"broker unreachable: {type(error).__name__}: {error}"
 
 
 def api(timeout_s: float, ready: bool, port: int) -> str | None:

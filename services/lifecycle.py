@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.catalog.exports import ended_fields, request_of, runtime_fields
 from exporter.request import cache_key
-from services.catalog.models import Export, ExportEvent, ExportStatus, db_now
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, db_time_ago_in
 
 
 class Fenced(Exception):
@@ -35,6 +35,9 @@ class Lease:
     attempt: int
     worker: str
     pid: int
+    # A lease not renewed for this long (the catalog's clock) cannot be renewed or written with any
+    # more: the sweeper may settle it, so the two never both act on one attempt. None: no limit.
+    lease_s: float | None = None
 
     def __str__(self) -> str:
         return f"export {self.export_id} attempt {self.attempt} ({self.worker}, pid {self.pid})"
@@ -47,8 +50,14 @@ class Claim:
     why: str = ""  # why nothing was claimed
 
 
-def _owned(lease: Lease) -> tuple:
-    return Export.id == lease.export_id, Export.status == ExportStatus.RUNNING, Export.attempts == lease.attempt
+def _owned(session: Session, lease: Lease) -> tuple:
+    """The row is still this attempt's, and its lease still live by the catalog's clock: once it ran
+    out the sweeper may be settling it (withdrawing uploads, ending the row), and a worker that
+    comes back then must not revive it (renew) or finish it under the sweeper."""
+    owned = (Export.id == lease.export_id, Export.status == ExportStatus.RUNNING, Export.attempts == lease.attempt)
+    if lease.lease_s is None:
+        return owned
+    return (*owned, Export.heartbeat_at.is_not(None), Export.heartbeat_at >= db_time_ago_in(session, lease.lease_s))
 
 
 def _event(session: Session, lease: Lease, to: ExportStatus, stage: str | None, message: str | None,
@@ -57,7 +66,8 @@ def _event(session: Session, lease: Lease, to: ExportStatus, stage: str | None, 
                             stage=stage, message=message, worker=lease.worker))
 
 
-def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: str) -> Claim:
+def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: str,
+          lease_s: float | None = None) -> Claim:
     """Start the next attempt of a queued export on this worker; a Claim without a lease says why not.
 
     Only a queued row can be claimed, so a duplicate or stale message finds nothing to do. A
@@ -83,7 +93,7 @@ def claim(session: Session, export_id: str, worker: str, pid: int, ort_version: 
     )
     if result.rowcount != 1:
         return Claim(None, None, "another worker claimed it first")
-    lease = Lease(export_id, attempt, worker, pid)
+    lease = Lease(export_id, attempt, worker, pid, lease_s)
     previous = f" (attempt {attempt - 1}: {export.lost_reason})" if attempt > 1 and export.lost_reason else ""
     _event(session, lease, ExportStatus.RUNNING, "resolve", f"attempt {attempt} started{previous}", ExportStatus.QUEUED)
     session.refresh(export)
@@ -145,7 +155,7 @@ def refuse(session: Session, export: Export, worker: str, why: str) -> bool:
 def renew(session: Session, lease: Lease) -> bool:
     """Extend the lease; returns whether a cancel was requested. Raises Fenced if it is no longer ours."""
     row = session.execute(
-        update(Export).where(*_owned(lease)).values(heartbeat_at=db_now(session))
+        update(Export).where(*_owned(session, lease)).values(heartbeat_at=db_now(session))
         .returning(Export.cancel_requested).execution_options(synchronize_session=False)
     ).first()
     if row is None:
@@ -155,11 +165,11 @@ def renew(session: Session, lease: Lease) -> bool:
 
 def record_stage(session: Session, lease: Lease, stage: str, percent: int) -> bool:
     """Stage and percent of the running attempt (an event when the stage changes); returns cancel requested."""
-    current = session.execute(select(Export.stage).where(*_owned(lease))).first()
+    current = session.execute(select(Export.stage).where(*_owned(session, lease))).first()
     if current is None:
         raise Fenced(f"{lease}: refused to record stage {stage}")
     row = session.execute(
-        update(Export).where(*_owned(lease)).values(stage=stage, percent=percent, heartbeat_at=db_now(session),
+        update(Export).where(*_owned(session, lease)).values(stage=stage, percent=percent, heartbeat_at=db_now(session),
                                                   updated_at=db_now(session))
         .returning(Export.cancel_requested).execution_options(synchronize_session=False)
     ).first()
@@ -174,7 +184,7 @@ def record_revision(session: Session, lease: Lease, revision: str) -> None:
     """The exact revision the attempt downloaded (a hub ref becomes its commit), and the key it makes."""
     export = session.get(Export, lease.export_id)
     result = session.execute(
-        update(Export).where(*_owned(lease)).values(
+        update(Export).where(*_owned(session, lease)).values(
             revision=revision, cache_key=cache_key(request_of(export), revision, export.exporter_version,
                                                    export.ort_version), heartbeat_at=db_now(session))
         .execution_options(synchronize_session=False))
@@ -188,13 +198,13 @@ def begin_publish(session: Session, lease: Lease, prefix: str) -> str | None:
     Every object an attempt writes is under the prefix recorded here, so whoever settles the job
     later (a cancel, the sweeper) knows what the store may hold for it.
     """
-    current = session.execute(select(Export.storage_prefix, Export.cancel_requested).where(*_owned(lease))).first()
+    current = session.execute(select(Export.storage_prefix, Export.cancel_requested).where(*_owned(session, lease))).first()
     if current is None:
         raise Fenced(f"{lease}: refused to start publishing")
     if current.cancel_requested:
         raise CancelRequested(lease.export_id)
     result = session.execute(
-        update(Export).where(*_owned(lease), Export.cancel_requested.is_(False))
+        update(Export).where(*_owned(session, lease), Export.cancel_requested.is_(False))
         .values(storage_prefix=prefix, heartbeat_at=db_now(session), updated_at=db_now(session))
         .execution_options(synchronize_session=False)
     )
@@ -214,7 +224,7 @@ def finish(session: Session, lease: Lease, status: ExportStatus, *, message: str
     if not status.terminal:
         raise ValueError(f"finish needs a terminal status, not {status.value}")
     export = session.get(Export, lease.export_id)
-    conditions = list(_owned(lease))
+    conditions = list(_owned(session, lease))
     if status in (ExportStatus.READY, ExportStatus.QUARANTINED):
         conditions.append(Export.cancel_requested.is_(False))
         fields["percent"] = 100
@@ -229,8 +239,8 @@ def finish(session: Session, lease: Lease, status: ExportStatus, *, message: str
     )
     if result.rowcount != 1:
         session.expire_all()
-        export = session.get(Export, lease.export_id)
-        if export is not None and export.status is ExportStatus.RUNNING and export.attempts == lease.attempt:
+        still_ours = session.execute(select(Export.cancel_requested).where(*_owned(session, lease))).first()
+        if still_ours is not None and still_ours.cancel_requested:
             raise CancelRequested(lease.export_id)
         raise Fenced(f"{lease}: refused to finish {status.value}")
     _event(session, lease, status, fields.get("stage"), message)

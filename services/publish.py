@@ -234,25 +234,50 @@ def _check_same_export(existing: dict, manifest: dict, prefix: str) -> None:
 
 
 def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, export_id: str | None = None,
-              reason: str = "unpublished", final: bool = True) -> int:
+              reason: str = "unpublished", final: bool = True, attempt: int | None = None) -> int:
     """Withdraw what was published under ``prefix``: manifest.json is replaced by a withdrawn one
     first, so the prefix stops being an export before any file it names goes away, and a lost
     attempt's manifest write that lands later finds a key it did not expect and is refused. A
     ``final`` withdrawal (a cancel, a job given up) is never published over; a later attempt of the
     same export may replace one that is not (an attempt cleaning up after its own failure, whose
-    end the catalog then refused because it had lost the job). Returns how many other objects
-    were deleted."""
+    end the catalog then refused because it had lost the job).
+
+    Fenced like a publish: the withdrawal replaces only the manifest version it read, and an
+    ``attempt`` withdraws nothing a later attempt published (its own cleanup, arriving late, must
+    not take the takeover's export away); each file is deleted only in the version listed. Returns
+    how many other objects were deleted.
+    """
     prefix = _directory(prefix)
-    if guard is not None:
-        guard()
+    key = prefix + MANIFEST_FILE
     tombstone = {"export_id": export_id, "status": WITHDRAWN,
-                 "withdrawn": {"reason": reason, "final": final,
+                 "withdrawn": {"reason": reason, "final": final, "attempt": attempt,
                                "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
-    store.put_bytes(prefix + MANIFEST_FILE, (json.dumps(tombstone, indent=2) + "\n").encode(), "application/json", guard)
-    keys = [key for key in store.list_keys(prefix) if key != prefix + MANIFEST_FILE]
-    for key in keys:
-        store.delete_key(key)
-    return len(keys)
+    body = (json.dumps(tombstone, indent=2) + "\n").encode()
+    for _ in _conflicts(key):
+        if guard is not None:
+            guard()
+        current, seen = _manifest_object(store, key)
+        by = (current or {}).get("published", {}).get("attempt")
+        if attempt is not None and by is not None and by > attempt and current.get("status") != WITHDRAWN:
+            return 0  # a later attempt's export: not this attempt's to withdraw
+        try:
+            store.put_bytes(key, body, "application/json", guard, expect=Precondition.of(seen))
+            break
+        except PreconditionFailed:
+            continue
+    deleted = 0
+    for name in store.list_keys(prefix):
+        if name == key:
+            continue
+        info = store.head(name)
+        if info is None:
+            continue
+        try:
+            store.delete_key(name, expect=Precondition(info.etag) if info.etag else None)
+            deleted += 1
+        except PreconditionFailed:
+            continue  # replaced since it was listed: whoever wrote it owns it
+    return deleted
 
 
 def read_published(store: ArtifactStore, prefix: str, name: str) -> dict | None:

@@ -161,8 +161,9 @@ class ArtifactStore(abc.ABC):
         and ``expect`` as for put_file."""
 
     @abc.abstractmethod
-    def delete_key(self, key: str) -> None:
-        """Delete one object (no error if it is absent)."""
+    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
+        """Delete one object (no error if it is absent); with ``expect`` (an etag) only that version:
+        ``PreconditionFailed`` if the key was replaced since."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
@@ -452,9 +453,19 @@ class S3Store(ArtifactStore):
 
         return self._call(f"list {prefix or '/'}", list_all)
 
-    def delete_key(self, key: str) -> None:
+    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
         check_key(key)
-        self._call(f"delete {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
+        condition = {"IfMatch": expect.etag} if expect is not None and expect.etag else {}
+        client = self._write_client if condition else self._client
+
+        def delete() -> None:
+            try:
+                client.delete_object(Bucket=self.bucket, Key=key, **condition)
+            except botocore.exceptions.ClientError as err:
+                if not (condition and _error_code(err) in _MISSING_CODES):
+                    raise  # a version that is already gone is deleted
+
+        self._call(f"delete {key}", delete)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list_keys(_check_directory_prefix(prefix))
@@ -654,11 +665,15 @@ class LocalStore(ArtifactStore):
         etag = self._store(key, sha256, lambda f: f.write(data), guard, expect)
         return ObjectInfo(len(data), sha256, etag)
 
-    def delete_key(self, key: str) -> None:
+    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
         # The checksum goes first, as in _store: an object may lack a sha256, never have a wrong one.
         try:
-            self._sha256_path(key).unlink(missing_ok=True)
-            self._object_path(key).unlink(missing_ok=True)
+            with self._locked():
+                current = self._etag(self._object_path(key))
+                if expect is not None and expect.etag and current is not None and current != expect.etag:
+                    raise PreconditionFailed(f"{key} under {self.root} was replaced since it was read: not deleted")
+                self._sha256_path(key).unlink(missing_ok=True)
+                self._object_path(key).unlink(missing_ok=True)
         except OSError as err:
             raise StorageError(f"cannot delete {key} under {self.root}: {err}") from None
 

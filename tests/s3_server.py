@@ -243,7 +243,11 @@ class HoldingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self._upstream)
+            try:
+                upstream = socket.create_connection(self._upstream)
+            except OSError:
+                client.close()  # the server is down: the client sees its connection closed
+                continue
             threading.Thread(target=self._to_server, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._to_client, args=(upstream, client), daemon=True).start()
 
@@ -262,6 +266,10 @@ class HoldingProxy:
                 upstream.sendall(b"".join(held))
                 held.clear()
             if not data:
+                try:
+                    upstream.shutdown(socket.SHUT_WR)  # the request is complete: the answer still comes back
+                except OSError:
+                    pass
                 return
             upstream.sendall(data)
 
@@ -275,6 +283,7 @@ class HoldingProxy:
             except OSError:
                 pass  # the client gave up; the answer is still recorded
         upstream.close()
+        client.close()
 
     def __enter__(self) -> HoldingProxy:
         return self

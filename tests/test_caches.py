@@ -72,5 +72,6 @@ def test_trim_hub_cache_deletes_whole_least_recently_used_revisions(tmp_path):
     assert removed == ["org/old@" + "a" * 40, "org/middle@" + "c" * 40] and freed >= 2 * mb
     left = sorted(p.name for p in cache.iterdir())
     assert left == ["models--org--kept", "models--org--recent"]
+    assert trim_hub_cache(0, cache_dir=cache, keep_repos={"org/kept"}) == ([], 0)  # its ref not resolved yet
     removed, _ = trim_hub_cache(0, cache_dir=cache)  # no budget at all: still nothing used in the last hour
     assert removed == ["org/kept@" + "b" * 40] and [p.name for p in cache.iterdir()] == ["models--org--recent"]

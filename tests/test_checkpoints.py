@@ -40,6 +40,9 @@ def test_a_checkpoint_without_a_check_does_nothing_and_with_one_raises_its_excep
         wrapped.__cause__ = raised.value
         assert checkpoints.is_stop(raised.value) and checkpoints.is_stop(wrapped)
         assert not checkpoints.is_stop(RuntimeError("a real download failure"))
+        with pytest.raises(Stop) as again:  # a second stop (another download thread) does not hide the first
+            checkpoints.checkpoint()
+        assert checkpoints.is_stop(raised.value) and checkpoints.is_stop(again.value)
     checkpoints.checkpoint()  # uninstalled again
 
 

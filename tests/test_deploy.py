@@ -333,16 +333,20 @@ def test_gpu_autoscaling_counts_every_waiting_and_running_gpu_job(tmp_path):
         upgrade_schema(url)
         jobs = [("gpu", ExportStatus.QUEUED), ("gpu", ExportStatus.RUNNING), ("gpu.ort-1.33.0", ExportStatus.QUEUED),
                 ("gpu", ExportStatus.READY), ("gpu.ort-1.33.0", ExportStatus.FAILED), ("cpu", ExportStatus.QUEUED),
-                ("cpu", ExportStatus.RUNNING), ("gpu-large", ExportStatus.QUEUED)]
+                ("cpu", ExportStatus.RUNNING), ("gpu-large", ExportStatus.QUEUED),
+                (None, ExportStatus.QUEUED)]  # placed before rows recorded a queue: its EP's (cuda: gpu)
         with session_scope(url) as session:
             for index, (queue, status) in enumerate(jobs):
                 session.add(Export(model=f"m{index}", revision="r", cache_key=f"k{index}", request_key=f"r{index}",
-                                   variant="attn_dynamic", dtype="fp16", ep="cuda", ort_version="1.32.0",
-                                   exporter_version="0", queue=queue, status=status))
+                                   variant="attn_dynamic", dtype="fp16", ep="cpu" if queue == "cpu" else "cuda",
+                                   ort_version="1.32.0", exporter_version="0", queue=queue, status=status))
+            session.add(Export(model="mcpu", revision="r", cache_key="kc", request_key="rc", variant="attn_dynamic",
+                               dtype="fp32", ep="cpu", ort_version="1.32.0", exporter_version="0", queue=None,
+                               status=ExportStatus.QUEUED))
         engine = sqlalchemy.create_engine(connection.replace("postgresql://", "postgresql+psycopg://", 1))
         try:
             with engine.connect() as db:
-                assert db.execute(sqlalchemy.text(query)).scalar_one() == 3
+                assert db.execute(sqlalchemy.text(query)).scalar_one() == 4
         finally:
             engine.dispose()
 

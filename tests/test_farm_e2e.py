@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from tests import farm
-from tests.s3_server import SeaweedS3
+from tests.s3_server import SeaweedS3, free_ports
 from tests.services_fixtures import farm_api, fresh_postgres_database
 
 ADMIN = "e2e-admin-token-0123456789abcdef"
@@ -352,3 +352,22 @@ def test_the_worker_liveness_probe_does_not_restart_workers_for_a_redis_outage()
         assert down.returncode == 0 and "broker unreachable" in down.stderr and "not restarting" in down.stderr
     finally:
         redis_server.close()
+    # A broker that answers but refuses the password (rotated) is not an outage: a restart reads the new one.
+    port = free_ports(1)[0]
+    locked = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--requirepass", "rotated-password"], stdout=subprocess.DEVNULL)
+    try:
+        farm.until(lambda: _port_open(port), bool, 10, "the password-protected redis")
+        stale = subprocess.run(probe, env={**os.environ, "REDIS_URL": f"redis://:old-password@127.0.0.1:{port}/0"},
+                               capture_output=True, text=True, timeout=60)
+        assert stale.returncode == 1 and "refused this worker's credentials" in stale.stderr, stale.stderr
+    finally:
+        locked.terminate()
+        locked.wait(10)
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -68,8 +68,9 @@ def submit(settings, target_ort=None, **kw) -> str:
 
 
 def claim(settings, export_id, worker="w1", pid=100, ort=ORT):
+    """A claim as a worker makes it: its lease runs out after LEASE_S without a renewal."""
     with session_scope(settings.catalog_url) as session:
-        return lifecycle.claim(session, export_id, worker, pid, ort)
+        return lifecycle.claim(session, export_id, worker, pid, ort, settings.lease_s)
 
 
 def write(settings, operation, *args, **kwargs):
@@ -119,6 +120,21 @@ def test_after_the_lease_expires_every_write_of_the_old_attempt_is_refused(setti
     done = row(settings, export_id)
     assert done.status is ExportStatus.READY and done.attempts == 2 and done.worker == "w2"
     assert any("attempt 1 lost" in m and "during validate" in m for m in events(settings, export_id))
+
+
+def test_an_expired_lease_is_not_revived_before_the_sweeper_gets_to_it(settings):
+    """Once LEASE_S passed without a renewal (the catalog's clock), the sweeper may be settling the
+    attempt (withdrawing its uploads, then ending the row): the worker coming back in between must
+    neither renew nor finish it, or the row ends ready over a withdrawn store."""
+    export_id = submit(settings)
+    lease = claim(settings, export_id, "w1").lease
+    assert write(settings, lifecycle.renew, lease) is False  # live: renewed
+    time.sleep(LEASE_S + 0.1)  # no sweep has run: the row is still this attempt's, running
+    for operation, args in [(lifecycle.renew, ()), (lifecycle.record_stage, ("bench", 85)),
+                            (lifecycle.begin_publish, ("some/prefix/",)), (lifecycle.finish, (ExportStatus.READY,))]:
+        with pytest.raises(Fenced):
+            write(settings, operation, lease, *args)
+    assert row(settings, export_id).status is ExportStatus.RUNNING  # left for the sweeper
 
 
 def test_a_job_whose_worker_keeps_dying_fails_after_max_attempts_naming_stage_and_cause(settings, sweeper):

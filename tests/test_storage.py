@@ -338,9 +338,9 @@ def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
             order.append(("put", key.removeprefix(prefix), json.loads(data)["status"]))
             return store.put_bytes(key, data, *args, **kwargs)
 
-        def delete_key(self, key):
+        def delete_key(self, key, expect=None):
             order.append(("delete", key.removeprefix(prefix)))
-            return store.delete_key(key)
+            return store.delete_key(key, expect)
 
     assert unpublish(Watching(), prefix, export_id=published.manifest["export_id"], reason="cancelled") == 4
     assert order[0] == ("put", MANIFEST_FILE, "withdrawn")  # the prefix stops being an export first
@@ -349,6 +349,29 @@ def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
     assert store.list_keys(prefix) == [prefix + MANIFEST_FILE] and read_published_manifest(store, prefix) is None
     with pytest.raises(StorageError, match="was withdrawn .*cancelled"):
         publish_export(store, export, prefix, status="ready", attempt=2)
+
+
+def test_an_earlier_attempts_late_cleanup_leaves_the_takeovers_export(store, prefix, tmp_path):
+    """Attempt 1, failing, withdraws its uploads, but the request arrives after attempt 2 took the
+    job over and published: nothing of attempt 2's export goes (it once wrote its tombstone over the
+    takeover's ready manifest and deleted the files under it)."""
+    first = make_export(tmp_path / "attempt1")
+    second = _another_attempt(first, tmp_path / "attempt2")
+    publish_export(store, first, prefix, status="ready", attempt=1)
+    takeover = publish_export(store, second, prefix, status="ready", attempt=2)
+    export_id = takeover.manifest["export_id"]
+
+    assert unpublish(store, prefix, export_id=export_id, reason="attempt 1 ended failed", final=False, attempt=1) == 0
+    assert read_published_manifest(store, prefix) == takeover.manifest
+    assert files_match_store(store, prefix, takeover.manifest)
+
+    # A file deleted in the version its lister saw: one replaced since is left to whoever wrote it.
+    key = prefix + "parity_report.json"
+    seen = store.head(key)
+    store.put_bytes(key, b'{"rewritten": true}')
+    with pytest.raises(PreconditionFailed):
+        store.delete_key(key, expect=Precondition(seen.etag))
+    assert store.get_bytes(key) == b'{"rewritten": true}'
 
 
 @pytest.mark.parametrize("attempt", [2, None])  # None: a publish outside the farm (no attempt number)

@@ -277,9 +277,10 @@ class CatalogProgress(Progress):
 # --- the stages -------------------------------------------------------------------------------------
 
 
-def trim_caches(settings: Settings, keep_revision: str | None) -> None:
+def trim_caches(settings: Settings, keep_revision: str | None, keep_repo: str | None) -> None:
     """Keep this worker's caches within their sizes before a job adds to them (least recently used
-    first; nothing another job on this host used in the last hour)."""
+    first; nothing another job on this host used in the last hour, nothing of the model this job
+    is about to read: its commit, or every revision of its repository while the ref is unresolved)."""
     budget = int(settings.cache_max_gb * 2**30)
     for name in ("rope", "references"):
         deleted, freed = trim_lru(settings.data_dir / name, budget)
@@ -288,7 +289,8 @@ def trim_caches(settings: Settings, keep_revision: str | None) -> None:
                      name, deleted, freed / 2**20)
     if settings.hub_cache_max_gb is not None:
         removed, freed = trim_hub_cache(int(settings.hub_cache_max_gb * 2**30),
-                                        keep={keep_revision} if keep_revision else set())
+                                        keep={keep_revision} if keep_revision else set(),
+                                        keep_repos={keep_repo} if keep_repo and not keep_revision else set())
         if removed:
             log.info("hub cache: deleted %s (%.1f GB) to stay within HUB_CACHE_MAX_GB", ", ".join(removed), freed / 2**30)
 
@@ -296,8 +298,9 @@ def trim_caches(settings: Settings, keep_revision: str | None) -> None:
 def resolve(job: Job, record: JobRecord) -> None:
     """Find the checkpoint (only under MODELS_DIR, or on the hub when HUB_ACCESS allows), record its
     exact revision: a hub ref becomes the commit downloaded, so catalog and manifest keys agree."""
-    trim_caches(job.settings, None if record.revision.startswith(UNRESOLVED_PREFIX) else record.revision)
     source = locate_model(job.settings, record.request["model"])
+    trim_caches(job.settings, None if record.revision.startswith(UNRESOLVED_PREFIX) else record.revision,
+                None if source.local else source.repo_id)
     resolved = resolve_source(str(source.directory)) if source.local else resolve_hub_source(
         f"{source.repo_id}@{_commit_or_ref(record.revision, source.ref)}")
     if resolved.revision != record.revision:
@@ -378,7 +381,7 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
     job.publishing = prefix
     if earlier and earlier != prefix:
         unpublish(job.store, earlier, job.keeper.check, job.lease.export_id,  # what an earlier attempt left elsewhere
-                  f"superseded by attempt {job.lease.attempt} at {prefix}", final=False)
+                  f"superseded by attempt {job.lease.attempt} at {prefix}", final=False, attempt=job.lease.attempt)
     retries = max(1, job.settings.publish_retries)
     for attempt in range(1, retries + 1):
         try:
@@ -419,8 +422,8 @@ def _catalog_read(settings: Settings, read: Callable[..., T], *args) -> T:
         raise CatalogUnavailable(f"the catalog is unreachable ({type(err).__name__})") from err
 
 
-def _claim(session, export_id: str, identity: WorkerIdentity) -> tuple[lifecycle.Claim, JobRecord | None]:
-    claim = lifecycle.claim(session, export_id, identity.name, identity.pid, ort_version())
+def _claim(session, export_id: str, identity: WorkerIdentity, lease_s: float) -> tuple[lifecycle.Claim, JobRecord | None]:
+    claim = lifecycle.claim(session, export_id, identity.name, identity.pid, ort_version(), lease_s)
     if claim.lease is None:
         return claim, None
     e = claim.export
@@ -451,7 +454,8 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
     if job.publishing:
         try:
             unpublish(job.store, job.publishing, job.keeper.check_owned, job.lease.export_id,
-                      f"attempt {job.lease.attempt} ended {status.value}", final=status is ExportStatus.CANCELLED)
+                      f"attempt {job.lease.attempt} ended {status.value}", final=status is ExportStatus.CANCELLED,
+                      attempt=job.lease.attempt)
         except StorageError as err:
             with session_scope(job.settings.catalog_url) as session:
                 lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
@@ -531,7 +535,7 @@ def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity 
     placed = _catalog_read(settings, _fits, settings, export_id, identity)
     if placed is not None:
         return placed
-    claim, record = _catalog_read(settings, _claim, export_id, identity)
+    claim, record = _catalog_read(settings, _claim, export_id, identity, settings.lease_s)
     if claim.lease is None:
         log.info("export %s: nothing to do (%s)", export_id, claim.why)
         return f"skipped: {claim.why}"

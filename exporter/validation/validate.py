@@ -331,6 +331,8 @@ def parity_prompts(checkpoint: Path, cfg: dict, prompt_len: int, steps: int, gat
             return prompts
         ids, kind = text.chat_prompt(tokenizer)
     except Exception as err:  # a tokenizer or template transformers cannot use: parity on token ids only
+        if checkpoints.is_stop(err):
+            raise  # a cancel or a lost lease, not a failure of this step
         gates.append(GateResult("parity", "real-text prompt", True, "error", "the checkpoint's tokenizer",
                                 f"transformers could not tokenize the real-text prompt ({str(err)[:200]}): "
                                 "parity ran on random token ids only", informational=True))
@@ -492,6 +494,8 @@ def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timing
         if not yardstick.sound(same, ref, PREFILL_TOLERANCE[dtype], NEAR_TIE_MARGIN[dtype]):
             other = measure(yardstick.OTHER[dtype])
     except Exception as err:  # a yardstick, not a gate: the export is judged against fp32 without it
+        if checkpoints.is_stop(err):
+            raise  # a cancel or a lost lease, not a failure of this step
         import logging
 
         logging.getLogger(__name__).warning("transformers in %s could not run beside the export: %s", dtype, err)
@@ -517,6 +521,8 @@ def _probe_overflow(export_dir, ep, tokens, timings):
     try:
         return overflow.locate(model_path, ep, list(tokens), num_layers)
     except Exception as err:  # a diagnosis, not a gate: the failure stands without it
+        if checkpoints.is_stop(err):
+            raise  # a cancel or a lost lease, not a failure of this step
         import logging
 
         logging.getLogger(__name__).warning("could not probe %s for its overflow: %s", export_dir, err)

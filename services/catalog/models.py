@@ -30,6 +30,11 @@ def db_time_ago(url: str, seconds: float):
     return func.now() - literal(delta)
 
 
+def db_time_ago_in(session, seconds: float):
+    """``db_time_ago`` for the database ``session`` is bound to."""
+    return db_time_ago(session.get_bind().dialect.name, seconds)
+
+
 def db_now(session) -> datetime.datetime:
     """The catalog's clock, for everything that stamps or judges a lease: a worker's host clock and
     the sweeper's may disagree by minutes (a worker 65 s behind had every healthy job requeued), the

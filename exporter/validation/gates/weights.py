@@ -376,8 +376,8 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             offset += _part_rows(checkpoint, part)
 
     def compare(job):
-        checkpoints.checkpoint()
         """The slice's accumulator, or None when it is bit-exact."""
+        checkpoints.checkpoint()
         name, data, transposed, offset, part = job
         quant = sources[name].get("quantization")
         if quant:
