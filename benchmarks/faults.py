@@ -326,14 +326,7 @@ def cancel_trial(farm_: RedisFarm, index: int, rng: random.Random, timeout: floa
     killed worker published but never recorded. Accepted (202): it must end cancelled with no live
     manifest; refused (409, it had already ended): it must be a correct ready export."""
     stage = rng.choice([*STAGES, "adopt"])
-    farm_.failpoints.set("published" if stage == "adopt" else stage, attempt=1, seconds=3600)
-    export_id = submit(farm_, index, rng)
-    record = {"trial": index, "mode": farm_.mode, "fault": "cancel", "stage": stage, "export_id": export_id}
-    catalog_stage = "publish" if stage in ("upload", "adopt") else stage
-    farm.until(lambda: farm_.export(export_id), lambda e: e["status"] == "running" and e["stage"] == catalog_stage,
-               120, f"stage {stage}")
-    if stage == "upload":
-        farm.until(lambda: farm_.store_objects(export_id), bool, 60, "the first upload")
+    export_id, record = hold_in_stage(farm_, index, rng, "cancel", stage, 3600)
     fault_at = time.time()
     if stage == "adopt":
         farm.until(lambda: live_manifests(farm_, export_id), bool, 60, "the manifest")
@@ -367,6 +360,22 @@ def cancel_trial(farm_: RedisFarm, index: int, rng: random.Random, timeout: floa
     return record | {"outcome": "duplicated" if problems else "completed_exactly_once"}
 
 
+def hold_in_stage(farm_: Farm, index: int, rng: random.Random, fault: str, stage: str,
+                  seconds: float) -> tuple[str, dict]:
+    """Submit an export held for ``seconds`` in ``stage`` (``upload``: after its first file is in the
+    store; ``adopt``: after its manifest is, before the catalog is told) and wait until it reaches the
+    stage; returns its id and the trial's record."""
+    farm_.failpoints.set("published" if stage == "adopt" else stage, attempt=1, seconds=seconds)
+    export_id = submit(farm_, index, rng)
+    record = {"trial": index, "mode": farm_.mode, "fault": fault, "stage": stage, "export_id": export_id}
+    catalog_stage = "publish" if stage in ("upload", "adopt") else stage
+    farm.until(lambda: farm_.export(export_id), lambda e: e["status"] == "running" and e["stage"] == catalog_stage,
+               120, f"stage {stage}")
+    if stage == "upload":
+        farm.until(lambda: farm_.store_objects(export_id), bool, 60, "the first upload")
+    return export_id, record
+
+
 def submit(farm_: Farm, index: int, rng: random.Random) -> str:
     body = {"model": rng.choice(["tiny-llama", "tiny-qwen2"]), "dtype": "fp32", "ep": "cpu", "variant": "attn_dynamic",
             "max_seq_len": 40 + index}  # a request of its own: identical requests share one export
@@ -381,14 +390,7 @@ def trial(farm_: Farm, index: int, fault: str, rng: random.Random, timeout: floa
     stage = "upload" if fault in ("s3-outage", "s3-sigstop") else rng.choice(STAGES)
     pause = {"redis-restart": 2.5, "postgres-restart": 2.5, "s3-outage": 1.0, "s3-sigstop": 1.0,
              "clock-skew": 2 * LEASE_S}.get(fault, 3600)
-    farm_.failpoints.set(stage, attempt=1, seconds=pause)
-    export_id = submit(farm_, index, rng)
-    record = {"trial": index, "mode": farm_.mode, "fault": fault, "stage": stage, "export_id": export_id}
-    catalog_stage = "publish" if stage == "upload" else stage
-    farm.until(lambda: farm_.export(export_id), lambda e: e["status"] == "running" and e["stage"] == catalog_stage,
-               120, f"stage {stage}")
-    if stage == "upload":
-        farm.until(lambda: farm_.store_objects(export_id), bool, 60, "the first upload")
+    export_id, record = hold_in_stage(farm_, index, rng, fault, stage, pause)
     fault_at = time.time()
     if fault == "worker-sigkill":
         farm_.signal_holder(export_id, signal.SIGKILL)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.catalog.exports import ended_fields, request_of, runtime_fields
 from exporter.request import cache_key
-from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, db_time_ago_in
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, lease_live
 
 
 class Fenced(Exception):
@@ -57,7 +57,7 @@ def _owned(session: Session, lease: Lease) -> tuple:
     owned = (Export.id == lease.export_id, Export.status == ExportStatus.RUNNING, Export.attempts == lease.attempt)
     if lease.lease_s is None:
         return owned
-    return (*owned, Export.heartbeat_at.is_not(None), Export.heartbeat_at >= db_time_ago_in(session, lease.lease_s))
+    return (*owned, lease_live(session.get_bind().dialect.name, lease.lease_s))
 
 
 def _event(session: Session, lease: Lease, to: ExportStatus, stage: str | None, message: str | None,

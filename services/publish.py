@@ -198,17 +198,33 @@ def publish_export(
             "attempt": attempt,
         },
     }
-    body = (json.dumps(published, indent=2) + "\n").encode()
-    for _ in _conflicts(manifest_key):
-        current, seen = _manifest_object(store, manifest_key)
+
+    def same_export(current: dict | None) -> bool:
         if current is not None:
             _check_same_export(current, manifest, prefix)
+        return True
+
+    _replace_manifest(store, manifest_key, published, guard, same_export)
+    return PublishResult(prefix, published, uploaded, skipped)
+
+
+def _replace_manifest(store: ArtifactStore, key: str, manifest: dict, guard: Guard | None,
+                      accept: Callable[[dict | None], bool]) -> bool:
+    """Write ``manifest`` at ``key`` over the version read just before, if ``accept(what is there)``
+    (which may also refuse by raising); a key another writer changed meanwhile is read again.
+    Returns whether it was written."""
+    body = (json.dumps(manifest, indent=2) + "\n").encode()
+    for _ in _conflicts(key):
+        if guard is not None:
+            guard()
+        current, seen = _manifest_object(store, key)
+        if not accept(current):
+            return False
         try:
-            store.put_bytes(manifest_key, body, "application/json", guard, expect=Precondition.of(seen))
-            break
+            store.put_bytes(key, body, "application/json", guard, expect=Precondition.of(seen))
+            return True
         except PreconditionFailed:
             continue
-    return PublishResult(prefix, published, uploaded, skipped)
 
 
 def _manifest_object(store: ArtifactStore, key: str) -> tuple[dict | None, ObjectInfo | None]:
@@ -252,19 +268,13 @@ def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, exp
     tombstone = {"export_id": export_id, "status": WITHDRAWN,
                  "withdrawn": {"reason": reason, "final": final, "attempt": attempt,
                                "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
-    body = (json.dumps(tombstone, indent=2) + "\n").encode()
-    for _ in _conflicts(key):
-        if guard is not None:
-            guard()
-        current, seen = _manifest_object(store, key)
+
+    def ours_to_withdraw(current: dict | None) -> bool:  # not a later attempt's export
         by = (current or {}).get("published", {}).get("attempt")
-        if attempt is not None and by is not None and by > attempt and current.get("status") != WITHDRAWN:
-            return 0  # a later attempt's export: not this attempt's to withdraw
-        try:
-            store.put_bytes(key, body, "application/json", guard, expect=Precondition.of(seen))
-            break
-        except PreconditionFailed:
-            continue
+        return attempt is None or by is None or by <= attempt or current.get("status") == WITHDRAWN
+
+    if not _replace_manifest(store, key, tombstone, guard, ours_to_withdraw):
+        return 0
     deleted = 0
     for name in store.list_keys(prefix):
         if name == key:

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from exporter.contract import BENCH_FILE, DIFF_JSON, REPORT_JSON
 from services.catalog.database import session_scope
 from services.catalog.exports import ended_fields, lease_expired, outcome_fields, runtime_fields
-from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, db_time_ago
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now, lease_live
 from services.catalog.workers import busy_workers, consumers
 from services.lifecycle import release_lost, running_on
 from services.publish import files_match_store, read_published, read_published_manifest, unpublish
@@ -88,14 +88,13 @@ class Sweeper:
     def _heartbeat_older_than_lease(self):
         """The lease has run out, by the catalog's clock, as the statement runs (a condition of the
         UPDATE that settles the attempt: a worker that renewed meanwhile keeps its job)."""
-        return or_(Export.heartbeat_at.is_(None), Export.heartbeat_at < db_time_ago(self._url, self.settings.lease_s))
+        return ~lease_live(self._url, self.settings.lease_s)
 
     def _lost_attempts(self) -> list[tuple[str, int]]:
         with session_scope(self._url) as session:
-            cutoff = db_now(session) - datetime.timedelta(seconds=self.settings.lease_s)
             rows = session.execute(
-                select(Export.id, Export.attempts).where(
-                    Export.status == ExportStatus.RUNNING, or_(Export.heartbeat_at.is_(None), Export.heartbeat_at < cutoff))
+                select(Export.id, Export.attempts).where(Export.status == ExportStatus.RUNNING,
+                                                        self._heartbeat_older_than_lease())
             ).all()
         return [(row.id, row.attempts) for row in rows]
 

@@ -19,20 +19,22 @@ def _host_is_db_clock(dialect: str) -> bool:
     return dialect == "sqlite"
 
 
-def db_time_ago(url: str, seconds: float):
+def db_time_ago(database: str, seconds: float):
     """The catalog's time ``seconds`` ago, as the statement it is used in runs (``db_now`` for use
-    inside an UPDATE's condition, so nothing changes between reading the clock and writing)."""
+    inside an UPDATE's condition, so nothing changes between reading the clock and writing).
+    ``database``: its URL or its dialect's name."""
     from sqlalchemy import func, literal
 
     delta = datetime.timedelta(seconds=seconds)
-    if _host_is_db_clock(url.split(":", 1)[0].split("+", 1)[0]):
+    if _host_is_db_clock(database.split(":", 1)[0].split("+", 1)[0]):
         return utcnow() - delta
     return func.now() - literal(delta)
 
 
-def db_time_ago_in(session, seconds: float):
-    """``db_time_ago`` for the database ``session`` is bound to."""
-    return db_time_ago(session.get_bind().dialect.name, seconds)
+def lease_live(database: str, lease_s: float):
+    """A running row's lease was renewed within ``lease_s`` of the catalog's clock (its negation:
+    the sweeper may settle the attempt). One predicate for the worker's writes and the sweeper."""
+    return Export.heartbeat_at.is_not(None) & (Export.heartbeat_at >= db_time_ago(database, lease_s))
 
 
 def db_now(session) -> datetime.datetime:
@@ -40,23 +42,23 @@ def db_now(session) -> datetime.datetime:
     the sweeper's may disagree by minutes (a worker 65 s behind had every healthy job requeued), the
     database's is one for all of them. PostgreSQL's ``now()`` (the transaction's start); SQLite is the
     embedded catalog on the one host every process runs on, so that host's clock is the database's."""
-    from sqlalchemy import func, select
-
-    if _host_is_db_clock(session.get_bind().dialect.name):
-        return utcnow()
+    bind = session.get_bind()
     with session.no_autoflush:  # asking the time must not write a half-built row
-        value = session.execute(select(func.now())).scalar_one()
-    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+        return _clock(bind.dialect.name, session.execute)
 
 
 def catalog_clock(context) -> datetime.datetime:
     """Column default: the catalog's time (``db_now``) for rows any host inserts, so an export's
     events and times read in order whatever the inserting worker's clock says."""
+    return _clock(context.dialect.name, context.connection.execute)
+
+
+def _clock(dialect: str, execute) -> datetime.datetime:
     from sqlalchemy import func, select
 
-    if _host_is_db_clock(context.dialect.name):
+    if _host_is_db_clock(dialect):
         return utcnow()
-    value = context.connection.execute(select(func.now())).scalar_one()
+    value = execute(select(func.now())).scalar_one()
     return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
 
 
