@@ -1,6 +1,7 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
-Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B and Llama-3.3-70B, as their published config.json give them.
+Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B and
+Mixtral-8x7B, as their published config.json give them.
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -43,6 +44,23 @@ GEOMETRIES: dict[str, dict] = {
         "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    },
+    # Mixtures of experts: 128 experts of 768 (8 a token) on 48 layers; 8 of 14336 (2 a token).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 48,
+        "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 151643,
+        "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
 }
 

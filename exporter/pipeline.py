@@ -107,7 +107,8 @@ def build_export(
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
-            "method": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest",
+            "method": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest"
+                      + ("; experts through QMoE (int8: one scale per row)" if built.config.moe else ""),
             "dtype": request.dtype.value, "activations": built.activations.value, **request.quant.to_dict(),
             "weights": folded.quantization,
         }

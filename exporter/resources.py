@@ -63,20 +63,21 @@ class Geometry:
 
     embedding: int  # vocab x hidden
     lm_head: int  # vocab x hidden; 0 where the checkpoint ties it to the embedding (one table serves both)
-    layer: int  # the projections of one decoder layer (norms and biases are a rounding error)
+    layer: int  # the projections of the largest decoder layer (norms and biases are a rounding error)
     layers: int
     kv_per_token: int  # key + value elements one token adds to the cache, over every layer
+    all_layers: int = 0  # every layer's projections (0: layers x layer); experts dominate an MoE model's
 
     @classmethod
     def of(cls, config: ModelConfig) -> Geometry:
-        h, q, kv = config.hidden_size, config.q_size, config.kv_size
-        layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
-        head = 0 if config.tie_word_embeddings else config.vocab_size * h
-        return cls(config.vocab_size * h, head, layer, config.num_layers, 2 * config.num_layers * kv)
+        sizes = [sum(k * n for k, n, _ in layer_matmuls(config, i)) for i in range(config.num_layers)]
+        head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+        return cls(config.vocab_size * config.hidden_size, head, max(sizes), config.num_layers,
+                   2 * config.num_layers * config.kv_size, sum(sizes))
 
     @property
     def parameters(self) -> int:
-        return self.embedding + self.lm_head + self.layer * self.layers
+        return self.embedding + self.lm_head + (self.all_layers or self.layer * self.layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,19 +140,51 @@ def export_bytes(config: ModelConfig, request: ExportRequest) -> int:
     if not dtype.quantized:
         return geometry.parameters * _BYTES[dtype] + rope
     spec = request.quant or QuantSpec()
-    h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    # Each MatMul's [K, N]: packed Q/K/V, O, packed gate/up, down.
-    shapes = ((h, q + 2 * kv), (q, h), (h, 2 * config.intermediate_size), (config.intermediate_size, h))
-    kept = sum(1 for role in ("first_layer", "last_layer") if role in spec.keep)
-    layer = sum(_quantized_bytes(k, n, dtype.bits, spec, act) for k, n in shapes)
-    float_layer = geometry.layer * act
-    total = layer * (geometry.layers - kept) + float_layer * kept + geometry.embedding * act + rope
+    h = config.hidden_size
+    kept = {i for role, i in (("first_layer", 0), ("last_layer", config.num_layers - 1)) if role in spec.keep}
+    total = geometry.embedding * act + rope
+    for i in range(config.num_layers):
+        if i in kept:
+            total += sum(k * n for k, n, _ in layer_matmuls(config, i)) * act
+        else:
+            total += _layer_quantized_bytes(config, i, dtype.bits, spec, act)
     # A quantized export has its own LM head even where the checkpoint ties it to the embedding
     # (the embedding's gather needs the float table).
     if "lm_head" in spec.keep:
         total += geometry.embedding * act if not geometry.lm_head else geometry.lm_head * act
     else:
         total += _quantized_bytes(h, config.vocab_size, spec.lm_head_bits or dtype.bits, spec, act)
+    return total
+
+
+def layer_matmuls(config: ModelConfig, i: int) -> list[tuple[int, int, str]]:
+    """Layer ``i``'s weights as (K, N, kind): packed Q/K/V, O, then its MLP: packed gate/up and
+    down ("matmul"), or the experts' fc1 / fc2 ("experts", N counting every expert), the router
+    ("router", kept in float) and a shared expert's."""
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    attention = [(h, q + 2 * kv, "matmul"), (q, h, "matmul")]
+    moe = config.moe
+    if moe is None or not moe.sparse_layers[i]:
+        return attention + [(h, 2 * config.intermediate_size, "matmul"), (config.intermediate_size, h, "matmul")]
+    width = moe.expert_intermediate
+    mlp = [(h, moe.num_experts * 2 * width, "experts"), (width, moe.num_experts * h, "experts"),
+           (h, moe.num_experts, "router")]
+    if moe.shared_expert_intermediate:
+        shared = moe.shared_expert_intermediate
+        mlp += [(h, 2 * shared, "matmul"), (shared, h, "matmul"), (h, 1, "router")]
+    return attention + mlp
+
+
+def _layer_quantized_bytes(config: ModelConfig, i: int, bits: int, spec: QuantSpec, act: int) -> int:
+    """One layer quantized: MatMulNBits weights, QMoE experts (int8: a scale per row), float routers."""
+    total = 0
+    for k, n, kind in layer_matmuls(config, i):
+        if kind == "router":
+            total += k * n * act
+        elif kind == "experts" and bits == 8:
+            total += k * n + n * act
+        else:
+            total += _quantized_bytes(k, n, bits, spec, act)
     return total
 
 

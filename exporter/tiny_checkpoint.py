@@ -57,7 +57,29 @@ ARCH_CONFIGS = {
     ),
     "olmo2": ("Olmo2Config", {}),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "no_rope_layers": [1, 0], "pad_token_id": 0}),
+    # Mixtures of experts: 8 experts of width 32, 2 or 3 per token (docs/moe-design.md).
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "qwen2_moe": (
+        # norm_topk_prob off (the class default) and a dense layer (mlp_only_layers) beside the sparse one.
+        "Qwen2MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "intermediate_size": 96,
+         "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1], "use_sliding_window": False},
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True}),
+    # clip_qkv 2.0 is reached by the tiny model's normed queries and keys.
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False,
+                              "clip_qkv": 2.0}),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "embedding_multiplier": 12.0,
+         "residual_multiplier": 0.22, "attention_multiplier": 0.03125, "logits_scaling": 0.5},
+    ),
+    # Sliding-window layers alternating with full ones, as gpt-oss-20b's, with a window of 8 tokens.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
 }
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
 
 
 def make_tiny_checkpoint(

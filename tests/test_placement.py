@@ -37,6 +37,12 @@ def _config(source):
     ("llama", "int4", "cpu", None, False),
     ("qwen3", "int4", "cuda", {"symmetric": False, "lm_head_bits": 8}, False),
     ("phi3", "int8", "cpu", {"keep": ["first_layer", "lm_head"]}, False),
+    # Mixtures of experts: QMoE experts (int4 blocks, int8 a scale per row), float routers, a shared
+    # expert and a dense layer (qwen2_moe), a layer kept in float (its experts stay a float MoE).
+    ("qwen2_moe", "int4", "cpu", None, False),
+    ("mixtral", "int8", "cuda", None, False),
+    ("granitemoe", "fp16", "cuda", None, True),
+    ("olmoe", "int4", "cuda", {"keep": ["first_layer"]}, False),
 ])
 def test_the_estimated_export_size_is_what_the_exporter_writes(checkpoint, tmp_path, arch, dtype, ep, quant, tied):
     source = checkpoint(arch, tie_word_embeddings=tied)
@@ -51,6 +57,17 @@ def test_the_estimated_export_size_is_what_the_exporter_writes(checkpoint, tmp_p
 
 def _geometry(tmp_path, name, layers=None):
     return _config(write_geometry_config(name, tmp_path / name, layers))
+
+
+def test_experts_dominate_an_moe_model_s_bytes(tmp_path):
+    """Qwen3-30B-A3B: 30.5B parameters, 29B of them in the 48 layers' 128 experts; Mixtral-8x7B 46.7B."""
+    from exporter.resources import Geometry
+
+    assert abs(Geometry.of(_geometry(tmp_path, "qwen3-30b-a3b")).parameters / 1e9 - 30.5) < 0.2
+    assert abs(Geometry.of(_geometry(tmp_path, "mixtral-8x7b")).parameters / 1e9 - 46.7) < 0.2
+    fp16 = estimate_resources(_geometry(tmp_path, "qwen3-30b-a3b"), ExportRequest(model="m", dtype="fp16", ep="cuda"))
+    int4 = estimate_resources(_geometry(tmp_path, "qwen3-30b-a3b"), ExportRequest(model="m", dtype="int4", ep="cuda"))
+    assert 56 * GiB < fp16.export_bytes < 58 * GiB and int4.export_bytes < 0.3 * fp16.export_bytes
 
 
 def test_an_8b_fp16_cpu_job_needs_more_than_a_24_gib_worker_and_names_why(tmp_path):

@@ -50,6 +50,12 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
             f"max_seq_len {request.max_seq_len} is above the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}: use max_seq_len {cfg.max_position_embeddings} or less"
         )
+    arch = ARCHITECTURES[cfg.architecture]
+    if arch.attention_sinks and variant is not Variant.GQA:
+        raise ExportError(
+            f"{cfg.architecture} adds a learned sink to every attention softmax, which only GroupQueryAttention takes "
+            f"(its head_sink input); opset-24 Attention has none, so {variant.value} cannot express this model: use "
+            "--variant gqa")
     if variant is Variant.GQA:
         for i in range(cfg.num_layers):
             if not cfg.uses_rope(i):
@@ -93,10 +99,48 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
         else:
             expect(parts[0].name, (q + 2 * kv, cfg.hidden_size))
         expect(f"{arch.names(i)['o']}.weight", (cfg.hidden_size, q))
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            _check_experts(cfg, arch, checkpoint, i, expect)
+            continue
         gate_up = arch.gate_up_parts(i)
         for part in gate_up:
             expect(part.name, (cfg.intermediate_size * (2 if len(gate_up) == 1 else 1), cfg.hidden_size))
         expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
+
+
+def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint, i: int, expect) -> None:
+    """A sparse layer's router routes to config.json's expert count and every expert has the widths
+    it implies (a config that disagrees would stack the wrong experts, or fail deep in a read)."""
+    moe, hidden = cfg.moe, cfg.hidden_size
+    router = arch.router_name(i)
+    if router not in checkpoint:
+        raise ExportError(f"the checkpoint has no {router}: not a {cfg.architecture} checkpoint, or config.json's "
+                          "mlp_only_layers / decoder_sparse_step do not describe it")
+    if checkpoint.shape(router)[0] != moe.num_experts:
+        raise ExportError(f"config.json says {moe.num_experts} experts, but {router} routes to "
+                          f"{checkpoint.shape(router)[0]}: the config and the weights disagree")
+    expect(router, (moe.num_experts, hidden))
+    fc1, fc2 = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate)
+    if arch.stacked_experts and arch.experts_transposed:  # gpt-oss: [experts, in, out]
+        expect(fc1[0].name, (moe.num_experts, hidden, 2 * moe.expert_intermediate))
+        expect(fc2[0].name, (moe.num_experts, moe.expert_intermediate, hidden))
+        return
+    if arch.stacked_experts:
+        expect(fc1[0].name, (moe.num_experts, 2 * moe.expert_intermediate, hidden))
+        expect(fc2[0].name, (moe.num_experts, hidden, moe.expert_intermediate))
+        return
+    for part in fc1:
+        if part.name not in checkpoint:
+            raise ExportError(f"the checkpoint has no {part.name}: config.json says {moe.num_experts} experts")
+        expect(part.name, (moe.expert_intermediate, hidden))
+    for part in fc2:
+        expect(part.name, (hidden, moe.expert_intermediate))
+    if arch.shared_expert and moe.shared_expert_intermediate:
+        names, width = arch.shared_expert_names(i), moe.shared_expert_intermediate
+        expect(names["gate"], (width, hidden))
+        expect(names["up"], (width, hidden))
+        expect(names["down"], (hidden, width))
+        expect(names["gate_scale"], (1, hidden))
 
 
 def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None) -> BuildResult:
@@ -130,6 +174,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "sliding_window": cfg.sliding_window,
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
                     "activations": activations.value,
+                    **({"moe": {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+                                "normalize": cfg.moe.normalize}} if cfg.moe else {}),
                     **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }
             ),

@@ -38,6 +38,54 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's routing and expert sizes, whatever its config.json calls them."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate: int  # each expert's MLP width
+    normalize: bool  # the top-k routing weights renormalized to sum to 1 (norm_topk_prob)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    shared_expert_intermediate: int | None = None  # qwen2_moe: a dense MLP beside the experts, gated
+    # gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), gate <= limit, |up| <= limit.
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+
+
+# model_type -> config.json key of the expert count (qwen3_moe's own class writes num_local_experts
+# through its attribute map, so both are read) and of the expert width.
+MOE_TYPES = {
+    "mixtral": ("num_local_experts", "intermediate_size"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "olmoe": ("num_experts", "intermediate_size"),
+    "granitemoe": ("num_local_experts", "intermediate_size"),
+    "gpt_oss": ("num_local_experts", "intermediate_size"),
+}
+
+
+def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
+    if model_type not in MOE_TYPES:
+        return None
+    experts_key, width_key = MOE_TYPES[model_type]
+    experts = getattr(hf, experts_key, None) or getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    if not experts or not top_k or top_k > experts:
+        raise ExportError(f"config.json of this {model_type} model names {experts} experts and {top_k} per token: "
+                          "num_experts_per_tok must be between 1 and the expert count")
+    # granitemoe and gpt-oss softmax the top-k logits, which is renormalizing softmax's top k; mixtral
+    # always renormalizes.
+    normalize = True if model_type in ("mixtral", "granitemoe", "gpt_oss") else bool(getattr(hf, "norm_topk_prob", False))
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
+    sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
+    shared = getattr(hf, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
+    swiglu = (float(hf.swiglu_alpha), float(hf.swiglu_limit)) if model_type == "gpt_oss" else (None, None)
+    return MoeConfig(int(experts), int(top_k), int(getattr(hf, width_key)), normalize, sparse,
+                     int(shared) if shared else None, *swiglu)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture-independent numbers; ``architecture`` names the file that knows the rest."""
 
@@ -70,6 +118,8 @@ class ModelConfig:
     embedding_scale: float | None = None  # gemma: sqrt(hidden); granite: embedding_multiplier
     residual_scale: float | None = None  # granite: residual_multiplier on every branch
     logits_divisor: float | None = None  # granite: logits_scaling
+    moe: MoeConfig | None = None  # mixture-of-experts routing and sizes (None: a dense model)
+    clip_qkv: float | None = None  # olmoe: q, k and v clamped to +-clip_qkv after their norms
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -165,7 +215,10 @@ def plain_config(raw: dict) -> types.SimpleNamespace | None:
 _BOUNDS = {
     "vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
     "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
-    "head_dim": (1, 2048), "max_position_embeddings": (1, 1 << 27), "sliding_window": (1, 1 << 27),
+    "head_dim": (1, 2048), "max_position_embeddings": (1, 1 << 27), "sliding_window": (0, 1 << 27),  # 0: none (qwen2_moe)
+    "num_experts": (1, 4096), "num_local_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 20), "shared_expert_intermediate_size": (1, 1 << 20),
+    "decoder_sparse_step": (1, 1024),
 }
 
 
@@ -270,6 +323,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         embedding_scale=embedding_scale,
         residual_scale=getattr(hf, "residual_multiplier", None),
         logits_divisor=getattr(hf, "logits_scaling", None),
+        moe=_moe_config(hf, model_type, hf.num_hidden_layers),
+        clip_qkv=getattr(hf, "clip_qkv", None),
     )
 
 

@@ -13,7 +13,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from exporter.graph.passes.fold_concat import FoldConcatInitializersPass
 from exporter.graph.passes.fold_transpose import FoldTransposeInitializersPass
-from exporter.graph.passes.quantize import QuantizeMatMulPass
+from exporter.graph.passes.quantize import QuantizeExpertsPass, QuantizeMatMulPass
 from exporter import contract
 from exporter.request import EP, ExportRequest
 
@@ -40,9 +40,12 @@ def fold_model(model: ir.Model, request: ExportRequest | None = None, num_layers
     before = len(model.graph.initializers)
     changed = {}
     passes = [FoldConcatInitializersPass(), FoldTransposeInitializersPass()]
-    quantize = None
+    quantize = experts = None
     if request is not None and request.dtype.quantized:
         spec = request.quant
+        experts = QuantizeExpertsPass(request.dtype.bits, spec.block_size, spec.symmetric, num_layers=num_layers,
+                                      keep=spec.keep, accuracy_level=CPU_ACCURACY_LEVEL if request.ep is EP.CPU else 0)
+        passes.append(experts)
         quantize = QuantizeMatMulPass(
             request.dtype.bits, spec.block_size, spec.symmetric, num_layers=num_layers, logits=contract.LOGITS,
             lm_head_bits=spec.lm_head_bits, keep=spec.keep,
@@ -51,4 +54,4 @@ def fold_model(model: ir.Model, request: ExportRequest | None = None, num_layers
     for fold in (*passes, RemoveUnusedNodesPass()):
         changed[type(fold).__name__] = fold(model).modified
     return FoldResult(model, before, len(model.graph.initializers), changed,
-                      quantize.decisions if quantize else None)
+                      {**experts.decisions, **quantize.decisions} if quantize else None)

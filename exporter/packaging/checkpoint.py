@@ -167,11 +167,42 @@ class Checkpoint:
 @dataclasses.dataclass(frozen=True)
 class WeightPart:
     """Rows [rows[0], rows[1]) of checkpoint tensor ``name`` (all rows when ``rows`` is None),
-    plus ``add`` (in fp32, before the cast): Gemma's norms scale by ``1 + weight``."""
+    plus ``add`` (in fp32, before the cast): Gemma's norms scale by ``1 + weight``. ``expert``
+    selects one slab of a 3-D tensor first (granitemoe's ``input_linear [experts, 2I, hidden]``), which
+    ``transposed`` then reads transposed (gpt-oss keeps its experts as ``[experts, in, out]``)."""
 
     name: str
     rows: tuple[int, int] | None = None
     add: float = 0.0
+    expert: int | None = None
+    transposed: bool = False
+
+    def source(self, checkpoint: Checkpoint) -> np.ndarray:
+        """The part's 2-D source as ``Checkpoint.array`` gives it (a view; rows not yet taken)."""
+        array = checkpoint.array(self.name)
+        array = array if self.expert is None else array[self.expert]
+        return array.T if self.transposed else array
+
+    def read_rows(self, checkpoint: Checkpoint, a: int, b: int) -> np.ndarray:
+        """Rows [a, b) of ``source`` (counted from the part's first row), C-contiguous: a transposed
+        part's columns copied in cache-sized tiles."""
+        start = self.rows[0] if self.rows else 0
+        if not self.transposed:
+            return self.source(checkpoint)[start + a : start + b]
+        array = checkpoint.array(self.name)
+        array = array if self.expert is None else array[self.expert]
+        return transpose(array[:, start + a : start + b])
+
+    def shape(self, checkpoint: Checkpoint) -> tuple[int, ...]:
+        shape = checkpoint.shape(self.name)
+        if self.expert is not None:
+            if len(shape) != 3 or not 0 <= self.expert < shape[0]:
+                raise ExportError(f"{self.name} is {list(shape)}: it has no expert {self.expert}; is config.json "
+                                  "from this checkpoint?")
+            shape = shape[1:]
+        if self.transposed:
+            shape = tuple(reversed(shape))
+        return shape if self.rows is None else (self.rows[1] - self.rows[0], *shape[1:])
 
 
 def _as_torch(array: np.ndarray, stored: ir.DataType | None):
@@ -236,6 +267,11 @@ class CheckpointTensor(ir.LazyTensor):
 
     The recipe is kept (``parts``, ``transposed``) so folds can compose recipes without reading
     data, and so validation can check every slice of a packed tensor against its source.
+
+    Mixture-of-experts weights add two things: ``interleave`` k takes the parts k at a time and
+    interleaves their rows (k = 2: gate row j at 2j, up row j at 2j + 1, the fused SwiGLU layout
+    of ORT's MoE ops), and ``experts`` E gives the result a leading experts dimension
+    (``[E, rows / E, cols]``, the same bytes as the 2-D concatenation).
     """
 
     def __init__(
@@ -246,27 +282,36 @@ class CheckpointTensor(ir.LazyTensor):
         *,
         transposed: bool = False,
         name: str | None = None,
+        interleave: int = 1,
+        experts: int | None = None,
     ):
         self.checkpoint = checkpoint
         self.parts = tuple(parts)
         self.transposed = transposed
+        self.interleave, self.experts = interleave, experts
         shapes = [self._part_shape(p) for p in self.parts]
         if any(s[1:] != shapes[0][1:] for s in shapes):
             raise ValueError(f"cannot concatenate {shapes} along rows for {name}")
+        if len(self.parts) % interleave or any(
+                len({shapes[g + j][0] for j in range(interleave)}) != 1 for g in range(0, len(shapes), interleave)):
+            raise ValueError(f"cannot interleave {shapes} {interleave} at a time for {name}")
         logical = (sum(s[0] for s in shapes), *shapes[0][1:])
         if transposed:
-            if len(logical) != 2:
-                raise ValueError(f"only 2-D tensors can be transposed, {name} is {logical}")
+            if len(logical) != 2 or interleave != 1 or experts:
+                raise ValueError(f"only plain 2-D tensors can be transposed, {name} is {logical}")
             logical = (logical[1], logical[0])
+        if experts:
+            if len(logical) != 2 or logical[0] % experts:
+                raise ValueError(f"{name}: {logical} does not split into {experts} experts")
+            logical = (experts, logical[0] // experts, logical[1])
         super().__init__(self._materialize, dtype=dtype, shape=ir.Shape(logical), name=name)
 
     def _part_shape(self, part: WeightPart) -> tuple[int, ...]:
-        shape = self.checkpoint.shape(part.name)
-        if part.rows is None:
-            return shape
-        return (part.rows[1] - part.rows[0], *shape[1:])
+        return part.shape(self.checkpoint)
 
     def with_recipe(self, *, parts=None, transposed=None, name=None) -> CheckpointTensor:
+        if self.interleave != 1 or self.experts:
+            raise ValueError(f"{self.name}: an expert tensor's recipe is not folded further")
         return CheckpointTensor(
             self.checkpoint,
             self.parts if parts is None else parts,
@@ -275,21 +320,30 @@ class CheckpointTensor(ir.LazyTensor):
             name=name or self.name,
         )
 
+    def rows2d(self) -> int:
+        """Rows of the 2-D view (the concatenated rows; experts times rows per expert)."""
+        return sum(self._part_shape(p)[0] for p in self.parts)
+
     def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset, block) pairs covering the output: row offset, or column offset if transposed."""
+        """(offset, block) pairs covering the output in order: row offset of the 2-D view (interleaved
+        groups already interleaved), or column offset if transposed."""
         offset = 0
-        for part in self.parts:
-            shape = self._part_shape(part)
-            start = part.rows[0] if part.rows else 0
-            row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)
+        k = self.interleave
+        for g in range(0, len(self.parts), k):
+            group = self.parts[g : g + k]
+            shape = self._part_shape(group[0])
+            row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4 * k)
             step = max(1, BLOCK_BYTES // row_bytes)
-            source = self.checkpoint.array(part.name)
-            stored = self.checkpoint.stored_dtype(part.name)
             for r0 in range(0, shape[0], step):
                 r1 = min(shape[0], r0 + step)
-                block = convert(source[start + r0 : start + r1], stored, self.dtype, part.add)
-                yield offset + r0, (block.T if self.transposed else block)
-            offset += shape[0]
+                pieces = [convert(p.read_rows(self.checkpoint, r0, r1), self.checkpoint.stored_dtype(p.name), self.dtype,
+                                  p.add) for p in group]
+                if k == 1:
+                    block = pieces[0]
+                    yield offset + r0, (block.T if self.transposed else block)
+                else:  # row j of each part, in turn: [r, k, cols] -> [r * k, cols]
+                    yield offset + k * r0, np.stack(pieces, axis=1).reshape(k * (r1 - r0), *shape[1:])
+            offset += k * shape[0]
 
     def chunks(self) -> Iterator[np.ndarray]:
         """The tensor's bytes in file order: C-contiguous blocks of at most about BLOCK_BYTES.
@@ -308,7 +362,7 @@ class CheckpointTensor(ir.LazyTensor):
             pieces = []
             for part in self.parts:
                 rows = part.rows or (0, self._part_shape(part)[0])
-                source = self.checkpoint.array(part.name)[rows[0] : rows[1], c0:c1]
+                source = part.source(self.checkpoint)[rows[0] : rows[1], c0:c1]
                 stored = self.checkpoint.stored_dtype(part.name)
                 pieces.append(np.ascontiguousarray(convert(transpose(source), stored, self.dtype, part.add)))
             yield pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
@@ -327,8 +381,15 @@ class CheckpointTensor(ir.LazyTensor):
 
     def source_summary(self) -> dict:
         """The recipe, for the manifest and for the weight-integrity check."""
-        return {
-            "parts": [{"tensor": p.name, "rows": list(p.rows) if p.rows else None, **({"add": p.add} if p.add else {})}
+        summary = {
+            "parts": [{"tensor": p.name, "rows": list(p.rows) if p.rows else None, **({"add": p.add} if p.add else {}),
+                       **({"expert": p.expert} if p.expert is not None else {}),
+                       **({"transposed": True} if p.transposed else {})}
                       for p in self.parts],
             "transposed": self.transposed,
         }
+        if self.interleave != 1:
+            summary["interleave"] = self.interleave
+        if self.experts:
+            summary["experts"] = self.experts
+        return summary

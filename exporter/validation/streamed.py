@@ -187,14 +187,18 @@ class StreamedReference:
 
     def _checkpoint_names(self) -> dict[int, str]:
         """The checkpoint tensor of every parameter (by identity): the first of its names the
-        checkpoint has; an LM head tied to the embedding reads the embedding's tensor."""
+        checkpoint has, or transformers' own name for a checkpoint tensor it renames or merges
+        (``_converted_names``: mixtral's ``block_sparse_moe`` is its ``mlp``, experts stored one by one
+        are its fused ``experts.gate_up_proj``); an LM head tied to the embedding reads the
+        embedding's tensor."""
         candidates: dict[int, list[str]] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             candidates.setdefault(id(param), []).append(name)
+        self._merged = self._converted_names()
         embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source), None)
         names, missing = {}, []
         for key, options in candidates.items():
-            found = next((n for n in options if n in self.source), None)
+            found = next((n for n in options if n in self.source or n in self._merged), None)
             if found is None and key == id(self.lm_head.weight) and getattr(self.config, "tie_word_embeddings", False):
                 found = embedding
             if found is None:
@@ -206,10 +210,59 @@ class StreamedReference:
                               f"{' ...' if len(missing) > 5 else ''}: the reference reads transformers' own names")
         return names
 
+    def _converted_names(self) -> dict[str, tuple]:
+        """transformers' parameter names that the checkpoint stores under other names, from
+        transformers' own conversion mapping for this model (the one ``from_pretrained`` applies):
+        name -> ("renamed", checkpoint name) or ("merged", [[names] per source pattern], concat dim),
+        each pattern's names in expert order, stacked along a new first dimension (MergeModulelist)
+        and the patterns concatenated (Concatenate). A mapping with other operations is refused."""
+        import re
+
+        from transformers import conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, rename_source_key
+
+        transforms = conversion_mapping.get_model_conversion_mapping(self.model) or []
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        found: dict[str, tuple] = {}
+        collected: dict[str, dict[str, list[str]]] = {}
+        for name in self.source.names():
+            target, pattern = rename_source_key(name, renamings, converters)
+            if pattern is None:
+                if target != name:
+                    found[target] = ("renamed", name)
+                continue
+            collected.setdefault(target, {}).setdefault(pattern, []).append(name)
+
+        def expert_order(name: str):
+            return [int(n) for n in re.findall(r"\.(\d+)\.", name)]
+
+        for target, by_pattern in collected.items():
+            converter = next(c for c in converters if set(by_pattern) <= set(c.source_patterns))
+            ops = list(converter.operations)
+            if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or any(
+                    not isinstance(op, Concatenate) for op in ops[1:]) or len(ops) > 2:
+                raise ExportError(f"the reference cannot build {target} from the checkpoint: transformers converts it "
+                                  f"with {[type(op).__name__ for op in ops]}, which the streamed reference does not read")
+            groups = [sorted(by_pattern[p], key=expert_order) for p in converter.source_patterns if p in by_pattern]
+            if len(groups) != len(converter.source_patterns):
+                raise ExportError(f"the checkpoint lacks some of the tensors transformers merges into {target}")
+            found[target] = ("merged", groups, ops[1].dim if len(ops) > 1 else None)
+        return found
+
     def _tensor(self, name: str, rows=None):
-        """A checkpoint tensor (or rows of it) in the reference's dtype on its device."""
+        """A checkpoint tensor (or rows of it) in the reference's dtype on its device, or one that
+        transformers merges from several (``_converted_names``)."""
         import torch
 
+        merged = getattr(self, "_merged", {}).get(name)
+        if merged is not None and name not in self.source:
+            if merged[0] == "renamed":
+                return self._tensor(merged[1], rows)
+            _, groups, dim = merged
+            stacks = [torch.stack([self._tensor(n) for n in group]) for group in groups]
+            tensor = stacks[0] if dim is None else torch.cat(stacks, dim=dim)
+            return tensor if rows is None else tensor[rows]
         array = self.source.array(name)
         if rows is not None:
             array = array[rows]

@@ -26,7 +26,7 @@ from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
 from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
-from exporter.validation.gates.runtime_probe import runtime_gate
+from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
 from exporter.packaging.resolve import resolve_source
@@ -287,6 +287,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
     def probe():
         t0 = time.perf_counter()
         gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
+        if cfg.get("moe"):
+            gates.append(expert_gate(ep, activations, dtype, cfg["moe"]))
         timings["runtime_probe"] = time.perf_counter() - t0
 
     factory = lm_factory or (lambda d, e: validation_session(d, e, dtype))

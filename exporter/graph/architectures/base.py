@@ -27,6 +27,21 @@ class Architecture:
     fused_gate_up: bool = False  # one gate_up_proj tensor in the checkpoint (phi3)
     norm_layout: str = PRE_NORM
     norm_offset: float = 0.0  # gemma's RMSNorm scales by (1 + weight): folded into the weight
+    # Mixture of experts (config.json says how many and how they route: ModelConfig.moe).
+    moe_block: str = "mlp"  # the layer's submodule holding router and experts
+    router: str = "gate.weight"  # [experts, hidden], under moe_block
+    # Per-expert tensors (gate, up, down), ``{e}`` the expert index, under moe_block; or
+    expert_tensors: tuple[str, str, str] = ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight",
+                                            "experts.{e}.down_proj.weight")
+    # 3-D tensors holding every expert: [experts, 2I, hidden] with rows [gate | up], [experts, hidden, I].
+    stacked_experts: tuple[str, str] | None = None
+    shared_expert: bool = False  # qwen2_moe: a dense MLP beside the experts, scaled by sigmoid(x . gate)
+    # gpt-oss: 3-D experts stored [experts, in, out] (read transposed; gate/up columns already
+    # interleaved), biases on router and experts, and a learned softmax sink per attention head.
+    experts_transposed: bool = False
+    expert_biases: tuple[str, str] | None = None  # [experts, 2I] (interleaved like the rows), [experts, hidden]
+    router_bias: str | None = None
+    attention_sinks: str | None = None  # under self_attn: [num_heads]
 
     @staticmethod
     def layer_prefix(i: int) -> str:
@@ -56,6 +71,39 @@ class Architecture:
             "q_norm": f"{p}.self_attn.q_norm.weight",
             "k_norm": f"{p}.self_attn.k_norm.weight",
         }
+
+    def router_name(self, i: int) -> str:
+        return f"{self.layer_prefix(i)}.{self.moe_block}.{self.router}"
+
+    @property
+    def expert_interleave(self) -> int:
+        """How fc1's parts combine: 2, gate and up parts interleaved row by row into ORT's fused SwiGLU
+        rows; 1, one part per expert already in that order (gpt-oss)."""
+        return 1 if self.experts_transposed else 2
+
+    def expert_parts(self, i: int, experts: int, width: int) -> tuple[list[WeightPart], list[WeightPart]]:
+        """The parts of fc1 (gate and up of each expert, in turn, or each expert's already interleaved
+        rows: ``expert_interleave``) and of fc2 (each expert's down projection), expert by expert."""
+        block = f"{self.layer_prefix(i)}.{self.moe_block}"
+        if self.stacked_experts and self.experts_transposed:  # one part per expert, already interleaved
+            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+            return ([WeightPart(gate_up, expert=e, transposed=True) for e in range(experts)],
+                    [WeightPart(down, expert=e, transposed=True) for e in range(experts)])
+        if self.stacked_experts:
+            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+            fc1 = [WeightPart(gate_up, rows=rows, expert=e) for e in range(experts) for rows in ((0, width), (width, 2 * width))]
+            return fc1, [WeightPart(down, expert=e) for e in range(experts)]
+        gate, up, down = (f"{block}.{t}" for t in self.expert_tensors)
+        fc1 = [WeightPart(t.format(e=e)) for e in range(experts) for t in (gate, up)]
+        return fc1, [WeightPart(down.format(e=e)) for e in range(experts)]
+
+    def moe_name(self, i: int, tensor: str) -> str:
+        return f"{self.layer_prefix(i)}.{self.moe_block}.{tensor}"
+
+    def shared_expert_names(self, i: int) -> dict[str, str]:
+        block = f"{self.layer_prefix(i)}.{self.moe_block}"
+        return {"gate": f"{block}.shared_expert.gate_proj.weight", "up": f"{block}.shared_expert.up_proj.weight",
+                "down": f"{block}.shared_expert.down_proj.weight", "gate_scale": f"{block}.shared_expert_gate.weight"}
 
     def norm_part(self, name: str) -> WeightPart:
         return WeightPart(name, add=self.norm_offset)

@@ -33,6 +33,7 @@ class AttentionWeights:
     q_norm: ir.Value | None = None  # RMSNorm weights on queries / keys (qwen3, gemma3: per head)
     k_norm: ir.Value | None = None
     qk_norm_per_head: bool = True  # False: over the whole projection (olmo2)
+    sinks: ir.Value | None = None  # gpt-oss: a learned logit per head in every softmax's denominator (gqa only)
 
 
 @dataclasses.dataclass
@@ -76,9 +77,16 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
     q, k, v = _split_qkv(b, x, w, cfg)
     q = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
     k = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+    q, k, v = (_clipped(b, t, cfg) for t in (q, k, v))
     if rotary is not None:
         q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
     return q, k, v
+
+
+def _clipped(b: GraphBuilder, x: ir.Value, cfg: ModelConfig) -> ir.Value:
+    """olmoe's clip_qkv: q, k, v clamped to +-clip_qkv after their norms (and before rotary)."""
+    clip = getattr(cfg, "clip_qkv", None)
+    return b.op("Clip", [x, b.scalar(-clip), b.scalar(clip)]) if clip is not None else x
 
 
 def _scores_attrs(cfg) -> dict:
@@ -120,13 +128,16 @@ def static_core(b, q, k, v, cfg, step: StepInputs, key_cache, value_cache):
     return y, updated_key, updated_value
 
 
-def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value):
-    """com.microsoft GroupQueryAttention, rotary inside the op (packed QKV when key is None)."""
+def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, sinks=None):
+    """com.microsoft GroupQueryAttention, rotary inside the op (packed QKV when key is None);
+    ``sinks``: its head_sink input (gpt-oss)."""
     attrs = {"num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **_scores_attrs(cfg)}
     inputs = [query, key, value, past_key, past_value, step.seqlens_k, step.total_seq_len]
     if step.rotary is not None:
         attrs.update(do_rotary=1, rotary_interleaved=0)
         inputs += [step.rotary.cos, step.rotary.sin]
+    if sinks is not None:
+        inputs += [None] * (11 - len(inputs)) + [sinks]
     if step.window:
         attrs["local_window_size"] = int(step.window)
     return b.op_multi("GroupQueryAttention", inputs, attrs, domain="com.microsoft", num_outputs=3)
@@ -146,11 +157,12 @@ def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
     if w.q_norm is None:
-        query, key, value = linear(b, x, w.qkv, w.qkv_bias), None, None
+        query, key, value = _clipped(b, linear(b, x, w.qkv, w.qkv_bias), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value = _split_qkv(b, x, w, cfg)
         query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
         key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
-    y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value)
+        query, key, value = (_clipped(b, t, cfg) for t in (query, key, value))
+    y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
     return linear(b, y, w.o, w.o_bias), present_key, present_value

@@ -15,6 +15,7 @@ from exporter.graph.components.attention import (
 )
 from exporter.graph.components.graph import GraphBuilder, packed
 from exporter.graph.components.mlp import gated_mlp
+from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.config import ModelConfig
 from exporter.request import Variant
@@ -58,6 +59,7 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
         q_norm=norm_weight(b, arch, names["q_norm"]) if arch.qk_norm else None,
         k_norm=norm_weight(b, arch, names["k_norm"]) if arch.qk_norm else None,
         qk_norm_per_head=arch.qk_norm_per_head,
+        sinks=b.weight(f"{arch.layer_prefix(i)}.self_attn.{arch.attention_sinks}") if arch.attention_sinks else None,
     )
 
 
@@ -91,12 +93,15 @@ def decoder_layer(
     else:
         h, x = residual_rms_norm(b, x, _scaled(b, attn_out, cfg.residual_scale),
                                  norm_weight(b, arch, names["post_attention_norm"]), eps)
-    gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
-    down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
-    mlp_out = gated_mlp(
-        b, h, _packed_weight(b, arch.gate_up_parts(i)), b.weight(f"{names['down']}.weight"),
-        cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
-    )
+    if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+        mlp_out = moe_mlp(b, h, arch, cfg, i)
+    else:
+        gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
+        down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
+        mlp_out = gated_mlp(
+            b, h, _packed_weight(b, arch.gate_up_parts(i)), b.weight(f"{names['down']}.weight"),
+            cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
+        )
     if arch.norm_layout in (SANDWICH, POST_NORM):
         mlp_out = rms_norm(b, mlp_out, norm_weight(b, arch, names["post_feedforward_norm"]), eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, (key_out, value_out)

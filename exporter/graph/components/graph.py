@@ -36,6 +36,15 @@ class GraphBuilder:
             self._weights[name] = self.tape.initializer(tensor, name=name)
         return self._weights[name]
 
+    def stacked_weight(self, name: str, parts: list[WeightPart], *, experts: int, interleave: int = 1) -> ir.Value:
+        """Experts' tensors stacked into one ``[experts, rows, cols]`` initializer (``interleave`` 2:
+        gate and up rows alternating, the fused SwiGLU layout of ORT's MoE ops)."""
+        if name not in self._weights:
+            tensor = CheckpointTensor(self.checkpoint, tuple(parts), self.dtype, name=name, interleave=interleave,
+                                      experts=experts)
+            self._weights[name] = self.tape.initializer(tensor, name=name)
+        return self._weights[name]
+
     def has_weight(self, name: str) -> bool:
         return name in self.checkpoint
 

@@ -21,6 +21,8 @@ from exporter.packaging.checkpoint import CheckpointTensor
 from exporter.graph.passes.dtype import make_initializer
 
 MS_DOMAIN = "com.microsoft"
+# Block sizes onnxruntime's blockwise quantizer (MLAS) takes.
+ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's weight, and its index
 
 
@@ -47,10 +49,11 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
 
     k, n = weight_kn.shape
     k_blocks, blob, zp_bytes = scheme.layout(k)
-    if weight_kn.dtype.name == "bfloat16":
+    if weight_kn.dtype.name == "bfloat16" or scheme.block_size not in ORT_BLOCK_SIZES:
         # onnxruntime's quantizer takes fp32 or fp16 only (a bf16 array is converted to a copy, and
-        # the scales it writes there are lost). Its algorithm on the bf16 scales, as for fp16: the
-        # scale rounded to the stored dtype, each element quantized by that stored scale.
+        # the scales it writes there are lost), and blocks of 16 to 256 only (an expert's int8 rows
+        # are one block each). Its algorithm, as for fp16: the scale rounded to the stored dtype,
+        # each element quantized by that stored scale.
         packed, scales, zero_points = quantize_rows(np.ascontiguousarray(weight_kn.T), scheme.bits,
                                                     scheme.block_size, scheme.symmetric)
         if scheme.symmetric:
@@ -146,16 +149,20 @@ class _Quantization:
     ``ir.save`` may write several tensors at once.
     """
 
-    def __init__(self, source: CheckpointTensor, scheme: QuantScheme):
-        self.source, self.scheme = source, scheme
-        self.k, self.n = (int(d) for d in source.shape.numpy())
+    def __init__(self, source: CheckpointTensor, scheme: QuantScheme, per_row: bool = False):
+        self.source, self.scheme, self.per_row = source, scheme, per_row  # per_row: one block per row (QMoE int8)
+        if source.transposed:  # a MatMul's W_T: [K, N], quantized by output column
+            self.k, self.n = (int(d) for d in source.shape.numpy())
+        else:  # experts' rows, [experts, N, K] as [experts * N, K]: quantized by row
+            self.k, self.n = int(source.shape[-1]), source.rows2d()
+        self.experts = getattr(source, "experts", None)
         self._lock = threading.Lock()
         self._small: tuple[np.ndarray, np.ndarray] | None = None
 
     def blocks(self):
         """(column offset, packed, scales, zero points) per source block."""
-        for offset, block in self.source.blocks():  # transposed: block is [K, n] of output columns
-            yield (offset, *quantize_block(block, self.scheme))
+        for offset, block in self.source.blocks():  # transposed: block is [K, n] of output columns; else [n, K] rows
+            yield (offset, *quantize_block(block if self.source.transposed else block.T, self.scheme))
 
     def run(self, packed_file=None) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
@@ -179,21 +186,26 @@ class QuantizedPart(ir.LazyTensor):
     def __init__(self, quantization: _Quantization, role: str, name: str):
         self.quantization, self.role = quantization, role
         k_blocks, blob, zp_bytes = quantization.scheme.layout(quantization.k)
-        n = quantization.n
-        dtype, shape = {
-            "packed": (ir.DataType.UINT8, (n, k_blocks, blob)),
-            "scales": (quantization.source.dtype, (n * k_blocks,)),
-            "zero_points": (ir.DataType.UINT8, (n * zp_bytes,)),
-        }[role]
+        n, experts = quantization.n, quantization.experts
+        if experts:  # QMoE: [experts, N, K / pack], scales [experts, N(, blocks)], zero points likewise
+            rows = (experts, n // experts)
+            per_block = () if quantization.per_row else (k_blocks,)
+            shapes = {"packed": (*rows, k_blocks * blob), "scales": (*rows, *per_block),
+                      "zero_points": (*rows, *(() if quantization.per_row else (zp_bytes,)))}
+        else:
+            shapes = {"packed": (n, k_blocks, blob), "scales": (n * k_blocks,), "zero_points": (n * zp_bytes,)}
+        dtype = quantization.source.dtype if role == "scales" else ir.DataType.UINT8
+        shape = shapes[role]
         super().__init__(self._materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
 
     def _materialize(self) -> ir.Tensor:
+        shape = tuple(int(d) for d in self.shape.numpy())
         if self.role == "packed":
             packed = np.concatenate([p for _, p, _, _ in self.quantization.blocks()])
-            return ir.Tensor(packed, name=self.name)
+            return ir.Tensor(packed.reshape(shape), name=self.name)
         scales, zero_points = self.quantization.run()
         array = scales if self.role == "scales" else zero_points
-        return ir.Tensor(array.reshape(-1), name=self.name)
+        return ir.Tensor(array.reshape(shape), name=self.name)
 
     def tofile(self, file) -> None:
         if self.role == "packed":
@@ -239,6 +251,19 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         self.lm_head_bits, self.keep, self.accuracy_level = lm_head_bits, set(keep), accuracy_level
         self.decisions: dict[str, dict] = {}
 
+    def _feeds_router(self, node: ir.Node, weight: ir.Value) -> bool:
+        """A mixture of experts' router (its logits reach a MoE / QMoE op's routing inputs) or a
+        shared expert's gate: few rows that decide where every token goes, kept in float."""
+        if weight.name and "shared_expert_gate" in weight.name:
+            return True
+        frontier = [node.outputs[0]]
+        for _ in range(3):
+            users = [(user, index) for v in frontier for user, index in v.uses()]
+            if any(user.op_type in ("MoE", "QMoE") and index in (1, 14) for user, index in users):
+                return True
+            frontier = [out for user, _ in users for out in user.outputs]
+        return False
+
     def _feeds_logits(self, node: ir.Node) -> bool:
         """The LM head: the last MatMul before the logits output (scalings may follow it)."""
         frontier = [node.outputs[0]]
@@ -259,7 +284,9 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             if not isinstance(source, CheckpointTensor) or not source.transposed or len(source.shape) != 2:
                 continue
             roles = tensor_role(weight.name, self.num_layers, self._feeds_logits(node))
-            kept = sorted(roles & self.keep)
+            if self._feeds_router(node, weight):
+                roles.add("router")
+            kept = sorted(roles & (self.keep | {"router"}))
             if kept:
                 self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
                 continue
@@ -290,4 +317,95 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
+        return ir.passes.PassResult(model, modified=bool(changed))
+
+
+class QuantizeExpertsPass(ir.passes.InPlacePass):
+    """Every ``MoE`` on checkpoint experts becomes ``com.microsoft::QMoE``: fc1 / fc2 quantized row by
+    row as MatMulNBits quantizes a weight's output columns (``[experts, N, K]`` is ``[experts * N, K]``
+    rows, each quantized along K), the bytes streamed to the file a block at a time.
+
+    - int4: blocks of ``block_size`` along K (it must divide the hidden and expert widths; the op does
+      not check), codes packed two a byte, low nibble first.
+    - int8: one scale per row (no ``block_size``): on the CPU EP block-wise 8-bit experts run
+      int8 activations whatever the accuracy level (docs/moe-design.md), per-row ones stay exact.
+    - Routing: without ``router_weights`` QMoE renormalizes the top k whatever
+      ``normalize_routing_weights`` says, so a model that does not renormalize gets the softmax of its
+      logits as ``router_weights`` (selection by the logits, mixing by those weights as given).
+    - ``weights_prepacked=0``: the raw layout above on every EP (other values select EP-specific ones).
+    """
+
+    def __init__(self, bits: int, block_size: int, symmetric: bool, *, num_layers: int, keep: tuple[str, ...] = (),
+                 accuracy_level: int = 0):
+        super().__init__()
+        self.bits, self.block_size, self.symmetric, self.accuracy_level = bits, block_size, symmetric, accuracy_level
+        self.num_layers, self.keep = num_layers, set(keep)
+        self.decisions: dict[str, dict] = {}
+
+    def _scheme(self, k: int, name: str) -> QuantScheme:
+        from exporter.errors import ExportError
+
+        if self.bits == 8:
+            return QuantScheme(8, k, self.symmetric)
+        if k % self.block_size:
+            raise ExportError(f"{name}: QMoE quantizes experts in blocks of {self.block_size} along their input width "
+                              f"{k}, which it does not divide: choose a quant block_size that divides {k} (16, 32, 64 or 128)")
+        return QuantScheme(self.bits, self.block_size, self.symmetric)
+
+    def _quantized(self, graph: ir.Graph, weight: ir.Value) -> tuple[list[ir.Value | None], QuantScheme]:
+        source = weight.const_value
+        quantization = _Quantization(source, self._scheme(int(source.shape[-1]), weight.name), per_row=self.bits == 8)
+        scheme = quantization.scheme
+        stem = f"{weight.name}.q{scheme.bits}{'row' if quantization.per_row else f'b{scheme.block_size}'}" \
+               f"{'s' if scheme.symmetric else 'a'}"
+        values = []
+        for role in ("packed", "scales", "zero_points"):
+            if role == "zero_points" and scheme.symmetric:
+                values.append(None)
+                continue
+            name = f"{stem}.{role}"
+            values.append(graph.initializers[name] if name in graph.initializers else
+                          make_initializer(graph, QuantizedPart(quantization, role, name), name))
+        self.decisions[weight.name] = {"quantized": True, "op": "QMoE", "bits": scheme.bits,
+                                       "block_size": None if quantization.per_row else scheme.block_size,
+                                       "symmetric": scheme.symmetric, "roles": ["experts"], "initializer": f"{stem}.packed"}
+        return values, scheme
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        changed = 0
+        for node in list(graph):
+            if node.op_type != "MoE" or node.domain != MS_DOMAIN:
+                continue
+            x, router_probs, fc1, fc1_bias, fc2, fc2_bias = (list(node.inputs) + [None] * 6)[:6]
+            if not all(isinstance(w.const_value, CheckpointTensor) for w in (fc1, fc2)):
+                continue
+            roles = tensor_role(fc1.name, self.num_layers, False)
+            kept = sorted(roles & self.keep)
+            if kept:  # the policy keeps this layer in the activation dtype: the float MoE stays
+                for w in (fc1, fc2):
+                    self.decisions[w.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles | {"experts"})}
+                continue
+            (fc1_q, fc1_scales, fc1_zp), scheme = self._quantized(graph, fc1)
+            (fc2_q, fc2_scales, fc2_zp), _ = self._quantized(graph, fc2)
+            attrs = {name: attr.value for name, attr in node.attributes.items()}
+            router_weights = None
+            if not attrs.get("normalize_routing_weights"):
+                softmax = ir.node("Softmax", [router_probs], attributes={"axis": -1}, num_outputs=1,
+                                  name=f"{node.name or fc1.name}_router_weights")
+                graph.insert_before(node, softmax)
+                router_weights = softmax.outputs[0]
+            attrs.update(expert_weight_bits=scheme.bits, weights_prepacked=0, accuracy_level=self.accuracy_level)
+            if scheme.bits != 8:  # int8: one scale per row, no block_size
+                attrs["block_size"] = scheme.block_size
+            inputs = [x, router_probs, fc1_q, fc1_scales, fc1_bias, fc2_q, fc2_scales, fc2_bias,
+                      None, None, None, fc1_zp, fc2_zp, None, router_weights]
+            while inputs[-1] is None:
+                inputs.pop()
+            new = ir.node("QMoE", inputs, attributes=attrs, domain=MS_DOMAIN,
+                          name=f"{node.name or fc1.name}_q{scheme.bits}", num_outputs=1)
+            graph.insert_before(node, new)
+            node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+            graph.remove(node, safe=True)
+            changed += 1
         return ir.passes.PassResult(model, modified=bool(changed))

@@ -155,3 +155,93 @@ def runtime_gate(variant: str, ep: str, dtype: str, packed_qkv: bool = False) ->
         passed=outcome is ProbeOutcome.SUPPORTED, measured=outcome.value, threshold=ProbeOutcome.SUPPORTED.value,
         message=message,
     )
+
+
+# The experts' known answer: 4 experts, hidden and expert width 32, every input 1. Expert e's gate
+# rows are all GATES[e] / 32 and its up rows 1 / 32, so its SwiGLU gives GATES[e] * sigmoid(GATES[e]);
+# its down rows are 1 / 32, so every output element is that value. The router logits pick experts 0
+# and 1; their mix is the softmax over all four, renormalized over the two or not. Every weight is
+# one value per quantization block: int4 and int8 hold it exactly.
+EXPERT_GATES = (1.0, 2.0, 3.0, 4.0)
+EXPERT_LOGITS = (2.0, 1.0, 0.0, -1.0)
+EXPERT_WIDTH = 32
+
+
+def expert_answer(top_k: int, normalize: bool) -> float:
+    p = np.exp(EXPERT_LOGITS) / np.exp(EXPERT_LOGITS).sum()
+    chosen = np.argsort(-np.asarray(EXPERT_LOGITS))[:top_k]
+    w = p[chosen] / (p[chosen].sum() if normalize else 1.0)
+    act = np.array([g / (1 + np.exp(-g)) for g in EXPERT_GATES])[chosen]
+    return float((w * act).sum())
+
+
+def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool, workdir) -> tuple[ir.Model, dict]:
+    """The export's expert op (MoE, or QMoE through the export's own quantize pass) on a checkpoint
+    of the known-answer experts written to ``workdir``."""
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from exporter.graph.components.moe import experts_op
+    from exporter.graph.passes.quantize import QuantizeExpertsPass
+    from exporter.packaging.checkpoint import Checkpoint, WeightPart
+
+    entry, n = DTYPES[dtype], EXPERT_WIDTH
+    tensors = {}
+    for e, gate in enumerate(EXPERT_GATES):
+        tensors[f"e{e}.gate"] = np.full((n, n), gate / n, np.float32)
+        tensors[f"e{e}.up"] = np.full((n, n), 1 / n, np.float32)
+        tensors[f"e{e}.down"] = np.full((n, n), 1 / n, np.float32)
+    save_file(tensors, str(Path(workdir) / "experts.safetensors"))
+    b = GraphBuilder(Checkpoint(Path(workdir)), entry.ir)
+    experts = len(EXPERT_GATES)
+    fc1 = b.stacked_weight("fc1", [WeightPart(f"e{e}.{t}") for e in range(experts) for t in ("gate", "up")],
+                           experts=experts, interleave=2)
+    fc2 = b.stacked_weight("fc2", [WeightPart(f"e{e}.down") for e in range(experts)], experts=experts)
+    x, logits = _input("x", entry.ir, [1, n]), _input("logits", entry.ir, [1, experts])
+    y = experts_op(b, x, logits, fc1, fc2, top_k, normalize)
+    y.name, y.type, y.shape = "y", ir.TensorType(entry.ir), ir.Shape([1, n])
+    graph = ir.Graph([x, logits], [y], nodes=b.tape.nodes, initializers=b.tape.initializers,
+                     opset_imports={"": 24, "com.microsoft": 1}, name="probe_experts")
+    model = ir.Model(graph, ir_version=11)
+    if bits:
+        QuantizeExpertsPass(bits, EXPERT_WIDTH, True, num_layers=1)(model)
+    feeds = {"x": np.ones((1, n), entry.numpy), "logits": np.array([EXPERT_LOGITS], entry.numpy)}
+    return model, feeds
+
+
+def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
+    """The export's expert op (its attributes, its quantization) on ``ep``: known answer or not."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    bits = {"int4": 4, "int8": 8}.get(dtype)
+    op = f"QMoE int{bits}" if bits else "MoE"
+    check = f"{op} experts known answer on {ep} ({activations})"
+    top_k, normalize = min(2, moe["top_k"]), moe["normalize"]
+    want = expert_answer(top_k, normalize)
+    provider = PROVIDER_NAMES[ep]
+    if provider not in ort.get_available_providers():
+        return GateResult("runtime", check, False, ProbeOutcome.MISSING.value, ProbeOutcome.SUPPORTED.value,
+                          f"{provider} is not in this onnxruntime ({ort.__version__}) build")
+    try:
+        with tempfile.TemporaryDirectory(prefix="expert-probe-") as workdir:
+            model, feeds = expert_probe_graph(activations, bits, top_k, normalize, workdir)
+            proto = ir.to_proto(model).SerializeToString()
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if ep != "cpu":
+            options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        from exporter.runtime.device import cuda_provider
+
+        session = ort.InferenceSession(proto, options, providers=[cuda_provider() if ep == "cuda" else provider])
+        got = session.run(None, feeds)[0].astype(np.float32)
+    except Exception as err:  # a failure to build or run is the finding
+        return GateResult("runtime", check, False, ProbeOutcome.ERROR.value, ProbeOutcome.SUPPORTED.value,
+                          f"{provider} could not run the export's {op} in {activations}: {err}")
+    ok = bool(np.allclose(got, want, rtol=2e-2, atol=0))
+    return GateResult("runtime", check, ok, (ProbeOutcome.SUPPORTED if ok else ProbeOutcome.WRONG_RESULT).value,
+                      ProbeOutcome.SUPPORTED.value,
+                      f"top-{top_k} of 4 experts {'renormalized' if normalize else 'as the softmax gives them'}: "
+                      f"expected {want:.4f}, got {float(got.flat[0]):.4f}")

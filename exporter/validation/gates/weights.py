@@ -52,6 +52,8 @@ CORRELATION_MIN = {"fp16": 0.9999, "bf16": 0.999}
 # fp16 keeps 11 significant bits (RMS relative rounding error ~3e-4 from fp32); bf16 keeps 8
 # (~2.3e-3), so a bf16 build of a higher-precision checkpoint gets a looser L2 bound.
 REL_L2_MAX = {"fp16": 1e-3, "bf16": 5e-3}
+# Block sizes onnxruntime's blockwise quantizer takes (the exact test quantizes with it).
+ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # A dequantized weight is within this many of its block's quantization steps of the source.
 QUANT_BOUND = 1.01
 # Checkpoint tensors an export legitimately leaves out (recomputed buffers).
@@ -163,7 +165,7 @@ def converted(block: np.ndarray, dtype: np.dtype, add: float | None = None) -> n
 
 
 def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
-                storage: np.dtype) -> bool:
+                storage: np.dtype, stride: int = 1) -> bool:
     """Whether one part's slice of ``out`` is stored as ``storage`` and is its source converted to
     it (``converted``) bit for bit, and finite. The transposed case compares against the output's
     columns as a strided view (numpy's own transpose, not the exporter's tiled one). A weight in
@@ -172,7 +174,7 @@ def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Chec
     if bits is None or out.dtype != storage:
         return False
     non_finite = _NON_FINITE.get(out.dtype)
-    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, EXACT_BLOCK_ELEMS):
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, EXACT_BLOCK_ELEMS, stride):
         want = converted(source, out.dtype, part.get("add")).view(bits)
         got = got.view(bits)
         if want.shape != got.shape or not np.array_equal(want, got):
@@ -211,10 +213,34 @@ def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray
     return arrays
 
 
+def _source(checkpoint: Checkpoint, part: dict) -> np.ndarray:
+    """A part's source tensor as stored (one expert's slab of a 3-D tensor where the part names one)."""
+    array = checkpoint.array(part["tensor"])
+    array = array if part.get("expert") is None else array[part["expert"]]
+    return array.T if part.get("transposed") else array  # numpy's own view, not the exporter's tiled copy
+
+
 def _part_range(checkpoint: Checkpoint, part: dict) -> tuple[int, int]:
     """The source rows [a, b) one part takes."""
-    rows = part["rows"] or [0, checkpoint.shape(part["tensor"])[0]]
+    shape = checkpoint.shape(part["tensor"])
+    if part.get("expert") is not None:
+        shape = shape[1:]
+    rows = part["rows"] or [0, shape[-1] if part.get("transposed") else shape[0]]
     return rows[0], rows[1]
+
+
+def _placements(checkpoint: Checkpoint, recipe: dict) -> list[tuple[dict, int, int]]:
+    """(part, first row, row stride) of each part in the initializer's 2-D row view: parts one after
+    another, or ``interleave`` k at a time with their rows alternating (an expert's gate row j at
+    2j, its up row j at 2j + 1)."""
+    k = recipe.get("interleave", 1)
+    parts, placed, base = recipe["parts"], [], 0
+    for g in range(0, len(parts), k):
+        group = parts[g : g + k]
+        for j, part in enumerate(group):
+            placed.append((part, base + j, k))
+        base += k * _part_rows(checkpoint, group[0])
+    return placed
 
 
 def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
@@ -223,30 +249,41 @@ def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
 
 
 def _part_blocks(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
-                 block_elems: int):
+                 block_elems: int, stride: int = 1):
     """One part, block by block of about ``block_elems`` elements: (source rows as
     ``Checkpoint.array`` gives them, the slice of ``out`` made from them in the source's row order).
     A transposed initializer's columns come as numpy's transposed view, not through the exporter's
     own tiled transpose, so a fault in that code cannot cancel out here."""
     a, b = _part_range(checkpoint, part)
-    source = checkpoint.array(part["tensor"])
+    source = _source(checkpoint, part)
     row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
     step = max(1, block_elems // row_elems)
     for r0 in range(0, b - a, step):
         r1 = min(b - a, r0 + step)
-        got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 : offset + r1]
+        got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 * stride : offset + r1 * stride : stride]
         yield source[a + r0 : a + r1], got
 
 
-def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict) -> _Accumulator:
+def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
+                  stride: int = 1) -> _Accumulator:
     """Every element of one part against its source, in the source's row order."""
     acc = _Accumulator()
-    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, BLOCK_BYTES // 8):
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, BLOCK_BYTES // 8, stride):
         want = _as_float(source)
         if part.get("add"):
             want = want.astype(np.float32) + np.float32(part["add"])  # the recipe's offset, in fp32 as it was built
-        acc.add(_as_float(np.ascontiguousarray(got) if transposed else got), want)
+        acc.add(_as_float(np.ascontiguousarray(got) if transposed or stride != 1 else got), want)
     return acc
+
+
+def _torch_rows(checkpoint: Checkpoint, part: dict, a: int, b: int):
+    """Source rows [a, b) of a part as a torch tensor in the stored dtype (bf16 from its raw bits)."""
+    import torch
+
+    rows = np.ascontiguousarray(_source(checkpoint, part)[a:b])
+    if checkpoint.stored_dtype(part["tensor"]) is not None and checkpoint.stored_dtype(part["tensor"]).name == "BFLOAT16":
+        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(rows)
 
 
 def _numpy(tensor) -> np.ndarray:
@@ -261,7 +298,7 @@ def _numpy(tensor) -> np.ndarray:
 
 
 def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
-                       activations: str) -> _Accumulator:
+                       activations: str, stride: int = 1) -> _Accumulator:
     """Dequantize output columns [offset, offset + rows) of a MatMulNBits weight (one checkpoint
     part's rows) and compare them with the source as it was quantized (cast to the activations)."""
     import torch
@@ -272,7 +309,7 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
     k, n_total = quant["K"], quant["N"]
     k_blocks, _, zp_bytes = scheme.layout(k)
     stem = name[: -len(".packed")]
-    packed = arrays[name]
+    packed = arrays[name].reshape(n_total, k_blocks, -1)  # QMoE's [experts, N, K / pack]: the same bytes
     scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)
     zero_points = None if scheme.symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, zp_bytes)
     acc = _Accumulator()
@@ -283,11 +320,11 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
     cast = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[activations]
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        want = checkpoint.read(part["tensor"], (first + r0, first + r1))
+        want = _torch_rows(checkpoint, part, first + r0, first + r1)
         if part.get("add"):
             want = want.float() + part["add"]
         want = want.to(cast).float()
-        cols = slice(offset + r0, offset + r1)
+        cols = slice(offset + r0 * stride, offset + r1 * stride, stride)
         got_packed, got_scales = np.asarray(packed[cols]), scales[cols]
         got_zero = None if zero_points is None else zero_points[cols]
         got = dequantize(got_packed, got_scales, got_zero, scheme, k)
@@ -307,7 +344,7 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
 
 
 def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
-                     activations: str) -> bool:
+                     activations: str, stride: int = 1) -> bool:
     """Whether the weight's columns for one checkpoint part are exactly ``quantize_rows`` of their
     source (cast to the activations by numpy / ml_dtypes), block of rows by block of rows."""
     if activations not in ("fp32", "fp16"):
@@ -316,19 +353,19 @@ def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Ch
     block_size, symmetric = quant["block_size"], quant["symmetric"]
     k_blocks = -(-k // block_size)
     stem = name[: -len(".packed")]
-    packed = arrays[name]
+    packed = arrays[name].reshape(n_total, k_blocks, -1)
     scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)
     zero_points = None if symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, -1)
     first, end = _part_range(checkpoint, part)
-    source = checkpoint.array(part["tensor"])
+    source = _source(checkpoint, part)
     step = max(1, BLOCK_BYTES // (k * 8))
     for r0 in range(0, end - first, step):
         r1 = min(end - first, r0 + step)
-        rows = converted(source[first + r0 : first + r1], STORAGE_DTYPES[activations], part.get("add"))
+        rows = np.ascontiguousarray(converted(source[first + r0 : first + r1], STORAGE_DTYPES[activations], part.get("add")))
         if not np.all(np.isfinite(rows)):
             return False
         got_packed, got_scales, got_zero = quantize_rows(rows, bits, block_size, symmetric)
-        cols = slice(offset + r0, offset + r1)
+        cols = slice(offset + r0 * stride, offset + r1 * stride, stride)
         if not (np.array_equal(np.asarray(packed[cols]).reshape(got_packed.shape), got_packed)
                 and np.array_equal(scales[cols].view(np.uint8), got_scales.view(np.uint8))
                 and (zero_points is None or np.array_equal(zero_points[cols], got_zero))):
@@ -369,35 +406,39 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         if isinstance(data, ValueError):
             problems.append(str(data))
             continue
-        offset = 0
-        for part in recipe["parts"]:
-            jobs.append((name, data, recipe["transposed"], offset, part))
+        if recipe.get("experts") and not recipe.get("quantization"):
+            data = data.reshape(-1, data.shape[-1])  # [experts, rows, cols] -> the 2-D row view
+        for part, offset, stride in _placements(checkpoint, recipe):
+            jobs.append((name, data, recipe["transposed"], offset, part, stride))
             used_sources.add(part["tensor"])
-            offset += _part_rows(checkpoint, part)
 
     def compare(job):
         """The slice's accumulator, or None when it is bit-exact."""
         checkpoints.checkpoint()
-        name, data, transposed, offset, part = job
+        name, data, transposed, offset, part, stride = job
         quant = sources[name].get("quantization")
         if quant:
-            # a bf16 weight was quantized by quantize_rows itself (onnxruntime's quantizer takes no
-            # bf16): the exact answer would be the exporter's own, so it is bounded by value instead
-            if activations != "bf16" and _exact_quantized(arrays, name, quant, offset, checkpoint, part, activations):
+            # a bf16 weight, or a block onnxruntime's quantizer does not take (an expert's int8 rows,
+            # one block per row), was quantized by quantize_rows itself: the exact answer would be the
+            # exporter's own, so it is bounded by value instead
+            if activations != "bf16" and quant["block_size"] in ORT_BLOCK_SIZES and _exact_quantized(
+                    arrays, name, quant, offset, checkpoint, part, activations, stride):
                 return None
-            return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations)
-        if _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations]):
+            return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations, stride)
+        if _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations], stride):
             return None
-        return _compare_part(data, transposed, offset, checkpoint, part)
+        return _compare_part(data, transposed, offset, checkpoint, part, stride)
 
     # Slices are independent, and numpy releases the GIL inside each pass over a sub-block.
     with concurrent.futures.ThreadPoolExecutor(max_workers=compare_threads(), thread_name_prefix="weights") as pool:
         accumulators = list(pool.map(compare, jobs))
-    for (name, _, transposed, offset, part), acc in zip(jobs, accumulators):
+    for (name, _, transposed, offset, part, stride), acc in zip(jobs, accumulators):
         n = _part_rows(checkpoint, part)
         quant = sources[name].get("quantization")
-        region = f"[{offset}:{offset + n}]" if quant else (f"[:, {offset}:{offset + n}]" if transposed else f"[{offset}:{offset + n}]")
-        rows = f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else ""
+        region = (f"[{offset}:{offset + n * stride}:{stride}]" if stride != 1 else
+                  f"[:, {offset}:{offset + n}]" if transposed and not quant else f"[{offset}:{offset + n}]")
+        rows = (f" expert {part['expert']}" if part.get("expert") is not None else "") + (
+            f" rows {part['rows'][0]}:{part['rows'][1]}" if part["rows"] else "")
         if acc is None:
             stats.append(SliceStats(name, region, part["tensor"] + rows, exact=True))
             continue

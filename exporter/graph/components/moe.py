@@ -1,0 +1,65 @@
+"""A mixture-of-experts MLP through onnxruntime's fused expert op (com.microsoft MoE; the quantize
+pass turns it into QMoE): the router's logits go to the op, which takes the softmax, picks each
+token's top k experts and runs only those (docs/moe-design.md has the layouts and what was measured).
+
+- fc1 is ``[experts, 2I, hidden]`` with gate and up rows interleaved (row 2j gate j, 2j + 1 up j,
+  ``swiglu_fusion=1``: the only SwiGLU layout the CPU kernels take), fc2 ``[experts, hidden, I]``.
+- The op computes softmax over all experts, then the top k, renormalized iff
+  ``normalize_routing_weights``: transformers' softmax -> top-k (-> renormalize) of every family here.
+- qwen2_moe's shared expert is a dense gated MLP beside the op, scaled by sigmoid(x . gate).
+- gpt-oss: a biased router (the op's softmax over all experts then renormalized top k is its softmax
+  over the top-k logits), expert biases and the clamped SwiGLU as attributes.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from exporter.graph.architectures.base import Architecture
+from exporter.graph.components.graph import GraphBuilder, linear, packed
+from exporter.graph.components.mlp import gated_mlp
+from exporter.graph.config import ModelConfig
+
+MS_DOMAIN = "com.microsoft"
+
+
+def expert_attributes(top_k: int, normalize: bool, alpha: float | None = None, limit: float | None = None) -> dict:
+    """The MoE op's attributes for this routing, every one stated (the op's defaults are relu,
+    k = 1, no fusion). gpt-oss's clamped SwiGLU is ``alpha`` with beta 1 (its up + 1) and ``limit``."""
+    attrs = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "normalize_routing_weights": int(normalize)}
+    if alpha is not None:
+        attrs.update(activation_alpha=float(alpha), activation_beta=1.0)
+    if limit is not None:
+        attrs["swiglu_limit"] = float(limit)
+    return attrs
+
+
+def experts_op(b: GraphBuilder, x: ir.Value, logits: ir.Value, fc1: ir.Value, fc2: ir.Value, top_k: int,
+               normalize: bool, fc1_bias: ir.Value | None = None, fc2_bias: ir.Value | None = None,
+               alpha: float | None = None, limit: float | None = None) -> ir.Value:
+    """The fused op on [tokens or batch x seq, hidden] and the router's raw logits [tokens, experts]."""
+    return b.op("MoE", [x, logits, fc1, fc1_bias, fc2, fc2_bias], expert_attributes(top_k, normalize, alpha, limit),
+                domain=MS_DOMAIN)
+
+
+def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, i: int) -> ir.Value:
+    """Layer ``i``'s experts (and shared expert) on ``x`` [batch, seq, hidden] -> [batch, seq, hidden]."""
+    moe = cfg.moe
+    fc1_parts, fc2_parts = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate)
+    stem = f"{arch.layer_prefix(i)}.{arch.moe_block}.experts"
+    fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
+    fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
+    router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
+    logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])
+    fc1_bias = fc2_bias = None
+    if arch.expert_biases:  # [experts, 2I] already in the interleaved row order, [experts, hidden]
+        fc1_bias, fc2_bias = (b.weight(arch.moe_name(i, t)) for t in arch.expert_biases)
+    y = experts_op(b, x, logits, fc1, fc2, moe.top_k, moe.normalize, fc1_bias, fc2_bias, moe.swiglu_alpha,
+                   moe.swiglu_limit)
+    if arch.shared_expert and moe.shared_expert_intermediate:
+        names = arch.shared_expert_names(i)
+        shared = gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]), b.weight(names["down"]),
+                           moe.shared_expert_intermediate)
+        gate = b.op("Sigmoid", [linear(b, x, b.weight(names["gate_scale"]))])
+        y = b.op("Add", [y, b.op("Mul", [shared, gate])])
+    return y

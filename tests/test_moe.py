@@ -1,0 +1,268 @@
+"""Mixture-of-experts exports (mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe) through onnxruntime's
+fused expert ops: every variant matches transformers, the experts run as one MoE / QMoE node per
+layer, quantized experts equal the checkpoint's own quantize-dequantize in transformers, and the
+weight gate reads every expert back by value."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from exporter.errors import ExportError
+from exporter.graph.architectures import ARCHITECTURES as REGISTRY
+from exporter.graph.config import load_model_config
+from exporter.graph.passes.quantize import QuantScheme, dequantize, quantize_rows
+from exporter.packaging.checkpoint import Checkpoint
+from exporter.pipeline import export_model
+from exporter.request import ExportRequest
+from exporter.runtime.session import Decoder
+from exporter.tiny_checkpoint import MOE_ARCHITECTURES
+from exporter.validation.gates.weights import weight_integrity
+from exporter.validation.parity import run_parity
+from exporter.validation.reference import load_reference, reference_greedy
+from exporter.validation.streamed import StreamedReference
+from exporter.validation.validate import validate_export
+from tests.conftest import DECODE_STEPS, MAX_SEQ_LEN, VARIANTS
+
+MOE = list(MOE_ARCHITECTURES)
+# gpt-oss's attention sinks exist only in GroupQueryAttention: its other variants are refused.
+SINKS = {"gpt_oss"}
+CASES = [(arch, variant) for arch in MOE for variant in VARIANTS if arch not in SINKS or variant == "gqa"]
+
+
+def _variant(arch: str) -> str:
+    return "gqa" if arch in SINKS else "attn_dynamic"
+
+
+def _prompt(arch: str, n: int = 12) -> list[int]:
+    return [int(t) for t in np.random.default_rng(len(arch) + n).integers(3, 250, size=n)]
+
+
+def _nodes(export_dir) -> list[onnx.NodeProto]:
+    return list(onnx.load(str(export_dir / "model.onnx"), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("arch, variant", CASES)
+def test_fp32_matches_transformers(arch, variant, exported, reference):
+    ref = reference(arch)
+    result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0)
+    assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
+    assert result.tokens == ref.tokens, f"greedy tokens differ at steps {result.mismatches}"
+
+
+@pytest.mark.parametrize("arch, variant", CASES)
+def test_fp16_matches_transformers_except_near_ties(arch, variant, exported, reference):
+    ref = reference(arch)
+    result = run_parity(Decoder(exported(arch, variant, "fp16")), ref, near_tie_margin=0.1)
+    assert result.mismatches == [], f"decisive steps with another token: {result.mismatches}"
+    assert len(result.near_ties) <= result.steps // 2
+    assert result.prefill_max_abs_error <= 5e-2 * result.logit_range
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_experts_run_as_one_fused_op_per_sparse_layer(arch, checkpoint, exported):
+    """One MoE node per sparse layer (no per-expert loop, no control flow), fc1 stacked
+    [experts, 2I, hidden] and fc2 [experts, hidden, I], attributes stated for the family's routing."""
+    cfg = load_model_config(checkpoint(arch), REGISTRY)
+    moe = cfg.moe
+    nodes = _nodes(exported(arch, _variant(arch)))
+    fused = [n for n in nodes if n.op_type == "MoE" and n.domain == "com.microsoft"]
+    assert len(fused) == sum(moe.sparse_layers) >= 1
+    assert not any(n.op_type in ("Loop", "If", "Scan") for n in nodes)
+    model = onnx.load(str(exported(arch, _variant(arch)) / "model.onnx"), load_external_data=False)
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    for node in fused:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k"] == moe.top_k and attrs["swiglu_fusion"] == 1 and attrs["activation_type"] == b"swiglu"
+        assert attrs["normalize_routing_weights"] == int(moe.normalize)
+        if arch == "gpt_oss":  # its clamped SwiGLU, and biases on the experts
+            assert (attrs["activation_alpha"], attrs["activation_beta"], attrs["swiglu_limit"]) == (
+                pytest.approx(1.702), 1.0, 7.0)
+            assert node.input[3] and node.input[5]
+        assert dims[node.input[2]] == [moe.num_experts, 2 * moe.expert_intermediate, cfg.hidden_size]
+        assert dims[node.input[4]] == [moe.num_experts, cfg.hidden_size, moe.expert_intermediate]
+    # qwen2_moe: layer 1 is in mlp_only_layers, a dense MLP; its shared expert sits beside the op.
+    if arch == "qwen2_moe":
+        assert moe.sparse_layers == (True, False) and moe.shared_expert_intermediate == 48 and not moe.normalize
+
+
+def _dequantized_checkpoint(source, export_dir, out):
+    """The checkpoint with every weight the export quantized replaced by its own quantize-dequantize
+    (numpy, onnxruntime's blockwise algorithm): rows are quantized independently, so packing and
+    interleaving do not change a row's values."""
+    from safetensors.numpy import load_file, save_file
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    schemes = {}
+    for recipe in manifest["initializers"].values():
+        quant = recipe.get("quantization")
+        if quant and quant["role"] == "packed":
+            for part in recipe["parts"]:
+                schemes[part["tensor"]] = {**quant, "transposed": part.get("transposed", False)}
+    assert schemes
+    shutil.copytree(source, out)
+    for file in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name, quant in schemes.items():
+            if name in tensors:
+                w = tensors[name].astype(np.float32)
+                if quant["transposed"]:  # gpt-oss's [experts, in, out]: rows are its columns
+                    w = np.ascontiguousarray(w.swapaxes(-1, -2))
+                rows = w.reshape(-1, w.shape[-1])
+                block = quant["block_size"]
+                packed, scales, zero = quantize_rows(rows, quant["bits"], block, quant["symmetric"])
+                back = dequantize(packed, scales, None if quant["symmetric"] else zero,
+                                  QuantScheme(quant["bits"], block, quant["symmetric"]), rows.shape[1])
+                back = back.reshape(w.shape)
+                back = back.swapaxes(-1, -2) if quant["transposed"] else back
+                tensors[name] = np.ascontiguousarray(back.astype(tensors[name].dtype))  # save_file writes the buffer
+        save_file(tensors, str(out / file.name), metadata={"format": "pt"})
+    return out, schemes
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+@pytest.mark.parametrize("arch", MOE)
+def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch, dtype, checkpoint, tmp_path):
+    """QMoE (int4 blocks of 32, int8 one scale per row) and MatMulNBits at accuracy level 0 compute
+    in fp32 on the CPU: the export's logits are transformers' on the checkpoint whose quantized
+    weights are replaced by their dequantized values, to 1e-4 of the logit range, and greedy decode
+    gives the same tokens."""
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant=_variant(arch), max_seq_len=MAX_SEQ_LEN)
+    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    nodes = _nodes(out)
+    qmoe = [n for n in nodes if n.op_type == "QMoE"]
+    cfg = load_model_config(source, REGISTRY)
+    assert len(qmoe) == sum(cfg.moe.sparse_layers) and not any(n.op_type == "MoE" for n in nodes)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in qmoe[0].attribute}
+    assert attrs["expert_weight_bits"] == int(dtype[-1]) and attrs["weights_prepacked"] == 0
+    assert ("block_size" in attrs) == (dtype == "int4")
+    # a model that does not renormalize its top k mixes by the softmax, given as router_weights
+    assert (len(qmoe[0].input) > 14 and qmoe[0].input[14] != "") == (not cfg.moe.normalize)
+    manifest = json.loads((out / "manifest.json").read_text())
+    decisions = manifest["quantization"]["weights"]
+    routers = [name for name, d in decisions.items() if "router" in d.get("roles", [])]
+    assert routers and all(decisions[n]["quantized"] is False for n in routers)  # routing stays in float
+    assert all(d["quantized"] for d in decisions.values() if "experts" in d.get("roles", []))
+
+    dequantized, _ = _dequantized_checkpoint(source, out, tmp_path / "dequantized")
+    ref = reference_greedy(load_reference(dequantized), _prompt(arch), DECODE_STEPS)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
+    assert result.tokens == ref.tokens, result.mismatches
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])
+def test_a_quantized_moe_export_passes_structure_weights_and_runtime(arch, checkpoint, tmp_path):
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="int4", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    out = export_model(request, tmp_path / "q", validate=False).out_dir
+    report = validate_export(out)
+    for g in report.gates:
+        if g.gate in ("structure", "weights", "runtime"):
+            assert g.status in ("pass", "info"), g.to_dict()
+    weights = next(g for g in report.gates if g.check.startswith("every checkpoint slice"))
+    experts = sum(1 for n in Checkpoint(source).names() if "expert" in n or "linear" in n)
+    assert int(weights.measured.split("/")[1].split()[0]) >= experts  # every expert tensor, slice by slice
+
+
+def _flip_row(export_dir, name, row, width, dtype=np.float32) -> None:
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    init = next(i for i in model.graph.initializer if i.name == name)
+    info = {e.key: e.value for e in init.external_data}
+    offset = int(info["offset"]) + row * width * np.dtype(dtype).itemsize
+    with open(export_dir / "model.onnx.data", "r+b") as f:
+        f.seek(offset)
+        values = np.frombuffer(f.read(width * np.dtype(dtype).itemsize), dtype).copy()
+        f.seek(offset)
+        f.write((-values).tobytes())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "granitemoe", "gpt_oss"])
+def test_the_weight_gate_finds_one_wrong_expert_row(arch, checkpoint, tmp_path):
+    """Expert 2's up row 5 sits at fc1 row 2 * (2 * I) + 2 * 5 + 1: negated there, the gate fails and
+    names that expert's tensor (mixtral: its own w3; granitemoe: input_linear's second half)."""
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant=_variant(arch), max_seq_len=MAX_SEQ_LEN)
+    out = export_model(request, tmp_path / "e", validate=False).out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    cfg = load_model_config(source, REGISTRY)
+    width = cfg.moe.expert_intermediate
+    fc1 = next(n for n in manifest["initializers"] if n.endswith("layers.0.block_sparse_moe.experts.fc1_gate_up")
+               or n.endswith("layers.0.mlp.experts.fc1_gate_up"))
+    results, _ = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), "fp32")
+    assert all(r.passed for r in results)
+    _flip_row(out, fc1, 2 * (2 * width) + 2 * 5 + 1, cfg.hidden_size)  # expert 2's up row 5
+    results, stats = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), "fp32")
+    assert not results[0].passed
+    bad = [s for s in stats if not s.passed]
+    # gpt-oss: fc1 is each expert's gate_up_proj transposed, its columns already interleaved
+    want = {"mixtral": "experts.2.w3.weight", "granitemoe": "input_linear.weight expert 2 rows 32:64",
+            "gpt_oss": "experts.gate_up_proj expert 2"}[arch]
+    assert len(bad) == 1 and want in bad[0].source, [s.source for s in bad]
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_streamed_reference_reads_experts_as_transformers_loads_them(arch, checkpoint):
+    """The checkpoint keeps experts one by one (or renamed); transformers' model holds them fused:
+    the streamed reference builds them through transformers' own conversion mapping, bit for bit."""
+    source = checkpoint(arch, dtype="bfloat16")
+    whole, streamed = load_reference(source), StreamedReference(source)
+    ids = torch.tensor([_prompt(arch, 30)])
+    with torch.no_grad():
+        want = whole(input_ids=ids, use_cache=False).logits
+    assert torch.equal(streamed(input_ids=ids, use_cache=False).logits, want)
+
+
+def test_moe_configs_are_read_and_refused_by_name(checkpoint, tmp_path):
+    cfg = load_model_config(checkpoint("qwen3_moe"), REGISTRY)
+    raw = json.loads((checkpoint("qwen3_moe") / "config.json").read_text())
+    assert "num_local_experts" in raw or "num_experts" in raw  # transformers writes the former for qwen3_moe
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_intermediate, cfg.moe.normalize) == (8, 2, 32, True)
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint("mixtral"), bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["num_experts_per_tok"] = 9
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="num_experts_per_tok must be between 1 and the expert count"):
+        load_model_config(bad, REGISTRY)
+    config["num_experts_per_tok"], config["num_local_experts"] = 2, 4  # the checkpoint holds 8
+    (bad / "config.json").write_text(json.dumps(config))
+    request = ExportRequest(model=str(bad), dtype="fp32", ep="cpu", variant="attn_dynamic", max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ExportError, match="config.json says 4 experts"):
+        export_model(request, tmp_path / "out", validate=False)
+
+
+def test_an_int4_block_that_does_not_divide_the_expert_width_is_refused(checkpoint, tmp_path):
+    request = ExportRequest(model=str(checkpoint("mixtral")), dtype="int4", ep="cpu", variant="attn_dynamic",
+                            max_seq_len=MAX_SEQ_LEN, quant={"block_size": 64})
+    with pytest.raises(ExportError, match="does not divide"):
+        export_model(request, tmp_path / "out", validate=False)
+
+
+@pytest.mark.parametrize("dtype, activations", [("fp32", "fp32"), ("fp16", "fp16"), ("int4", "fp32"), ("int8", "fp32")])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_runtime_probe_runs_the_export_s_expert_op_to_a_known_answer(dtype, activations, normalize, monkeypatch):
+    from exporter.graph.components import moe
+    from exporter.validation.gates.runtime_probe import expert_gate
+
+    gate = expert_gate("cpu", activations, dtype, {"top_k": 8, "normalize": normalize})
+    assert gate.passed, gate.to_dict()
+    # An op routed the other way (renormalizing where the model does not, or the reverse) is caught.
+    wrong = moe.expert_attributes
+    monkeypatch.setattr(moe, "expert_attributes", lambda k, n, *swiglu: wrong(k, not n, *swiglu))
+    gate = expert_gate("cpu", activations, dtype, {"top_k": 8, "normalize": normalize})
+    assert not gate.passed and gate.measured == "wrong-result", gate.to_dict()
+
+
+@pytest.mark.parametrize("variant", ["attn_dynamic", "attn_static"])
+def test_gpt_oss_attention_sinks_refuse_the_variants_without_a_sink_input(variant, checkpoint, tmp_path):
+    request = ExportRequest(model=str(checkpoint("gpt_oss")), dtype="fp32", ep="cpu", variant=variant,
+                            static_cache=variant == "attn_static", max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ExportError, match="only GroupQueryAttention takes .*use --variant gqa"):
+        export_model(request, tmp_path / "out", validate=False)
