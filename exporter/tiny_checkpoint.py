@@ -78,8 +78,20 @@ ARCH_CONFIGS = {
     # Sliding-window layers alternating with full ones, as gpt-oss-20b's, with a window of 8 tokens.
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                  "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    # Phi-3.5-MoE's layout: biased LayerNorms, attention and LM head; a sparsemixer threshold of 0.1 so
+    # that some tokens' second expert is masked down to a weight of 1 and others' is not.
+    # Its longrope scaled down as phi3's (long past 64 positions), with Phi-3.5-MoE's own mscales.
+    "phimoe": (
+        "PhimoeConfig",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "attention_bias": True,
+         "lm_head_bias": True, "router_jitter_noise": 0.1, "max_position_embeddings": 256,
+         "original_max_position_embeddings": 64,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                             "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                             "long_factor": [1.5 + 0.25 * i for i in range(8)], "short_mscale": 1.1, "long_mscale": 1.25}},
+    ),
 }
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 
 def make_tiny_checkpoint(

@@ -79,7 +79,7 @@ def test_experts_run_as_one_fused_op_per_sparse_layer(arch, checkpoint, exported
     for node in fused:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["k"] == moe.top_k and attrs["swiglu_fusion"] == 1 and attrs["activation_type"] == b"swiglu"
-        assert attrs["normalize_routing_weights"] == int(moe.normalize)
+        assert attrs["normalize_routing_weights"] == int(moe.op_normalize)
         if arch == "gpt_oss":  # its clamped SwiGLU, and biases on the experts
             assert (attrs["activation_alpha"], attrs["activation_beta"], attrs["swiglu_limit"]) == (
                 pytest.approx(1.702), 1.0, 7.0)
@@ -143,7 +143,7 @@ def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch
     assert attrs["expert_weight_bits"] == int(dtype[-1]) and attrs["weights_prepacked"] == 0
     assert ("block_size" in attrs) == (dtype == "int4")
     # a model that does not renormalize its top k mixes by the softmax, given as router_weights
-    assert (len(qmoe[0].input) > 14 and qmoe[0].input[14] != "") == (not cfg.moe.normalize)
+    assert (len(qmoe[0].input) > 14 and qmoe[0].input[14] != "") == (not cfg.moe.op_normalize)
     manifest = json.loads((out / "manifest.json").read_text())
     decisions = manifest["quantization"]["weights"]
     routers = [name for name, d in decisions.items() if "router" in d.get("roles", [])]
@@ -266,3 +266,22 @@ def test_gpt_oss_attention_sinks_refuse_the_variants_without_a_sink_input(varian
                             static_cache=variant == "attn_static", max_seq_len=MAX_SEQ_LEN)
     with pytest.raises(ExportError, match="only GroupQueryAttention takes .*use --variant gqa"):
         export_model(request, tmp_path / "out", validate=False)
+
+
+def test_phimoe_s_sparsemixer_is_what_routes_and_longrope_switches_like_transformers(checkpoint, exported, reference,
+                                                                                    monkeypatch, tmp_path):
+    """A prompt crossing original_max_position_embeddings (64): the long half of the rope tables (with
+    transformers' phimoe scaling) takes over, in every variant. And the sparsemixer matters: routed as
+    a plain softmax top 2 instead, the same checkpoint leaves transformers' logits."""
+    ref = reference("phimoe", prompt_len=56)
+    for variant in VARIANTS:
+        result = run_parity(Decoder(exported("phimoe", variant)), ref, near_tie_margin=0.0)
+        assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, variant
+        assert result.tokens == ref.tokens, variant
+    import dataclasses
+
+    monkeypatch.setitem(REGISTRY, "phimoe", dataclasses.replace(REGISTRY["phimoe"], sparse_mixer=False))
+    request = ExportRequest(model=str(checkpoint("phimoe")), dtype="fp32", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    naive = export_model(request, tmp_path / "naive", validate=False).out_dir
+    result = run_parity(Decoder(naive), ref, near_tie_margin=0.0)
+    assert result.prefill_max_abs_error > 1e-2 * result.logit_range

@@ -175,7 +175,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
                     "activations": activations.value,
                     **({"moe": {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
-                                "normalize": cfg.moe.normalize}} if cfg.moe else {}),
+                                "normalize": cfg.moe.op_normalize}} if cfg.moe else {}),
                     **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }
             ),

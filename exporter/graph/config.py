@@ -50,6 +50,13 @@ class MoeConfig:
     # gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), gate <= limit, |up| <= limit.
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    sparse_mixer_eps: float | None = None  # phimoe: router_jitter_noise, the sparsemixer's threshold at inference
+
+    @property
+    def op_normalize(self) -> bool:
+        """The expert op's normalize_routing_weights: the model's, or set where the graph computes the
+        routing itself and hands the op log weights (phimoe's sparsemixer)."""
+        return self.normalize or self.sparse_mixer_eps is not None
 
 
 # model_type -> config.json key of the expert count (qwen3_moe's own class writes num_local_experts
@@ -61,6 +68,7 @@ MOE_TYPES = {
     "olmoe": ("num_experts", "intermediate_size"),
     "granitemoe": ("num_local_experts", "intermediate_size"),
     "gpt_oss": ("num_local_experts", "intermediate_size"),
+    "phimoe": ("num_local_experts", "intermediate_size"),
 }
 
 
@@ -81,8 +89,13 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
     shared = getattr(hf, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
     swiglu = (float(hf.swiglu_alpha), float(hf.swiglu_limit)) if model_type == "gpt_oss" else (None, None)
+    mixer = None
+    if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
+        mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2
+        if experts < 2:
+            raise ExportError("phimoe's sparsemixer picks two experts: config.json must name at least two")
     return MoeConfig(int(experts), int(top_k), int(getattr(hf, width_key)), normalize, sparse,
-                     int(shared) if shared else None, *swiglu)
+                     int(shared) if shared else None, *swiglu, mixer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +133,7 @@ class ModelConfig:
     logits_divisor: float | None = None  # granite: logits_scaling
     moe: MoeConfig | None = None  # mixture-of-experts routing and sizes (None: a dense model)
     clip_qkv: float | None = None  # olmoe: q, k and v clamped to +-clip_qkv after their norms
+    lm_head_bias: bool = False  # phimoe
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -325,6 +339,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         logits_divisor=getattr(hf, "logits_scaling", None),
         moe=_moe_config(hf, model_type, hf.num_hidden_layers),
         clip_qkv=getattr(hf, "clip_qkv", None),
+        lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
     )
 
 

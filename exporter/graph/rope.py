@@ -69,6 +69,7 @@ def _cache_key(config: ModelConfig, table_len: int, rope: RopeConfig) -> str:
     from exporter.versions import package_version
 
     return cache_key({"rope_type": rope.rope_type, "parameters": rope.parameters, "rotary_dim": rope.rotary_dim,
+                      **({"architecture": config.architecture} if config.architecture == "phimoe" else {}),
                       "original_max_position_embeddings": rope.original_max_position_embeddings,
                       "max_position_embeddings": config.max_position_embeddings, "table_len": table_len,
                       # torch's float32 cos/sin kernels decide the last bits; they differ by version and CPU.
@@ -108,8 +109,13 @@ def _compute(config: ModelConfig, table_len: int, rope: RopeConfig) -> RopeTable
     original = rope.original_max_position_embeddings
     short_freq, scaling = _inv_freq(config, rope, None)
     long_freq, _ = _inv_freq(config, rope, original + 1)
-    short_cos, short_sin = _table(short_freq, scaling, table_len)
-    long_cos, long_sin = _table(long_freq, scaling, table_len)
+    short_scale = long_scale = scaling
+    if config.architecture == "phimoe":
+        # transformers' PhimoeRotaryEmbedding scales by short_mscale / long_mscale, chosen by the same
+        # length test, and computes its frequencies without a length: the short factors at any length.
+        long_freq, short_scale, long_scale = short_freq, rope.parameters["short_mscale"], rope.parameters["long_mscale"]
+    short_cos, short_sin = _table(short_freq, short_scale, table_len)
+    long_cos, long_sin = _table(long_freq, long_scale, table_len)
     return RopeTables(
         np.concatenate([short_cos, long_cos]), np.concatenate([short_sin, long_sin]), table_len, original
     )

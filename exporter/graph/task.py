@@ -12,9 +12,9 @@ import onnx_ir as ir
 from exporter import contract as io
 from exporter.graph.architectures.base import POST_NORM, Architecture
 from exporter.graph.components.attention import StepInputs
-from exporter.graph.components.decoder import decoder_layer, norm_weight
+from exporter.graph.components.decoder import decoder_layer, norm_bias, norm_weight, residual_norm
 from exporter.graph.components.graph import GraphBuilder, linear
-from exporter.graph.components.norm import residual_rms_norm, rms_norm
+from exporter.graph.components.norm import rms_norm
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
 from exporter.graph.config import ModelConfig, RopeConfig
 from exporter.request import Variant
@@ -181,7 +181,8 @@ def build_graph(
         x = b.op("Mul", [x, b.scalar(cfg.embedding_scale)])  # gemma: sqrt(hidden); granite: its multiplier
     outputs = []
     post_norm = arch.norm_layout == POST_NORM
-    h = x if post_norm else rms_norm(b, x, norm_weight(b, arch, arch.names(0)["input_norm"]), cfg.rms_norm_eps)
+    h = x if post_norm else rms_norm(b, x, norm_weight(b, arch, arch.names(0)["input_norm"]), cfg.rms_norm_eps,
+                                     norm_bias(b, arch, arch.names(0)["input_norm"]))
     for i in range(cfg.num_layers):
         mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
         last = i + 1 == cfg.num_layers
@@ -189,7 +190,7 @@ def build_graph(
             x = h = b.op("Add", [x, mlp_out])
         else:
             next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
-            h, x = residual_rms_norm(b, x, mlp_out, norm_weight(b, arch, next_norm), cfg.rms_norm_eps)
+            h, x = residual_norm(b, arch, x, mlp_out, next_norm, cfg.rms_norm_eps)
         names = io.cache_names(variant, i)
         outputs += [
             _name_output(key_out, names[2], dtype, out_cache_dims),
@@ -200,7 +201,7 @@ def build_graph(
     if cfg.tie_word_embeddings:
         head = b.op("MatMul", [h, embed_t])
     else:
-        head = linear(b, h, b.weight(arch.lm_head))
+        head = linear(b, h, b.weight(arch.lm_head), b.weight(arch.lm_head_bias) if cfg.lm_head_bias else None)
     if cfg.logits_divisor is not None and cfg.logits_divisor != 1.0:
         head = b.op("Div", [head, b.scalar(cfg.logits_divisor)])  # granite's logits_scaling
     if cfg.final_softcap:

@@ -42,6 +42,8 @@ class Architecture:
     expert_biases: tuple[str, str] | None = None  # [experts, 2I] (interleaved like the rows), [experts, hidden]
     router_bias: str | None = None
     attention_sinks: str | None = None  # under self_attn: [num_heads]
+    layer_norm: bool = False  # LayerNorm with a bias (phimoe) where llama has RMSNorm
+    sparse_mixer: bool = False  # phimoe's routing: two experts picked one after the other, thresholds, two softmaxes
 
     @staticmethod
     def layer_prefix(i: int) -> str:
@@ -111,3 +113,4 @@ class Architecture:
     embed_tokens = "model.embed_tokens.weight"
     final_norm = "model.norm.weight"
     lm_head = "lm_head.weight"
+    lm_head_bias = "lm_head.bias"  # read where config.json's lm_head_bias says there is one (phimoe)

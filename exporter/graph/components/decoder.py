@@ -40,6 +40,20 @@ def norm_weight(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value:
     return b.weight(name, arch.norm_part(name))
 
 
+def norm_bias(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value | None:
+    """A LayerNorm's bias (phimoe), beside its weight; None for an RMSNorm."""
+    return b.weight(name.removesuffix(".weight") + ".bias") if arch.layer_norm else None
+
+
+def _norm(b: GraphBuilder, arch: Architecture, x: ir.Value, name: str, eps: float) -> ir.Value:
+    return rms_norm(b, x, norm_weight(b, arch, name), eps, norm_bias(b, arch, name))
+
+
+def residual_norm(b: GraphBuilder, arch: Architecture, residual: ir.Value, update: ir.Value, name: str, eps: float):
+    """``residual + update`` and the architecture's norm of it (named ``name``): (normed, sum)."""
+    return residual_rms_norm(b, residual, update, norm_weight(b, arch, name), eps, norm_bias(b, arch, name))
+
+
 def _scaled(b: GraphBuilder, x: ir.Value, scale: float | None) -> ir.Value:
     return b.op("Mul", [x, b.scalar(scale)]) if scale is not None and scale != 1.0 else x
 
@@ -84,15 +98,14 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
     attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
     if arch.norm_layout == SANDWICH:
-        attn_out = rms_norm(b, attn_out, norm_weight(b, arch, names["post_attention_norm"]), eps)
-        h, x = residual_rms_norm(b, x, attn_out, norm_weight(b, arch, names["pre_feedforward_norm"]), eps)
+        attn_out = _norm(b, arch, attn_out, names["post_attention_norm"], eps)
+        h, x = residual_norm(b, arch, x, attn_out, names["pre_feedforward_norm"], eps)
     elif arch.norm_layout == POST_NORM:
-        attn_out = rms_norm(b, attn_out, norm_weight(b, arch, names["post_attention_norm"]), eps)
+        attn_out = _norm(b, arch, attn_out, names["post_attention_norm"], eps)
         x = b.op("Add", [x, _scaled(b, attn_out, cfg.residual_scale)])
         h = x
     else:
-        h, x = residual_rms_norm(b, x, _scaled(b, attn_out, cfg.residual_scale),
-                                 norm_weight(b, arch, names["post_attention_norm"]), eps)
+        h, x = residual_norm(b, arch, x, _scaled(b, attn_out, cfg.residual_scale), names["post_attention_norm"], eps)
     if cfg.moe is not None and cfg.moe.sparse_layers[i]:
         mlp_out = moe_mlp(b, h, arch, cfg, i)
     else:
@@ -103,5 +116,5 @@ def decoder_layer(
             cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
         )
     if arch.norm_layout in (SANDWICH, POST_NORM):
-        mlp_out = rms_norm(b, mlp_out, norm_weight(b, arch, names["post_feedforward_norm"]), eps)
+        mlp_out = _norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, (key_out, value_out)

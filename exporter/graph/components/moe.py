@@ -7,6 +7,7 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
 - The op computes softmax over all experts, then the top k, renormalized iff
   ``normalize_routing_weights``: transformers' softmax -> top-k (-> renormalize) of every family here.
 - qwen2_moe's shared expert is a dense gated MLP beside the op, scaled by sigmoid(x . gate).
+- phimoe: its sparsemixer in the graph (``sparse_mixer``), the op given log weights.
 - gpt-oss: a biased router (the op's softmax over all experts then renormalized top k is its softmax
   over the top-k logits), expert biases and the clamped SwiGLU as attributes.
 """
@@ -54,6 +55,11 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     fc1_bias = fc2_bias = None
     if arch.expert_biases:  # [experts, 2I] already in the interleaved row order, [experts, hidden]
         fc1_bias, fc2_bias = (b.weight(arch.moe_name(i, t)) for t in arch.expert_biases)
+    if arch.sparse_mixer:
+        log_weights, total = sparse_mixer(b, logits, moe.num_experts, moe.sparse_mixer_eps)
+        y = experts_op(b, x, log_weights, fc1, fc2, 2, True, fc1_bias, fc2_bias)
+        return b.op("Mul", [y, b.op("Reshape", [total, b.op("Concat", [b.op("Shape", [x], {"end": -1}), b.ints(1)],
+                                                                    {"axis": 0})])])
     y = experts_op(b, x, logits, fc1, fc2, moe.top_k, moe.normalize, fc1_bias, fc2_bias, moe.swiglu_alpha,
                    moe.swiglu_limit)
     if arch.shared_expert and moe.shared_expert_intermediate:
@@ -63,3 +69,33 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         gate = b.op("Sigmoid", [linear(b, x, b.weight(names["gate_scale"]))])
         y = b.op("Add", [y, b.op("Mul", [shared, gate])])
     return y
+
+
+def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) -> tuple[ir.Value, ir.Value]:
+    """phimoe's sparsemixer at inference, on the router's logits S [tokens, experts]:
+
+    1. the first expert i1 = argmax S; entries with (max - S) / max(|S|, max) > 2 eps are masked, and
+       its weight w1 is the softmax of the rest at i1;
+    2. the second i2 = argmax of S without i1, masked by the same rule against the second maximum
+       (over the original |S|), its weight w2 that softmax at i2. The two weights are not normalized.
+
+    The fused ops take logits and renormalize their top k, so they are given log w1 and log w2 at
+    the chosen experts and -inf elsewhere (their softmax is w / (w1 + w2), renormalizing changes
+    nothing) and the output is scaled back by w1 + w2: returns (those logits, w1 + w2 [tokens, 1])."""
+    ninf = b.scalar(float("-inf"))
+    two_eps = b.scalar(2 * eps)
+    magnitude = b.op("Abs", [logits])
+    ids = b.op("Unsqueeze", [b.op("Range", [b.scalar_i64(0), b.scalar_i64(experts), b.scalar_i64(1)]), b.ints(0)])
+
+    def pick(scores):
+        top = b.op("ReduceMax", [scores, b.ints(-1)], {"keepdims": 1})
+        index = b.op("ArgMax", [scores], {"axis": -1, "keepdims": 1})
+        masked = b.op("Greater", [b.op("Div", [b.op("Sub", [top, logits]), b.op("Max", [magnitude, top])]), two_eps])
+        probs = b.op("Softmax", [b.op("Where", [masked, ninf, scores])], {"axis": -1})
+        chosen = b.op("Equal", [ids, index])  # [tokens, experts], one true per row
+        return chosen, b.op("GatherElements", [probs, index], {"axis": -1})
+
+    first, w1 = pick(logits)
+    second, w2 = pick(b.op("Where", [first, ninf, logits]))
+    log_weights = b.op("Where", [first, b.op("Log", [w1]), b.op("Where", [second, b.op("Log", [w2]), ninf])])
+    return log_weights, b.op("Add", [w1, w2])

@@ -1,4 +1,5 @@
-"""RMSNorm as the opset-23 RMSNormalization op (fp32 statistics, like transformers)."""
+"""RMSNorm as the opset-23 RMSNormalization op (fp32 statistics, like transformers); LayerNorm with a
+bias (phimoe) as LayerNormalization, its residual form as com.microsoft SkipLayerNormalization."""
 
 from __future__ import annotations
 
@@ -7,19 +8,28 @@ import onnx_ir as ir
 from exporter.graph.components.graph import GraphBuilder
 
 
-def rms_norm(b: GraphBuilder, x: ir.Value, weight: ir.Value, eps: float) -> ir.Value:
+def rms_norm(b: GraphBuilder, x: ir.Value, weight: ir.Value, eps: float, bias: ir.Value | None = None) -> ir.Value:
+    """RMSNorm, or with a ``bias`` a LayerNorm (mean removed, then scale and shift)."""
     # stash_type=1 keeps mean/rsqrt in fp32 for fp16/bf16 inputs, as the reference does.
+    if bias is not None:
+        return b.op("LayerNormalization", [x, weight, bias], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
     return b.op("RMSNormalization", [x, weight], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
 
 
 def residual_rms_norm(
-    b: GraphBuilder, residual: ir.Value, update: ir.Value, weight: ir.Value, eps: float
+    b: GraphBuilder, residual: ir.Value, update: ir.Value, weight: ir.Value, eps: float, bias: ir.Value | None = None,
 ) -> tuple[ir.Value, ir.Value]:
     """``s = residual + update`` and ``rms_norm(s)`` in one kernel; returns (normed, s).
 
     com.microsoft SkipSimplifiedLayerNormalization fuses the residual add into the norm: one
     kernel instead of two per norm, which matters when decode is launch-bound (it runs on CPU too).
     """
+    if bias is not None:  # LayerNorm: SkipLayerNormalization's beta is the bias
+        normed, _mean, _inv_std, summed = b.op_multi(
+            "SkipLayerNormalization", [update, residual, weight, bias], {"epsilon": float(eps)},
+            num_outputs=4, domain="com.microsoft",
+        )
+        return normed, summed
     normed, _mean, _inv_std, summed = b.op_multi(
         "SkipSimplifiedLayerNormalization", [update, residual, weight], {"epsilon": float(eps)},
         num_outputs=4, domain="com.microsoft",

@@ -256,12 +256,19 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         shared expert's gate: few rows that decide where every token goes, kept in float."""
         if weight.name and "shared_expert_gate" in weight.name:
             return True
-        frontier = [node.outputs[0]]
-        for _ in range(3):
+        # Forward through the routing arithmetic (a bias, a reshape, phimoe's sparsemixer), never
+        # through another projection or the ops that end a branch.
+        stops = {"MatMul", "MatMulNBits", "MoE", "QMoE", "Attention", "GroupQueryAttention"}
+        frontier, seen = [node.outputs[0]], set()
+        for _ in range(24):
             users = [(user, index) for v in frontier for user, index in v.uses()]
             if any(user.op_type in ("MoE", "QMoE") and index in (1, 14) for user, index in users):
                 return True
-            frontier = [out for user, _ in users for out in user.outputs]
+            frontier = [out for user, _ in users if user.op_type not in stops and id(user) not in seen
+                        for out in user.outputs]
+            seen.update(id(user) for user, _ in users)
+            if not frontier:
+                return False
         return False
 
     def _feeds_logits(self, node: ir.Node) -> bool:
