@@ -1,7 +1,7 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
-Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B and
-Mixtral-8x7B, as their published config.json give them.
+Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
+gpt-oss-20b and Mixtral-8x7B, as their published config.json give them.
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -55,6 +55,18 @@ GEOMETRIES: dict[str, dict] = {
         "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 151643,
         "eos_token_id": 151645, "torch_dtype": "bfloat16",
     },
+    # gpt-oss-20b without its MXFP4 quantization_config (random bf16 experts): 32 experts of 2880, 4 a token.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                  "original_max_position_embeddings": 4096},
+        "attention_bias": True, "swiglu_limit": 7.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+    },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -74,6 +86,8 @@ def geometry_config(name: str, layers: int | None = None) -> dict:
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:
             config["max_window_layers"] = layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:layers]
     return config
 
 

@@ -93,7 +93,9 @@ def test_unknown_architecture(checkpoint, tmp_path, out_dir):
     shutil.copytree(checkpoint("llama"), src)
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "gpt2", "gemma2, gemma3_text, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3")
+    _assert_refused(_cli("--model", str(src), "--out", str(out_dir)), out_dir, "gpt2",
+                    "gemma2, gemma3_text, gpt_oss, granite, granitemoe, llama, mistral, mixtral, olmo2, olmoe, phi3, "
+                    "phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3")
 
 
 def test_missing_config(checkpoint, tmp_path, out_dir):

@@ -285,3 +285,92 @@ def test_phimoe_s_sparsemixer_is_what_routes_and_longrope_switches_like_transfor
     naive = export_model(request, tmp_path / "naive", validate=False).out_dir
     result = run_parity(Decoder(naive), ref, near_tie_margin=0.0)
     assert result.prefill_max_abs_error > 1e-2 * result.logit_range
+
+
+def test_quantized_experts_for_cuda_need_the_widths_its_qmoe_kernels_take(checkpoint, tmp_path):
+    """onnxruntime-gpu's QMoE checks hidden and expert widths against its 64-wide tile only when it
+    runs: refused at export, with what to do instead (the tiny experts are 32 wide)."""
+    request = ExportRequest(model=str(checkpoint("mixtral")), dtype="int4", ep="cuda", max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ExportError, match="multiples of 64; this model's expert width is 32"):
+        export_model(request, tmp_path / "out", validate=False)
+    wide = checkpoint("mixtral", intermediate_size=64)
+    request = ExportRequest(model=str(wide), dtype="int4", ep="cuda", max_seq_len=MAX_SEQ_LEN)
+    assert export_model(request, tmp_path / "ok", validate=False).out_dir.is_dir()
+
+
+def test_a_pre_quantized_checkpoint_is_refused_with_the_way_around(checkpoint, tmp_path):
+    """gpt-oss ships MXFP4 experts (gate_up_proj_blocks / _scales): refused by name, not a missing tensor."""
+    bad = tmp_path / "mxfp4"
+    shutil.copytree(checkpoint("gpt_oss"), bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (bad / "config.json").write_text(json.dumps(config))
+    request = ExportRequest(model=str(bad), dtype="fp16", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ExportError, match="'mxfp4' pre-quantized weights.*Mxfp4Config\\(dequantize=True\\)"):
+        export_model(request, tmp_path / "out", validate=False)
+
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[..., K] fp32 -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the values they hold):
+    each 32 scaled by the power of two that brings its largest magnitude within 6, rounded to e2m1."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    peak = np.abs(blocks).max(axis=-1)
+    exponent = np.where(peak > 0, np.ceil(np.log2(np.maximum(peak, 1e-30) / 6.0)), -127).clip(-127, 127)
+    scaled = blocks / np.power(2.0, exponent)[..., None]
+    index = np.abs(np.abs(scaled)[..., None] - _E2M1).argmin(axis=-1)
+    codes = (index + 8 * (scaled < 0)).astype(np.uint8)
+    values = np.where(scaled < 0, -1.0, 1.0) * _E2M1[index] * np.power(2.0, exponent)[..., None]
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).astype(np.uint8), values.reshape(w.shape).astype(np.float32)
+
+
+def _mxfp4_gpt_oss(source, out, twin):
+    """gpt-oss as its real checkpoints ship it: experts as MXFP4 _blocks / _scales ([experts, out, in]),
+    quantization_config mxfp4; and its twin with those experts' values as plain fp32 tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    for d in (out, twin):
+        shutil.copytree(source, d)
+    tensors = load_file(str(source / "model.safetensors"))
+    mxfp4, plain = {}, {}
+    for name, value in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed, scales, values = _to_mxfp4(np.ascontiguousarray(value.swapaxes(-1, -2)))  # [experts, out, in]
+            mxfp4[f"{name}_blocks"], mxfp4[f"{name}_scales"] = packed, scales
+            plain[name] = np.ascontiguousarray(values.swapaxes(-1, -2))
+        else:
+            mxfp4[name] = plain[name] = value
+    save_file(mxfp4, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(plain, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, twin
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int4"])
+def test_gpt_oss_mxfp4_experts_are_decoded_as_they_are_read(dtype, checkpoint, tmp_path):
+    """A gpt-oss checkpoint as published (MXFP4 experts) exports, the experts decoded exactly: its
+    logits are transformers' on the same values stored as floats (fp32: within 1e-4 of the range);
+    the weight gate reads every MXFP4 block back with its own decoder; the streamed reference, through
+    transformers' own MXFP4 decoder, gives the same logits bit for bit."""
+    source, twin = _mxfp4_gpt_oss(checkpoint("gpt_oss"), tmp_path / "mxfp4", tmp_path / "twin")
+    request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    results, stats = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), dtype, "fp32")
+    assert all(r.passed for r in results), [r.to_dict() for r in results]
+    assert any("_blocks expert" in s.source for s in stats)
+    if dtype == "fp32":
+        assert all(s.exact for s in stats)  # decoded values are exact in fp32
+        ref = reference_greedy(load_reference(twin), _prompt("gpt_oss"), DECODE_STEPS)
+        result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+        assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
+        assert result.tokens == ref.tokens
+        ids = torch.tensor([_prompt("gpt_oss", 30)])
+        with torch.no_grad():
+            want = load_reference(twin)(input_ids=ids, use_cache=False).logits
+        assert torch.equal(StreamedReference(source)(input_ids=ids, use_cache=False).logits, want)

@@ -15,7 +15,7 @@ from exporter.packaging.checkpoint import Checkpoint
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.config import ModelConfig, load_model_config
 from exporter.errors import ExportError
-from exporter.request import DType, ExportRequest, Variant
+from exporter.request import EP, DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
 from exporter.graph.task import build_graph
 
@@ -36,6 +36,9 @@ class BuildResult:
 # The most positions an export's rotary tables cover without a max_seq_len asking for them (a table
 # row per position: 1M positions of head_dim 128 are 512 MB of fp32 cos / sin).
 ROPE_TABLE_POSITIONS = 1 << 20
+# onnxruntime-gpu 1.31's QMoE (moe_quantization.cc): "int weight-only quantization requires hidden_size
+# [and inter_size] to be a multiple of 64 (the interleaved-weight K tile)", checked at run time only.
+CUDA_QMOE_TILE = 64
 
 
 def check_request_against_config(request: ExportRequest, variant: Variant, cfg: ModelConfig) -> None:
@@ -51,6 +54,14 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
             f"{cfg.max_position_embeddings}: use max_seq_len {cfg.max_position_embeddings} or less"
         )
     arch = ARCHITECTURES[cfg.architecture]
+    if cfg.moe and request.dtype.quantized and request.ep is EP.CUDA:
+        widths = {"hidden_size": cfg.hidden_size, "expert width": cfg.moe.expert_intermediate}
+        odd = {k: v for k, v in widths.items() if v % CUDA_QMOE_TILE}
+        if odd:
+            raise ExportError(
+                f"onnxruntime's CUDA QMoE kernels take experts whose hidden and expert widths are multiples of "
+                f"{CUDA_QMOE_TILE}; this model's {', '.join(f'{k} is {v}' for k, v in odd.items())}: export it in fp16 / "
+                "bf16 (the float MoE op), or quantized for ep cpu")
     if arch.attention_sinks and variant is not Variant.GQA:
         raise ExportError(
             f"{cfg.architecture} adds a learned sink to every attention softmax, which only GroupQueryAttention takes "
@@ -120,7 +131,14 @@ def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint,
         raise ExportError(f"config.json says {moe.num_experts} experts, but {router} routes to "
                           f"{checkpoint.shape(router)[0]}: the config and the weights disagree")
     expect(router, (moe.num_experts, hidden))
-    fc1, fc2 = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate)
+    fc1, fc2 = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate, has=checkpoint.__contains__)
+    if fc1[0].mxfp4_scales:  # gpt-oss's MXFP4: [experts, out, in / 32, 16] codes, [experts, out, in / 32] scales
+        for part, (rows, cols) in ((fc1[0], (2 * moe.expert_intermediate, hidden)), (fc2[0], (hidden, moe.expert_intermediate))):
+            if cols % 32:
+                raise ExportError(f"{part.name}: MXFP4 blocks hold 32 values, and {cols} is not a multiple of 32")
+            expect(part.name, (moe.num_experts, rows, cols // 32, 16))
+            expect(part.mxfp4_scales, (moe.num_experts, rows, cols // 32))
+        return
     if arch.stacked_experts and arch.experts_transposed:  # gpt-oss: [experts, in, out]
         expect(fc1[0].name, (moe.num_experts, hidden, 2 * moe.expert_intermediate))
         expect(fc2[0].name, (moe.num_experts, moe.expert_intermediate, hidden))

@@ -88,7 +88,9 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
     shared = getattr(hf, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
-    swiglu = (float(hf.swiglu_alpha), float(hf.swiglu_limit)) if model_type == "gpt_oss" else (None, None)
+    # Older transformers (5.17) hard-code gpt-oss's alpha in its experts; newer ones read swiglu_alpha.
+    swiglu = (float(getattr(hf, "swiglu_alpha", 1.702)), float(getattr(hf, "swiglu_limit", 7.0))) \
+        if model_type == "gpt_oss" else (None, None)
     mixer = None
     if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
         mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2
@@ -256,6 +258,20 @@ def check_config_values(raw: dict) -> None:
         raise ExportError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
 
 
+def check_not_prequantized(raw: dict) -> None:
+    """A checkpoint whose weights are stored quantized (GPTQ, AWQ, gpt-oss's MXFP4 experts, ...) holds
+    packed blocks where the exporter reads float tensors: refused by name, with the way around."""
+    quant = raw.get("quantization_config")
+    if not isinstance(quant, dict):
+        return
+    method = quant.get("quant_method", "a quantization")
+    if method == "mxfp4" and raw.get("model_type") == "gpt_oss":
+        return  # gpt-oss's MXFP4 experts are decoded as they are read (WeightPart.mxfp4_scales)
+    how = ("load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained the bf16 result"
+           if method == "mxfp4" else "export the float checkpoint it was quantized from, or dequantize it first")
+    raise ExportError(f"config.json declares {method!r} pre-quantized weights, which the exporter does not import: {how}")
+
+
 def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> ModelConfig:
     """Read config.json: directly when it says everything (plain_config), else through transformers'
     AutoConfig (which normalizes rope, head_dim and per-architecture defaults)."""
@@ -265,6 +281,7 @@ def load_model_config(checkpoint_dir: Path, supported: dict[str, object]) -> Mod
         names = ", ".join(sorted(supported))
         raise ExportError(f"unsupported architecture {model_type!r} in config.json: supported are {names}")
     check_config_values(raw)
+    check_not_prequantized(raw)
     hf = plain_config(raw)
     if hf is None:
         hf = _transformers_config(checkpoint_dir)

@@ -176,6 +176,9 @@ class WeightPart:
     add: float = 0.0
     expert: int | None = None
     transposed: bool = False
+    # MXFP4 (gpt-oss's experts): ``name`` is the ``_blocks`` tensor [experts, N, K / 32, 16] of packed
+    # e2m1 codes, this its ``_scales`` [experts, N, K / 32] of e8m0 exponents; read as the fp32 values.
+    mxfp4_scales: str | None = None
 
     def source(self, checkpoint: Checkpoint) -> np.ndarray:
         """The part's 2-D source as ``Checkpoint.array`` gives it (a view; rows not yet taken)."""
@@ -183,10 +186,19 @@ class WeightPart:
         array = array if self.expert is None else array[self.expert]
         return array.T if self.transposed else array
 
+    def stored(self, checkpoint: Checkpoint) -> ir.DataType | None:
+        """The dtype ``read_rows`` gives: the stored one, fp32 for MXFP4 (its values, decoded)."""
+        return ir.DataType.FLOAT if self.mxfp4_scales else checkpoint.stored_dtype(self.name)
+
     def read_rows(self, checkpoint: Checkpoint, a: int, b: int) -> np.ndarray:
         """Rows [a, b) of ``source`` (counted from the part's first row), C-contiguous: a transposed
-        part's columns copied in cache-sized tiles."""
+        part's columns copied in cache-sized tiles, MXFP4 blocks decoded."""
         start = self.rows[0] if self.rows else 0
+        if self.mxfp4_scales:
+            blocks, scales = (checkpoint.array(n) for n in (self.name, self.mxfp4_scales))
+            if self.expert is not None:
+                blocks, scales = blocks[self.expert], scales[self.expert]
+            return mxfp4_values(blocks[start + a : start + b], scales[start + a : start + b])
         if not self.transposed:
             return self.source(checkpoint)[start + a : start + b]
         array = checkpoint.array(self.name)
@@ -195,6 +207,8 @@ class WeightPart:
 
     def shape(self, checkpoint: Checkpoint) -> tuple[int, ...]:
         shape = checkpoint.shape(self.name)
+        if self.mxfp4_scales:  # [(experts,) N, K / 32, 16] bytes -> [(experts,) N, K]
+            shape = (*shape[:-2], shape[-2] * shape[-1] * 2)
         if self.expert is not None:
             if len(shape) != 3 or not 0 <= self.expert < shape[0]:
                 raise ExportError(f"{self.name} is {list(shape)}: it has no expert {self.expert}; is config.json "
@@ -203,6 +217,22 @@ class WeightPart:
         if self.transposed:
             shape = tuple(reversed(shape))
         return shape if self.rows is None else (self.rows[1] - self.rows[0], *shape[1:])
+
+
+# The 16 values of an e2m1 (FP4) code, low nibble first in each byte (OCP MX: sign, 2 exponent bits, 1 mantissa bit).
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 rows as fp32: ``blocks`` [rows, K / 32, 16] bytes (two codes each, the low nibble first),
+    ``scales`` [rows, K / 32] e8m0 (2^(s - 127) per block of 32) -> [rows, K]. Every value is exact
+    in fp32 (and in bf16: two significant bits times a power of two)."""
+    rows, groups, width = blocks.shape
+    codes = np.empty((rows, groups, width * 2), np.uint8)
+    codes[..., 0::2] = blocks & 0x0F
+    codes[..., 1::2] = blocks >> 4
+    exponents = scales.astype(np.int32) - 127
+    return np.ldexp(E2M1_VALUES[codes], exponents[..., None]).reshape(rows, groups * width * 2)
 
 
 def _as_torch(array: np.ndarray, stored: ir.DataType | None):
@@ -336,7 +366,7 @@ class CheckpointTensor(ir.LazyTensor):
             step = max(1, BLOCK_BYTES // row_bytes)
             for r0 in range(0, shape[0], step):
                 r1 = min(shape[0], r0 + step)
-                pieces = [convert(p.read_rows(self.checkpoint, r0, r1), self.checkpoint.stored_dtype(p.name), self.dtype,
+                pieces = [convert(p.read_rows(self.checkpoint, r0, r1), p.stored(self.checkpoint), self.dtype,
                                   p.add) for p in group]
                 if k == 1:
                     block = pieces[0]
@@ -384,7 +414,8 @@ class CheckpointTensor(ir.LazyTensor):
         summary = {
             "parts": [{"tensor": p.name, "rows": list(p.rows) if p.rows else None, **({"add": p.add} if p.add else {}),
                        **({"expert": p.expert} if p.expert is not None else {}),
-                       **({"transposed": True} if p.transposed else {})}
+                       **({"transposed": True} if p.transposed else {}),
+                       **({"mxfp4_scales": p.mxfp4_scales} if p.mxfp4_scales else {})}
                       for p in self.parts],
             "transposed": self.transposed,
         }

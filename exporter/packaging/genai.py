@@ -35,6 +35,9 @@ GENAI_RUNTIME = f"onnxruntime-genai >= {GENAI_MIN_VERSION}"
 GENAI_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
     "gemma3_text": "gemma3_text", "granite": "granite", "olmo2": "decoder", "smollm3": "smollm3",
+    # Mixtures of experts: the experts are ops in the graph; to genai's generator a plain decoder.
+    "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder", "olmoe": "decoder", "granitemoe": "decoder",
+    "gpt_oss": "decoder", "phimoe": "decoder",
 }
 # Tokenizer files a checkpoint may carry; copied (their sha256 lands in the manifest), a genai
 # package's tokenizer_config.json then given the special-token flags genai reads (align_special_tokens).

@@ -213,7 +213,8 @@ class StreamedReference:
     def _converted_names(self) -> dict[str, tuple]:
         """transformers' parameter names that the checkpoint stores under other names, from
         transformers' own conversion mapping for this model (the one ``from_pretrained`` applies):
-        name -> ("renamed", checkpoint name) or ("merged", [[names] per source pattern], concat dim),
+        name -> ("renamed", checkpoint name), ("mxfp4", blocks, scales) (decoded by transformers'
+        ``convert_moe_packed_tensors``) or ("merged", [[names] per source pattern], concat dim),
         each pattern's names in expert order, stacked along a new first dimension (MergeModulelist)
         and the patterns concatenated (Concatenate). A mapping with other operations is refused."""
         import re
@@ -226,6 +227,10 @@ class StreamedReference:
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         found: dict[str, tuple] = {}
         collected: dict[str, dict[str, list[str]]] = {}
+        names = set(self.source.names())
+        for name in names:  # MXFP4 experts (gpt-oss): transformers' own decoder makes the bf16 parameter
+            if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in names:
+                found[name.removesuffix("_blocks")] = ("mxfp4", name, name.removesuffix("_blocks") + "_scales")
         for name in self.source.names():
             target, pattern = rename_source_key(name, renamings, converters)
             if pattern is None:
@@ -259,6 +264,12 @@ class StreamedReference:
         if merged is not None and name not in self.source:
             if merged[0] == "renamed":
                 return self._tensor(merged[1], rows)
+            if merged[0] == "mxfp4":
+                from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                blocks, scales = (torch.from_numpy(np.ascontiguousarray(self.source.array(n))) for n in merged[1:])
+                tensor = convert_moe_packed_tensors(blocks, scales, dtype=self.dtype).to(self.device)
+                return tensor if rows is None else tensor[rows]
             _, groups, dim = merged
             stacks = [torch.stack([self._tensor(n) for n in group]) for group in groups]
             tensor = stacks[0] if dim is None else torch.cat(stacks, dim=dim)

@@ -83,10 +83,17 @@ class Architecture:
         rows; 1, one part per expert already in that order (gpt-oss)."""
         return 1 if self.experts_transposed else 2
 
-    def expert_parts(self, i: int, experts: int, width: int) -> tuple[list[WeightPart], list[WeightPart]]:
+    def expert_parts(self, i: int, experts: int, width: int, has=lambda name: False
+                     ) -> tuple[list[WeightPart], list[WeightPart]]:
         """The parts of fc1 (gate and up of each expert, in turn, or each expert's already interleaved
-        rows: ``expert_interleave``) and of fc2 (each expert's down projection), expert by expert."""
+        rows: ``expert_interleave``) and of fc2 (each expert's down projection), expert by expert.
+        ``has(name)`` says whether the checkpoint holds a tensor (gpt-oss ships its experts as MXFP4
+        ``_blocks`` / ``_scales``, [experts, out, in] unlike its bf16 form)."""
         block = f"{self.layer_prefix(i)}.{self.moe_block}"
+        if self.stacked_experts and self.experts_transposed and has(f"{block}.{self.stacked_experts[0]}_blocks"):
+            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+            return ([WeightPart(f"{gate_up}_blocks", expert=e, mxfp4_scales=f"{gate_up}_scales") for e in range(experts)],
+                    [WeightPart(f"{down}_blocks", expert=e, mxfp4_scales=f"{down}_scales") for e in range(experts)])
         if self.stacked_experts and self.experts_transposed:  # one part per expert, already interleaved
             gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
             return ([WeightPart(gate_up, expert=e, transposed=True) for e in range(experts)],

@@ -86,7 +86,13 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
 def _clipped(b: GraphBuilder, x: ir.Value, cfg: ModelConfig) -> ir.Value:
     """olmoe's clip_qkv: q, k, v clamped to +-clip_qkv after their norms (and before rotary)."""
     clip = getattr(cfg, "clip_qkv", None)
-    return b.op("Clip", [x, b.scalar(-clip), b.scalar(clip)]) if clip is not None else x
+    if clip is None:
+        return x
+    if b.dtype == ir.DataType.BFLOAT16:  # onnxruntime's CUDA Clip has no bf16 kernel: clamp in fp32
+        f32 = ir.DataType.FLOAT
+        low, high = (b.op("Cast", [b.scalar(v)], {"to": f32}) for v in (-clip, clip))  # no fp32 initializer in bf16
+        return b.op("Cast", [b.op("Clip", [b.op("Cast", [x], {"to": f32}), low, high])], {"to": b.dtype})
+    return b.op("Clip", [x, b.scalar(-clip), b.scalar(clip)])
 
 
 def _scores_attrs(cfg) -> dict:

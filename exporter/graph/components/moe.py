@@ -46,7 +46,7 @@ def experts_op(b: GraphBuilder, x: ir.Value, logits: ir.Value, fc1: ir.Value, fc
 def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, i: int) -> ir.Value:
     """Layer ``i``'s experts (and shared expert) on ``x`` [batch, seq, hidden] -> [batch, seq, hidden]."""
     moe = cfg.moe
-    fc1_parts, fc2_parts = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate)
+    fc1_parts, fc2_parts = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate, has=b.has_weight)
     stem = f"{arch.layer_prefix(i)}.{arch.moe_block}.experts"
     fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
     fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
@@ -57,6 +57,8 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         fc1_bias, fc2_bias = (b.weight(arch.moe_name(i, t)) for t in arch.expert_biases)
     if arch.sparse_mixer:
         log_weights, total = sparse_mixer(b, logits, moe.num_experts, moe.sparse_mixer_eps)
+        if b.dtype != ir.DataType.FLOAT:  # computed in fp32 (CUDA has no bf16 ReduceMax / ArgMax), given back as x's
+            log_weights, total = (b.op("Cast", [t], {"to": b.dtype}) for t in (log_weights, total))
         y = experts_op(b, x, log_weights, fc1, fc2, 2, True, fc1_bias, fc2_bias)
         return b.op("Mul", [y, b.op("Reshape", [total, b.op("Concat", [b.op("Shape", [x], {"end": -1}), b.ints(1)],
                                                                     {"axis": 0})])])
@@ -81,9 +83,14 @@ def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) ->
 
     The fused ops take logits and renormalize their top k, so they are given log w1 and log w2 at
     the chosen experts and -inf elsewhere (their softmax is w / (w1 + w2), renormalizing changes
-    nothing) and the output is scaled back by w1 + w2: returns (those logits, w1 + w2 [tokens, 1])."""
-    ninf = b.scalar(float("-inf"))
-    two_eps = b.scalar(2 * eps)
+    nothing) and the output is scaled back by w1 + w2: returns (those logits, w1 + w2 [tokens, 1]), in
+    fp32 whatever the model's dtype (the routing decisions as fp32 makes them)."""
+    f32 = ir.DataType.FLOAT
+
+    def wide(value):  # a constant in the model's dtype (no fp32 initializer in a half build), widened
+        return b.op("Cast", [value], {"to": f32}) if b.dtype != f32 else value
+
+    ninf, two_eps, logits = wide(b.scalar(float("-inf"))), wide(b.scalar(2 * eps)), wide(logits)
     magnitude = b.op("Abs", [logits])
     ids = b.op("Unsqueeze", [b.op("Range", [b.scalar_i64(0), b.scalar_i64(experts), b.scalar_i64(1)]), b.ints(0)])
 

@@ -412,6 +412,10 @@ class QuantizeExpertsPass(ir.passes.InPlacePass):
             new = ir.node("QMoE", inputs, attributes=attrs, domain=MS_DOMAIN,
                           name=f"{node.name or fc1.name}_q{scheme.bits}", num_outputs=1)
             graph.insert_before(node, new)
+            output_name = node.outputs[0].name
+            node.outputs[0].name = None
+            new.outputs[0].name = output_name
+            new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
             node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
             graph.remove(node, safe=True)
             changed += 1

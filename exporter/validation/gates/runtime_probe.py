@@ -157,14 +157,14 @@ def runtime_gate(variant: str, ep: str, dtype: str, packed_qkv: bool = False) ->
     )
 
 
-# The experts' known answer: 4 experts, hidden and expert width 32, every input 1. Expert e's gate
-# rows are all GATES[e] / 32 and its up rows 1 / 32, so its SwiGLU gives GATES[e] * sigmoid(GATES[e]);
-# its down rows are 1 / 32, so every output element is that value. The router logits pick experts 0
+# The experts' known answer: 4 experts, hidden and expert width 64, every input 1. Expert e's gate
+# rows are all GATES[e] / 64 and its up rows 1 / 64, so its SwiGLU gives GATES[e] * sigmoid(GATES[e]);
+# its down rows are 1 / 64, so every output element is that value. The router logits pick experts 0
 # and 1; their mix is the softmax over all four, renormalized over the two or not. Every weight is
 # one value per quantization block: int4 and int8 hold it exactly.
 EXPERT_GATES = (1.0, 2.0, 3.0, 4.0)
 EXPERT_LOGITS = (2.0, 1.0, 0.0, -1.0)
-EXPERT_WIDTH = 32
+EXPERT_WIDTH = 64  # CUDA's QMoE takes widths in multiples of 64
 
 
 def expert_answer(top_k: int, normalize: bool) -> float:
@@ -236,7 +236,8 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
         from exporter.runtime.device import cuda_provider
 
         session = ort.InferenceSession(proto, options, providers=[cuda_provider() if ep == "cuda" else provider])
-        got = session.run(None, feeds)[0].astype(np.float32)
+        out = np.empty((1, EXPERT_WIDTH), DTYPES[activations].numpy)
+        got = run_bound(session, feeds, {"y": out})["y"].astype(np.float32)  # bound: numpy has no bf16 feeds
     except Exception as err:  # a failure to build or run is the finding
         return GateResult("runtime", check, False, ProbeOutcome.ERROR.value, ProbeOutcome.SUPPORTED.value,
                           f"{provider} could not run the export's {op} in {activations}: {err}")

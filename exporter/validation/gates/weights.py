@@ -213,8 +213,32 @@ def _external_arrays(model: onnx.ModelProto, base: Path) -> dict[str, np.ndarray
     return arrays
 
 
+class _Mxfp4Rows:
+    """An MXFP4 part's source as rows of fp32 values, decoded when sliced: the OCP MX rule (two e2m1
+    codes a byte, the low one first; each 32 scaled by 2^(e8m0 - 127)), written here apart from the
+    exporter's decoder (``checkpoint.mxfp4_values``) so that a fault in one is not the other's."""
+
+    _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+    def __init__(self, blocks: np.ndarray, scales: np.ndarray):
+        self.blocks, self.scales = blocks, scales
+        self.shape = (blocks.shape[0], blocks.shape[1] * blocks.shape[2] * 2)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        blocks, scales = self.blocks[rows], self.scales[rows].astype(np.float64)
+        magnitude = np.array(self._E2M1 * 2)[np.stack([blocks % 16, blocks // 16], axis=-1)]  # [r, groups, 16, 2]
+        sign = np.where(np.stack([blocks % 16, blocks // 16], axis=-1) >= 8, -1.0, 1.0)
+        values = sign * magnitude * np.power(2.0, scales - 127)[..., None, None]
+        return values.reshape(values.shape[0], -1).astype(np.float32)
+
+
 def _source(checkpoint: Checkpoint, part: dict) -> np.ndarray:
     """A part's source tensor as stored (one expert's slab of a 3-D tensor where the part names one)."""
+    if part.get("mxfp4_scales"):
+        blocks, scales = checkpoint.array(part["tensor"]), checkpoint.array(part["mxfp4_scales"])
+        if part.get("expert") is not None:
+            blocks, scales = blocks[part["expert"]], scales[part["expert"]]
+        return _Mxfp4Rows(blocks, scales)
     array = checkpoint.array(part["tensor"])
     array = array if part.get("expert") is None else array[part["expert"]]
     return array.T if part.get("transposed") else array  # numpy's own view, not the exporter's tiled copy
@@ -281,6 +305,8 @@ def _torch_rows(checkpoint: Checkpoint, part: dict, a: int, b: int):
     import torch
 
     rows = np.ascontiguousarray(_source(checkpoint, part)[a:b])
+    if part.get("mxfp4_scales"):
+        return torch.from_numpy(rows)
     if checkpoint.stored_dtype(part["tensor"]) is not None and checkpoint.stored_dtype(part["tensor"]).name == "BFLOAT16":
         return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(rows)
@@ -411,6 +437,8 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         for part, offset, stride in _placements(checkpoint, recipe):
             jobs.append((name, data, recipe["transposed"], offset, part, stride))
             used_sources.add(part["tensor"])
+            if part.get("mxfp4_scales"):
+                used_sources.add(part["mxfp4_scales"])
 
     def compare(job):
         """The slice's accumulator, or None when it is bit-exact."""
