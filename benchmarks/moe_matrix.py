@@ -30,13 +30,14 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_matrix  # noqa: E402  (its Recorder and placeholder tokenizer)
 
 T0 = time.perf_counter()
 # Model types onnxruntime-genai 0.18 runs as decoder-only LLMs (its model_type.h).
@@ -48,19 +49,12 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-class Recorder:
-    def __init__(self, path: Path, data: dict):
-        self.path, self.data = path, data
-        self.save()
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+class Recorder(gpu_matrix.Recorder):
+    """gpu_matrix's result JSON (written after every update), errors also logged as they come."""
 
     def error(self, where: str, err: BaseException) -> None:
-        self.data.setdefault("errors", {})[where] = "".join(traceback.format_exception_only(err)).strip()[-3000:]
+        super().error(where, err)
         log(f"ERROR {where}: {self.data['errors'][where][:400]}")
-        self.save()
 
 
 def build_checkpoint(name: str, layers: int, directory: Path) -> dict:
@@ -70,7 +64,6 @@ def build_checkpoint(name: str, layers: int, directory: Path) -> dict:
     import transformers
 
     from exporter.geometries import geometry_config
-    from gpu_matrix import tokenizer_into
 
     config = geometry_config(name, layers)
     model_type = config.pop("model_type")
@@ -83,7 +76,7 @@ def build_checkpoint(name: str, layers: int, directory: Path) -> dict:
     model.save_pretrained(directory)
     del model
     torch.cuda.empty_cache()
-    tokenizer_into(directory)
+    gpu_matrix.tokenizer_into(directory)
     return {"layers": layers, "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
 
 

@@ -299,14 +299,16 @@ def test_quantized_experts_for_cuda_need_the_widths_its_qmoe_kernels_take(checkp
 
 
 def test_a_pre_quantized_checkpoint_is_refused_with_the_way_around(checkpoint, tmp_path):
-    """gpt-oss ships MXFP4 experts (gate_up_proj_blocks / _scales): refused by name, not a missing tensor."""
-    bad = tmp_path / "mxfp4"
-    shutil.copytree(checkpoint("gpt_oss"), bad)
+    """GPTQ / AWQ packed weights (issue 32 imports them) are refused by name, not as a missing tensor;
+    gpt-oss's MXFP4 is read (test below)."""
+    bad = tmp_path / "gptq"
+    shutil.copytree(checkpoint("mixtral"), bad)
     config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (bad / "config.json").write_text(json.dumps(config))
     request = ExportRequest(model=str(bad), dtype="fp16", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
-    with pytest.raises(ExportError, match="'mxfp4' pre-quantized weights.*Mxfp4Config\\(dequantize=True\\)"):
+    with pytest.raises(ExportError, match="'gptq' pre-quantized weights, which the exporter does not import: export "
+                                          "the float checkpoint"):
         export_model(request, tmp_path / "out", validate=False)
 
 
@@ -374,3 +376,17 @@ def test_gpt_oss_mxfp4_experts_are_decoded_as_they_are_read(dtype, checkpoint, t
         with torch.no_grad():
             want = load_reference(twin)(input_ids=ids, use_cache=False).logits
         assert torch.equal(StreamedReference(source)(input_ids=ids, use_cache=False).logits, want)
+
+
+def test_the_streamed_reference_holds_one_layer_s_experts_at_a_time(checkpoint):
+    """Validation memory stays bounded for a mixture of experts as for a dense model: the experts of one
+    decoder layer (stacked as transformers holds them) are in memory while it runs, none between passes."""
+    source = checkpoint("qwen3_moe", num_hidden_layers=4)
+    streamed = StreamedReference(source, prefetch=False)
+    seen = []
+    for layer in streamed.layers:
+        layer.register_forward_pre_hook(lambda *_: seen.append(streamed.materialized_layers()))
+    streamed(input_ids=torch.tensor([_prompt("qwen3_moe", 20)]), use_cache=False)
+    assert seen == [[0], [1], [2], [3]] and streamed.materialized_layers() == []
+    experts = streamed.layers[0].mlp.experts
+    assert experts.gate_up_proj.device.type == "meta"  # dropped after its layer ran

@@ -225,6 +225,18 @@ class QuantizedPart(ir.LazyTensor):
         return summary
 
 
+def _replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    """``new`` in ``old``'s place: inserted before it, given its output's name, type and shape (a graph
+    output keeps its name), every use moved over, ``old`` removed."""
+    graph.insert_before(old, new)
+    name = old.outputs[0].name
+    old.outputs[0].name = None
+    new.outputs[0].name = name
+    new.outputs[0].shape, new.outputs[0].type = old.outputs[0].shape, old.outputs[0].type
+    old.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+    graph.remove(old, safe=True)
+
+
 def tensor_role(weight_name: str, num_layers: int, is_lm_head: bool) -> set[str]:
     roles = set()
     if is_lm_head:
@@ -311,13 +323,7 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
                      "accuracy_level": self.accuracy_level}
             new = ir.node("MatMulNBits", inputs, attributes=attrs, domain=MS_DOMAIN,
                           name=f"{node.name or weight.name}_nbits", num_outputs=1)
-            graph.insert_before(node, new)
-            output_name = node.outputs[0].name
-            node.outputs[0].name = None
-            new.outputs[0].name = output_name
-            new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-            node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-            graph.remove(node, safe=True)
+            _replace_node(graph, node, new)
             self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": self.block_size,
                                            "symmetric": self.symmetric, "roles": sorted(roles),
                                            "initializer": f"{stem}.packed"}
@@ -411,12 +417,6 @@ class QuantizeExpertsPass(ir.passes.InPlacePass):
                 inputs.pop()
             new = ir.node("QMoE", inputs, attributes=attrs, domain=MS_DOMAIN,
                           name=f"{node.name or fc1.name}_q{scheme.bits}", num_outputs=1)
-            graph.insert_before(node, new)
-            output_name = node.outputs[0].name
-            node.outputs[0].name = None
-            new.outputs[0].name = output_name
-            new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-            node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-            graph.remove(node, safe=True)
+            _replace_node(graph, node, new)
             changed += 1
         return ir.passes.PassResult(model, modified=bool(changed))
