@@ -177,6 +177,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=560, help="stop starting new work after this many seconds")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moe-matrix"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="gpt-oss: store the random experts as MXFP4 (_blocks / _scales), as gpt-oss ships; the "
+                             "genai builder's int4 reads only those")
     parser.add_argument("--genai-extra", default="", help="space-separated key=value for the builder's --extra_options")
     parser.add_argument("--merge", type=Path, default=None,
                         help="an earlier run's JSON of the same model: its depths join this one's extrapolation")
@@ -227,7 +230,15 @@ def main() -> int:
         checkpoint = work / "checkpoint"
         log(f"checkpoint {args.model} at {depth} layers")
         try:
-            rec.data["depths"][str(depth)] = {"checkpoint": build_checkpoint(args.model, depth, checkpoint), "runs": {}}
+            made = build_checkpoint(args.model, depth, checkpoint)
+            if args.mxfp4:
+                from exporter.tiny_checkpoint import mxfp4_checkpoint
+
+                mxfp4_checkpoint(checkpoint, work / "checkpoint-mxfp4")
+                shutil.rmtree(checkpoint)
+                (work / "checkpoint-mxfp4").rename(checkpoint)
+                made["mxfp4_bytes"] = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+            rec.data["depths"][str(depth)] = {"checkpoint": made, "runs": {}}
         except Exception as err:
             rec.error(f"checkpoint L{depth}", err)
             continue

@@ -121,6 +121,70 @@ def make_tiny_checkpoint(
     return out_dir
 
 
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def to_mxfp4(w):
+    """[..., K] fp32 -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the values they hold):
+    each 32 scaled by the power of two that brings its largest magnitude within 6, rounded to the
+    nearest e2m1 value, two codes a byte with the low nibble first (OCP MX, as gpt-oss ships it)."""
+    import numpy as np
+
+    grid = np.array(_E2M1, np.float32)
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    peak = np.abs(blocks).max(axis=-1)
+    exponent = np.where(peak > 0, np.ceil(np.log2(np.maximum(peak, 1e-30) / 6.0)), -127).clip(-127, 127)
+    scaled = blocks / np.power(2.0, exponent)[..., None]
+    index = np.abs(np.abs(scaled)[..., None] - grid).argmin(axis=-1)
+    codes = (index + 8 * (scaled < 0)).astype(np.uint8)
+    values = np.where(scaled < 0, -1.0, 1.0) * grid[index] * np.power(2.0, exponent)[..., None]
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).astype(np.uint8), values.reshape(w.shape).astype(np.float32)
+
+
+def mxfp4_checkpoint(source: Path, out: Path, *, twin: Path | None = None):
+    """A gpt-oss checkpoint as its real ones ship (experts as MXFP4 ``_blocks`` / ``_scales``,
+    [experts, out, in], ``quantization_config`` mxfp4) made from a float one; ``twin``: the same model
+    with those experts' values as plain float tensors (what transformers' dequantized model holds).
+    Returns (out, twin)."""
+    import json
+    import shutil
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, out = Path(source), Path(out)
+    for d in (out, twin):
+        if d is not None:
+            shutil.copytree(source, d)
+    for file in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(file))  # torch: bf16 checkpoints too
+        mxfp4, plain = {}, {}
+        for name, value in tensors.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                wide = value.float().transpose(-1, -2).contiguous().numpy()  # [experts, out, in]
+                packed, scales, values = to_mxfp4(wide)
+                mxfp4[f"{name}_blocks"], mxfp4[f"{name}_scales"] = torch.from_numpy(packed), torch.from_numpy(scales)
+                plain[name] = torch.from_numpy(np.ascontiguousarray(values)).transpose(-1, -2).contiguous().to(value.dtype)
+            else:
+                mxfp4[name] = plain[name] = value
+        save_file(mxfp4, str(out / file.name), metadata={"format": "pt"})
+        if twin is not None:
+            save_file(plain, str(twin / file.name), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index names the new tensors
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f for name, f in data["weight_map"].items()
+                              for n in ([f"{name}_blocks", f"{name}_scales"]
+                                        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else [name])}
+        index.write_text(json.dumps(data, indent=2))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out, twin
+
+
 # A byte-level BPE needs its 256 byte symbols + 3 specials + merges: pass vocab_size=TINY_TOKENIZER_VOCAB
 # to make_tiny_checkpoint so every token id has a row.
 TINY_TOKENIZER_VOCAB = 300

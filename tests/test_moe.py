@@ -21,7 +21,7 @@ from exporter.packaging.checkpoint import Checkpoint
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.runtime.session import Decoder
-from exporter.tiny_checkpoint import MOE_ARCHITECTURES
+from exporter.tiny_checkpoint import MOE_ARCHITECTURES, mxfp4_checkpoint
 from exporter.validation.gates.weights import weight_integrity
 from exporter.validation.parity import run_parity
 from exporter.validation.reference import load_reference, reference_greedy
@@ -312,54 +312,13 @@ def test_a_pre_quantized_checkpoint_is_refused_with_the_way_around(checkpoint, t
         export_model(request, tmp_path / "out", validate=False)
 
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-
-
-def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[..., K] fp32 -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the values they hold):
-    each 32 scaled by the power of two that brings its largest magnitude within 6, rounded to e2m1."""
-    blocks = w.reshape(*w.shape[:-1], -1, 32)
-    peak = np.abs(blocks).max(axis=-1)
-    exponent = np.where(peak > 0, np.ceil(np.log2(np.maximum(peak, 1e-30) / 6.0)), -127).clip(-127, 127)
-    scaled = blocks / np.power(2.0, exponent)[..., None]
-    index = np.abs(np.abs(scaled)[..., None] - _E2M1).argmin(axis=-1)
-    codes = (index + 8 * (scaled < 0)).astype(np.uint8)
-    values = np.where(scaled < 0, -1.0, 1.0) * _E2M1[index] * np.power(2.0, exponent)[..., None]
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).astype(np.uint8), values.reshape(w.shape).astype(np.float32)
-
-
-def _mxfp4_gpt_oss(source, out, twin):
-    """gpt-oss as its real checkpoints ship it: experts as MXFP4 _blocks / _scales ([experts, out, in]),
-    quantization_config mxfp4; and its twin with those experts' values as plain fp32 tensors."""
-    from safetensors.numpy import load_file, save_file
-
-    for d in (out, twin):
-        shutil.copytree(source, d)
-    tensors = load_file(str(source / "model.safetensors"))
-    mxfp4, plain = {}, {}
-    for name, value in tensors.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            packed, scales, values = _to_mxfp4(np.ascontiguousarray(value.swapaxes(-1, -2)))  # [experts, out, in]
-            mxfp4[f"{name}_blocks"], mxfp4[f"{name}_scales"] = packed, scales
-            plain[name] = np.ascontiguousarray(values.swapaxes(-1, -2))
-        else:
-            mxfp4[name] = plain[name] = value
-    save_file(mxfp4, str(out / "model.safetensors"), metadata={"format": "pt"})
-    save_file(plain, str(twin / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
-    (out / "config.json").write_text(json.dumps(config))
-    return out, twin
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "int4"])
 def test_gpt_oss_mxfp4_experts_are_decoded_as_they_are_read(dtype, checkpoint, tmp_path):
     """A gpt-oss checkpoint as published (MXFP4 experts) exports, the experts decoded exactly: its
     logits are transformers' on the same values stored as floats (fp32: within 1e-4 of the range);
     the weight gate reads every MXFP4 block back with its own decoder; the streamed reference, through
     transformers' own MXFP4 decoder, gives the same logits bit for bit."""
-    source, twin = _mxfp4_gpt_oss(checkpoint("gpt_oss"), tmp_path / "mxfp4", tmp_path / "twin")
+    source, twin = mxfp4_checkpoint(checkpoint("gpt_oss"), tmp_path / "mxfp4", twin=tmp_path / "twin")
     request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
     out = export_model(request, tmp_path / "export", validate=False).out_dir
     manifest = json.loads((out / "manifest.json").read_text())
