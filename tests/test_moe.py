@@ -128,10 +128,11 @@ def _dequantized_checkpoint(source, export_dir, out):
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 @pytest.mark.parametrize("arch", MOE)
 def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch, dtype, checkpoint, tmp_path):
-    """QMoE (int4 blocks of 32, int8 one scale per row) and MatMulNBits at accuracy level 0 compute
-    in fp32 on the CPU: the export's logits are transformers' on the checkpoint whose quantized
-    weights are replaced by their dequantized values, to 1e-4 of the logit range, and greedy decode
-    gives the same tokens."""
+    """QMoE (int4 blocks of 32, int8 one scale per row) and 4-bit MatMulNBits compute in fp32 on the
+    CPU: the export's logits are transformers' on the checkpoint whose quantized weights are replaced
+    by their dequantized values, to 1e-4 of the logit range, and greedy decode gives the same tokens.
+    8-bit MatMulNBits runs int8 activations there (its only fast kernel): within 5% of the range, at
+    most 2 of 24 decisive steps different on these random weights (measured 0.5-3.7%, 0-2)."""
     source = checkpoint(arch)
     request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant=_variant(arch), max_seq_len=MAX_SEQ_LEN)
     out = export_model(request, tmp_path / "export", validate=False).out_dir
@@ -152,9 +153,14 @@ def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch
 
     dequantized, _ = _dequantized_checkpoint(source, out, tmp_path / "dequantized")
     ref = reference_greedy(load_reference(dequantized), _prompt(arch), DECODE_STEPS)
-    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
-    assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
-    assert result.tokens == ref.tokens, result.mismatches
+    if dtype == "int4":
+        result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+        assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
+        assert result.tokens == ref.tokens, result.mismatches
+    else:  # the CPU's 8-bit MatMulNBits runs int8 activations (fold.CPU_ACCURACY_LEVEL): close, not exact
+        result = run_parity(Decoder(out), ref, near_tie_margin=0.1)
+        assert result.prefill_max_abs_error <= 5e-2 * result.logit_range, result
+        assert len(result.mismatches) <= 2, result  # of 24 teacher-forced steps, on hypersensitive random weights
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])

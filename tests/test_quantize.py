@@ -84,7 +84,12 @@ def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(c
             assert all(g.status in ("pass", "info") for g in by_gate[gate]), [g.to_dict() for g in by_gate[gate]]
         assert "parity" not in by_gate and len(by_gate["quality"]) == 5  # the measurement check, then the four
         decode = by_gate["quality"][-1]
-        assert "decode steps through the cache" in decode.check and decode.status == "pass", decode.to_dict()
+        assert "decode steps through the cache" in decode.check, decode.to_dict()
+        levels = {a.i for n in _nbits_nodes(out / "model.onnx") for a in n.attribute if a.name == "accuracy_level"}
+        if dtype == "int4":  # fp32 activations: decode must equal the export's own prefill
+            assert levels == {0} and decode.status == "pass", decode.to_dict()
+        else:  # 8-bit weights run with int8 activations on the CPU (its fast kernel): reported, not judged
+            assert levels == {4} and decode.status == "info" and decode.measured < 0.1 * decode.details["logit_range"]
         assert report.quality["positions"] > 100 and report.quality["tokenizer"] == "bytes"
         report.write(out)
         assert "Quality against the unquantized reference" in (out / "parity_report.md").read_text()

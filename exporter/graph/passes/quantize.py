@@ -253,10 +253,12 @@ def tensor_role(weight_name: str, num_layers: int, is_lm_head: bool) -> set[str]
 
 class QuantizeMatMulPass(ir.passes.InPlacePass):
     """Every ``MatMul`` on a pre-transposed checkpoint weight becomes ``MatMulNBits`` unless the
-    policy keeps its role; ``decisions`` records what happened to each weight (for the manifest)."""
+    policy keeps its role; ``decisions`` records what happened to each weight (for the manifest).
+    ``accuracy_level``: one for every node, or one per weight width (an int8 LM head of an int4 export
+    gets the 8-bit one)."""
 
     def __init__(self, bits: int, block_size: int, symmetric: bool, *, num_layers: int, logits: str,
-                 lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int = 0):
+                 lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int | dict[int, int] = 0):
         super().__init__()
         self.bits, self.block_size, self.symmetric = bits, block_size, symmetric
         self.num_layers, self.logits = num_layers, logits
@@ -319,8 +321,9 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
                 value = graph.initializers[name] if name in graph.initializers else \
                     make_initializer(graph, QuantizedPart(quantization, role, name), name)
                 inputs.append(value)
+            level = self.accuracy_level.get(bits, 0) if isinstance(self.accuracy_level, dict) else self.accuracy_level
             attrs = {"K": quantization.k, "N": quantization.n, "bits": bits, "block_size": self.block_size,
-                     "accuracy_level": self.accuracy_level}
+                     "accuracy_level": level}
             new = ir.node("MatMulNBits", inputs, attributes=attrs, domain=MS_DOMAIN,
                           name=f"{node.name or weight.name}_nbits", num_outputs=1)
             _replace_node(graph, node, new)
