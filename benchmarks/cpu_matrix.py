@@ -9,7 +9,7 @@ prompt (min_length = max_length, so no end of sequence cuts it short), prefill =
 decode = the median ``generate_next_token`` after ``--warmup`` steps; the figure is the median over
 rounds. Quality: teacher-forced next-token agreement and mean KL(reference || export) of every export
 against transformers fp32 on the same weights, scored by one code path (benchmarks/quant_quality.py's
-RawPrefill + the quality gate's ``score``).
+``score_export``: a plain session's prefill + the quality gate's ``score``).
 
     python benchmarks/cpu_matrix.py --out benchmarks/results/cpu_matrix.json
 """
@@ -80,9 +80,9 @@ def main() -> int:
 
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
-    from exporter.validation.gates.quality import WINDOW, reference_logits, score, text_tokens, windows
+    from exporter.validation.gates.quality import WINDOW, reference_logits, text_tokens, windows
     from exporter.validation.reference import load_reference
-    from quant_quality import RawPrefill, folder_bytes, onnx_census
+    from quant_quality import folder_bytes, onnx_census, score_export
     from tests.real_model import GGUF_MEMBER, PACKAGE, real_checkpoint
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="cpu-matrix-"))
@@ -128,12 +128,9 @@ def main() -> int:
     tokens, how, prefix = text_tokens(checkpoint, config["vocab_size"])
     chunks = windows(tokens, WINDOW, prefix)
     reference = reference_logits(load_reference(checkpoint), chunks)
-    kv_heads = config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     results = {}
     for label, folder in exports.items():
-        lm = RawPrefill(folder / "model.onnx", kv_heads, head_dim)
-        quality = score(chunks, reference, [lm.logits(c) for c in chunks], how)
+        quality = score_export(folder, config, chunks, reference, how)
         results[label] = {
             "decode_ms": float(np.median(rounds[label]["decode_ms"])), "prefill_ms": float(np.median(rounds[label]["prefill_ms"])),
             "rounds": rounds[label], "model_bytes": folder_bytes(folder), **onnx_census(folder / "model.onnx"),

@@ -84,6 +84,16 @@ class RawPrefill:
         return self.session.run(["logits"], feeds)[0][0].astype(np.float32)
 
 
+def score_export(folder: Path, config: dict, chunks: list[list[int]], reference: list[np.ndarray], how: str):
+    """The quality gate's figures of one export folder (any decoder with input_ids + past_key_values:
+    ours or the genai builder's) against the reference's logits over ``chunks``, by one code path."""
+    from exporter.validation.gates.quality import score
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    lm = RawPrefill(folder / "model.onnx", config["num_key_value_heads"], head_dim)
+    return score(chunks, reference, [lm.logits(c) for c in chunks], how)
+
+
 def genai_generate(export_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     import onnxruntime_genai as og
 
@@ -121,7 +131,7 @@ def main() -> None:
 
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
-    from exporter.validation.gates.quality import WINDOW, reference_logits, score, text_tokens, windows
+    from exporter.validation.gates.quality import WINDOW, reference_logits, text_tokens, windows
     from exporter.validation.reference import load_reference
     from tests.genai_greedy import until_eos
     from tests.real_model import GGUF_MEMBER, GGUF_SHA256, PACKAGE, real_checkpoint
@@ -163,9 +173,7 @@ def main() -> None:
 
     results = {}
     for label, folder in exports.items():
-        lm = RawPrefill(folder / "model.onnx", config["num_key_value_heads"],
-                        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-        quality = score(chunks, ref, [lm.logits(c) for c in chunks], how)
+        quality = score_export(folder, config, chunks, ref, how)
         generated = [until_eos(g, tokenizer.eos_token_id) for g in genai_generate(folder, prompts)]
         same = [g == r for g, r in zip(generated, ref_gen)]
         results[label] = {

@@ -66,7 +66,7 @@ class Geometry:
     layer: int  # the projections of the largest decoder layer (norms and biases are a rounding error)
     layers: int
     kv_per_token: int  # key + value elements one token adds to the cache, over every layer
-    all_layers: int = 0  # every layer's projections (0: layers x layer); experts dominate an MoE model's
+    all_layers: int  # every layer's projections (layers differ: experts or a dense MLP)
 
     @classmethod
     def of(cls, config: ModelConfig) -> Geometry:
@@ -77,7 +77,7 @@ class Geometry:
 
     @property
     def parameters(self) -> int:
-        return self.embedding + self.lm_head + (self.all_layers or self.layer * self.layers)
+        return self.embedding + self.lm_head + self.all_layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,8 @@ import onnx_ir as ir
 from exporter import contract as io
 from exporter.graph.architectures.base import POST_NORM, Architecture
 from exporter.graph.components.attention import StepInputs
-from exporter.graph.components.decoder import decoder_layer, norm_bias, norm_weight, residual_norm
+from exporter.graph.components.decoder import decoder_layer, norm, residual_norm
 from exporter.graph.components.graph import GraphBuilder, linear
-from exporter.graph.components.norm import rms_norm
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
 from exporter.graph.config import ModelConfig, RopeConfig
 from exporter.request import Variant
@@ -181,8 +180,7 @@ def build_graph(
         x = b.op("Mul", [x, b.scalar(cfg.embedding_scale)])  # gemma: sqrt(hidden); granite: its multiplier
     outputs = []
     post_norm = arch.norm_layout == POST_NORM
-    h = x if post_norm else rms_norm(b, x, norm_weight(b, arch, arch.names(0)["input_norm"]), cfg.rms_norm_eps,
-                                     norm_bias(b, arch, arch.names(0)["input_norm"]))
+    h = x if post_norm else norm(b, arch, x, arch.names(0)["input_norm"], cfg.rms_norm_eps)
     for i in range(cfg.num_layers):
         mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
         last = i + 1 == cfg.num_layers

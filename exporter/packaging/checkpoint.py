@@ -180,10 +180,14 @@ class WeightPart:
     # e2m1 codes, this its ``_scales`` [experts, N, K / 32] of e8m0 exponents; read as the fp32 values.
     mxfp4_scales: str | None = None
 
+    def _slab(self, checkpoint: Checkpoint, name: str) -> np.ndarray:
+        """Tensor ``name`` as stored, cut to this part's expert where it names one."""
+        array = checkpoint.array(name)
+        return array if self.expert is None else array[self.expert]
+
     def source(self, checkpoint: Checkpoint) -> np.ndarray:
         """The part's 2-D source as ``Checkpoint.array`` gives it (a view; rows not yet taken)."""
-        array = checkpoint.array(self.name)
-        array = array if self.expert is None else array[self.expert]
+        array = self._slab(checkpoint, self.name)
         return array.T if self.transposed else array
 
     def stored(self, checkpoint: Checkpoint) -> ir.DataType | None:
@@ -195,15 +199,11 @@ class WeightPart:
         part's columns copied in cache-sized tiles, MXFP4 blocks decoded."""
         start = self.rows[0] if self.rows else 0
         if self.mxfp4_scales:
-            blocks, scales = (checkpoint.array(n) for n in (self.name, self.mxfp4_scales))
-            if self.expert is not None:
-                blocks, scales = blocks[self.expert], scales[self.expert]
+            blocks, scales = (self._slab(checkpoint, n) for n in (self.name, self.mxfp4_scales))
             return mxfp4_values(blocks[start + a : start + b], scales[start + a : start + b])
         if not self.transposed:
             return self.source(checkpoint)[start + a : start + b]
-        array = checkpoint.array(self.name)
-        array = array if self.expert is None else array[self.expert]
-        return transpose(array[:, start + a : start + b])
+        return transpose(self._slab(checkpoint, self.name)[:, start + a : start + b])
 
     def shape(self, checkpoint: Checkpoint) -> tuple[int, ...]:
         shape = checkpoint.shape(self.name)

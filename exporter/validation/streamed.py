@@ -111,6 +111,7 @@ class StreamedReference:
         self.layers = list(decoder.layers)
         self.embedding = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self._merged = self._converted_names()
         self._names = self._checkpoint_names()
         # Every parameter outside the layers, the embedding and the LM head (final norm, ...) is small
         # and used by every pass: materialized once.
@@ -194,7 +195,6 @@ class StreamedReference:
         candidates: dict[int, list[str]] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             candidates.setdefault(id(param), []).append(name)
-        self._merged = self._converted_names()
         embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source), None)
         names, missing = {}, []
         for key, options in candidates.items():
@@ -260,7 +260,7 @@ class StreamedReference:
         transformers merges from several (``_converted_names``)."""
         import torch
 
-        merged = getattr(self, "_merged", {}).get(name)
+        merged = self._merged.get(name)
         if merged is not None and name not in self.source:
             if merged[0] == "renamed":
                 return self._tensor(merged[1], rows)

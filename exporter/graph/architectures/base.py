@@ -74,8 +74,12 @@ class Architecture:
             "k_norm": f"{p}.self_attn.k_norm.weight",
         }
 
+    def moe_name(self, i: int, tensor: str) -> str:
+        """``tensor`` under layer ``i``'s mixture-of-experts block."""
+        return f"{self.layer_prefix(i)}.{self.moe_block}.{tensor}"
+
     def router_name(self, i: int) -> str:
-        return f"{self.layer_prefix(i)}.{self.moe_block}.{self.router}"
+        return self.moe_name(i, self.router)
 
     @property
     def expert_interleave(self) -> int:
@@ -89,30 +93,27 @@ class Architecture:
         rows: ``expert_interleave``) and of fc2 (each expert's down projection), expert by expert.
         ``has(name)`` says whether the checkpoint holds a tensor (gpt-oss ships its experts as MXFP4
         ``_blocks`` / ``_scales``, [experts, out, in] unlike its bf16 form)."""
-        block = f"{self.layer_prefix(i)}.{self.moe_block}"
-        if self.stacked_experts and self.experts_transposed and has(f"{block}.{self.stacked_experts[0]}_blocks"):
-            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+        if self.stacked_experts and self.experts_transposed and has(self.moe_name(i, f"{self.stacked_experts[0]}_blocks")):
+            gate_up, down = (self.moe_name(i, t) for t in self.stacked_experts)
             return ([WeightPart(f"{gate_up}_blocks", expert=e, mxfp4_scales=f"{gate_up}_scales") for e in range(experts)],
                     [WeightPart(f"{down}_blocks", expert=e, mxfp4_scales=f"{down}_scales") for e in range(experts)])
         if self.stacked_experts and self.experts_transposed:  # one part per expert, already interleaved
-            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+            gate_up, down = (self.moe_name(i, t) for t in self.stacked_experts)
             return ([WeightPart(gate_up, expert=e, transposed=True) for e in range(experts)],
                     [WeightPart(down, expert=e, transposed=True) for e in range(experts)])
         if self.stacked_experts:
-            gate_up, down = (f"{block}.{t}" for t in self.stacked_experts)
+            gate_up, down = (self.moe_name(i, t) for t in self.stacked_experts)
             fc1 = [WeightPart(gate_up, rows=rows, expert=e) for e in range(experts) for rows in ((0, width), (width, 2 * width))]
             return fc1, [WeightPart(down, expert=e) for e in range(experts)]
-        gate, up, down = (f"{block}.{t}" for t in self.expert_tensors)
+        gate, up, down = (self.moe_name(i, t) for t in self.expert_tensors)
         fc1 = [WeightPart(t.format(e=e)) for e in range(experts) for t in (gate, up)]
         return fc1, [WeightPart(down.format(e=e)) for e in range(experts)]
 
-    def moe_name(self, i: int, tensor: str) -> str:
-        return f"{self.layer_prefix(i)}.{self.moe_block}.{tensor}"
-
     def shared_expert_names(self, i: int) -> dict[str, str]:
-        block = f"{self.layer_prefix(i)}.{self.moe_block}"
-        return {"gate": f"{block}.shared_expert.gate_proj.weight", "up": f"{block}.shared_expert.up_proj.weight",
-                "down": f"{block}.shared_expert.down_proj.weight", "gate_scale": f"{block}.shared_expert_gate.weight"}
+        return {"gate": self.moe_name(i, "shared_expert.gate_proj.weight"),
+                "up": self.moe_name(i, "shared_expert.up_proj.weight"),
+                "down": self.moe_name(i, "shared_expert.down_proj.weight"),
+                "gate_scale": self.moe_name(i, "shared_expert_gate.weight")}
 
     def norm_part(self, name: str) -> WeightPart:
         return WeightPart(name, add=self.norm_offset)

@@ -45,7 +45,8 @@ def norm_bias(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value | None
     return b.weight(name.removesuffix(".weight") + ".bias") if arch.layer_norm else None
 
 
-def _norm(b: GraphBuilder, arch: Architecture, x: ir.Value, name: str, eps: float) -> ir.Value:
+def norm(b: GraphBuilder, arch: Architecture, x: ir.Value, name: str, eps: float) -> ir.Value:
+    """The architecture's norm (RMSNorm, or phimoe's LayerNorm with its bias) named ``name``, of ``x``."""
     return rms_norm(b, x, norm_weight(b, arch, name), eps, norm_bias(b, arch, name))
 
 
@@ -98,10 +99,10 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
     attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
     if arch.norm_layout == SANDWICH:
-        attn_out = _norm(b, arch, attn_out, names["post_attention_norm"], eps)
+        attn_out = norm(b, arch, attn_out, names["post_attention_norm"], eps)
         h, x = residual_norm(b, arch, x, attn_out, names["pre_feedforward_norm"], eps)
     elif arch.norm_layout == POST_NORM:
-        attn_out = _norm(b, arch, attn_out, names["post_attention_norm"], eps)
+        attn_out = norm(b, arch, attn_out, names["post_attention_norm"], eps)
         x = b.op("Add", [x, _scaled(b, attn_out, cfg.residual_scale)])
         h = x
     else:
@@ -116,5 +117,5 @@ def decoder_layer(
             cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
         )
     if arch.norm_layout in (SANDWICH, POST_NORM):
-        mlp_out = _norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
+        mlp_out = norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, (key_out, value_out)

@@ -47,7 +47,7 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     """Layer ``i``'s experts (and shared expert) on ``x`` [batch, seq, hidden] -> [batch, seq, hidden]."""
     moe = cfg.moe
     fc1_parts, fc2_parts = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate, has=b.has_weight)
-    stem = f"{arch.layer_prefix(i)}.{arch.moe_block}.experts"
+    stem = arch.moe_name(i, "experts")
     fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
     fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None

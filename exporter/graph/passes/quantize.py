@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import onnx_ir as ir
 
+from exporter.errors import ExportError
 from exporter.packaging.checkpoint import CheckpointTensor
 from exporter.graph.passes.dtype import make_initializer
 
@@ -155,7 +156,7 @@ class _Quantization:
             self.k, self.n = (int(d) for d in source.shape.numpy())
         else:  # experts' rows, [experts, N, K] as [experts * N, K]: quantized by row
             self.k, self.n = int(source.shape[-1]), source.rows2d()
-        self.experts = getattr(source, "experts", None)
+        self.experts = source.experts
         self._lock = threading.Lock()
         self._small: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -359,8 +360,6 @@ class QuantizeExpertsPass(ir.passes.InPlacePass):
         self.decisions: dict[str, dict] = {}
 
     def _scheme(self, k: int, name: str) -> QuantScheme:
-        from exporter.errors import ExportError
-
         if self.bits == 8:
             return QuantScheme(8, k, self.symmetric)
         if k % self.block_size:

@@ -39,11 +39,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from exporter import checkpoints
 from exporter.graph.passes.quantize import quantize_rows  # noqa: F401 (the gate's exact answer; tests use it here)
 
-from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint
+from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint, _as_torch
 from exporter.validation.gates import GateResult
 
 # bf16's 8-bit significand alone puts a norm weight near 1.0 with spread 0.1 at correlation ~0.9998
@@ -301,15 +302,10 @@ def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Ch
 
 
 def _torch_rows(checkpoint: Checkpoint, part: dict, a: int, b: int):
-    """Source rows [a, b) of a part as a torch tensor in the stored dtype (bf16 from its raw bits)."""
-    import torch
-
-    rows = np.ascontiguousarray(_source(checkpoint, part)[a:b])
-    if part.get("mxfp4_scales"):
-        return torch.from_numpy(rows)
-    if checkpoint.stored_dtype(part["tensor"]) is not None and checkpoint.stored_dtype(part["tensor"]).name == "BFLOAT16":
-        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(rows)
+    """Source rows [a, b) of a part as a torch tensor in the stored dtype (bf16 from its raw bits;
+    MXFP4 as the fp32 values this module decodes)."""
+    stored = ir.DataType.FLOAT if part.get("mxfp4_scales") else checkpoint.stored_dtype(part["tensor"])
+    return _as_torch(_source(checkpoint, part)[a:b], stored)
 
 
 def _numpy(tensor) -> np.ndarray:
