@@ -83,15 +83,39 @@ class RawPrefill:
                 raise SystemExit(f"unknown input {i.name}")
         return self.session.run(["logits"], feeds)[0][0].astype(np.float32)
 
+    def decoded(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits at every position computed as a generator computes them: the first
+        token as a prefill, then one token per run through the KV cache (``present.*`` fed back)."""
+        outputs = [o.name for o in self.session.get_outputs()]
+        past = {i.name: np.zeros((1, self.kv_heads, 0, self.head_dim), self.numpy_of_ort(i.type))
+                for i in self.inputs if i.name.startswith("past_key_values")}
+        rows = []
+        for t, token in enumerate(ids):
+            feeds = dict(past)
+            for i in self.inputs:
+                if i.name == "input_ids":
+                    feeds[i.name] = np.array([[token]], np.int64)
+                elif i.name == "attention_mask":
+                    feeds[i.name] = np.ones((1, t + 1), self.numpy_of_ort(i.type))
+                elif i.name == "position_ids":
+                    feeds[i.name] = np.array([[t]], np.int64)
+            result = dict(zip(outputs, self.session.run(outputs, feeds)))
+            rows.append(result["logits"][0, -1].astype(np.float32))
+            past = {name: result[name.replace("past_key_values", "present")] for name in past}
+        return np.stack(rows)
 
-def score_export(folder: Path, config: dict, chunks: list[list[int]], reference: list[np.ndarray], how: str):
+
+def score_export(folder: Path, config: dict, chunks: list[list[int]], reference: list[np.ndarray], how: str,
+                 decode: bool = False):
     """The quality gate's figures of one export folder (any decoder with input_ids + past_key_values:
-    ours or the genai builder's) against the reference's logits over ``chunks``, by one code path."""
+    ours or the genai builder's) against the reference's logits over ``chunks``, by one code path:
+    each window as one prefill (the gate's way), or with ``decode`` one token at a time through the
+    cache (what a generator's decode steps compute: int8-activation kernels quantize the two apart)."""
     from exporter.validation.gates.quality import score
 
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     lm = RawPrefill(folder / "model.onnx", config["num_key_value_heads"], head_dim)
-    return score(chunks, reference, [lm.logits(c) for c in chunks], how)
+    return score(chunks, reference, [lm.decoded(c) if decode else lm.logits(c) for c in chunks], how)
 
 
 def genai_generate(export_dir: Path, prompts: list[list[int]]) -> list[list[int]]:

@@ -52,7 +52,10 @@ def add_export_parser(sub) -> None:
                    help="int4 / int8 on cuda: the activation dtype (default: bf16 for a checkpoint trained in "
                         "bf16, else fp16)")
     p.add_argument("--quant-keep", default="",
-                   help="int4 / int8: comma-separated roles kept unquantized: lm_head, first_layer, last_layer")
+                   help="int4 / int8: comma-separated roles kept unquantized: lm_head, first_layer, last_layer, embedding")
+    p.add_argument("--quant-accuracy-level", type=int, default=None,
+                   help="int4 / int8 on cpu: MatMulNBits accuracy level, 0 (fp32 activations, exact to the dequantized "
+                        "weights) to 4 (int8 activations, the default there)")
     p.add_argument("--ep", default="cpu", help="cpu | cuda: the execution provider the export targets")
     p.add_argument("--static-cache", action="store_true", help="fixed-size KV cache (attn_static)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length; required with --static-cache")
@@ -121,8 +124,8 @@ def _cmd_bench(args) -> int:
 
 def _print_report(report) -> None:
     for g in report.gates:
-        mark = "ok  " if g.passed else "FAIL"
-        print(f"  [{mark}] {g.gate:<9} {g.check}: {g.measured}" + (f"  -- {g.message}" if not g.passed and g.message else ""))
+        mark = {"pass": "ok  ", "fail": "FAIL", "info": "info"}[g.status]
+        print(f"  [{mark}] {g.gate:<9} {g.check}: {g.measured}" + (f"  -- {g.message}" if g.status != "pass" and g.message else ""))
 
 
 def _cmd_validate(args) -> int:
@@ -155,6 +158,8 @@ def _quant_options(args) -> dict | None:
         options["symmetric"] = False
     if args.quant_lm_head_bits is not None:
         options["lm_head_bits"] = args.quant_lm_head_bits
+    if args.quant_accuracy_level is not None:
+        options["accuracy_level"] = args.quant_accuracy_level
     if args.quant_keep:
         options["keep"] = [k.strip() for k in args.quant_keep.split(",") if k.strip()]
     if options and args.dtype not in ("int4", "int8"):

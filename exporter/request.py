@@ -73,7 +73,10 @@ def trained_in_bf16(checkpoint_dir) -> bool:
 
 
 # What a weight-only export keeps at higher precision, by tensor role.
-QUANT_KEEP_CHOICES = ("lm_head", "first_layer", "last_layer")
+QUANT_KEEP_CHOICES = ("lm_head", "first_layer", "last_layer", "embedding")
+# MatMulNBits accuracy levels (the minimum precision of its activations: 0 = the activation dtype,
+# 4 = int8); the CPU EP acts on them, CUDA ignores them.
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +84,10 @@ class QuantSpec:
     """How a quantized export quantizes: MatMulNBits block size, zero points, per-tensor policy.
 
     ``lm_head_bits`` quantizes the LM head at its own width (8 with int4 buys quality for a few
-    percent of decode speed); ``keep`` names roles left in the activation dtype.
+    percent of decode speed); ``keep`` names roles left in the activation dtype (``embedding``: a tied
+    embedding stays float instead of gathering from the quantized LM head). ``accuracy_level``: every
+    MatMulNBits' level; None picks by EP (graph/fold.py: int8 activations on the CPU, measured fastest
+    at the quality the gates check; 0 computes in the activation dtype, exact to the dequantized weights).
     """
 
     block_size: int = 32
@@ -89,6 +95,7 @@ class QuantSpec:
     lm_head_bits: int | None = None  # None: the dtype's bits
     keep: tuple[str, ...] = ()
     activations: str | None = None  # cuda: fp16 | bf16; None: bf16 for a bf16-trained checkpoint, else fp16
+    accuracy_level: int | None = None  # None: by EP (fold.CPU_ACCURACY_LEVEL)
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
@@ -103,18 +110,23 @@ class QuantSpec:
         object.__setattr__(self, "keep", keep)
         if self.activations not in (None, "fp16", "bf16"):
             raise ExportError(f"quant activations must be fp16 or bf16 (cuda), got {self.activations!r}")
+        if self.accuracy_level is not None and (isinstance(self.accuracy_level, bool)
+                                                or self.accuracy_level not in ACCURACY_LEVELS):
+            raise ExportError(f"quant accuracy_level must be one of {', '.join(map(str, ACCURACY_LEVELS))} (MatMulNBits: "
+                              f"0 computes in the activation dtype, 4 in int8), got {self.accuracy_level!r}")
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "symmetric": self.symmetric, "lm_head_bits": self.lm_head_bits,
-                "keep": list(self.keep), **({"activations": self.activations} if self.activations else {})}
+                "keep": list(self.keep), **({"activations": self.activations} if self.activations else {}),
+                **({"accuracy_level": self.accuracy_level} if self.accuracy_level is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> QuantSpec:
         data = dict(data or {})
-        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations"})
+        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations", "accuracy_level"})
         if unknown:
             raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, "
-                              "keep, activations")
+                              "keep, activations, accuracy_level")
         return cls(**{**data, "keep": tuple(data.get("keep", ()))})
 
 

@@ -143,6 +143,8 @@ def test_genai_config_follows_the_graph_and_the_checkpoint(variant, genai_export
     assert (decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 2, 16)
     assert (decoder["num_hidden_layers"], decoder["hidden_size"], decoder["filename"]) == (2, 64, MODEL_FILE)
     assert decoder["session_options"]["provider_options"] == []
+    # onnxruntime's thread count (a thread per physical core), not genai's half of the logical CPUs
+    assert decoder["session_options"]["intra_op_num_threads"] == 0
     assert search["past_present_share_buffer"] is (variant == "gqa")
     assert search["do_sample"] is False
 
@@ -162,6 +164,7 @@ def test_cuda_export_carries_cuda_provider_options(genai_export):
     export_dir = genai_export("llama", "gqa", "fp16", "cuda")  # built on the CPU, never run here
     config = _genai_config(export_dir)
     assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert "intra_op_num_threads" not in config["model"]["decoder"]["session_options"]
     assert config["search"]["past_present_share_buffer"] is True
 
 

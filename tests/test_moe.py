@@ -16,7 +16,6 @@ import torch
 from exporter.errors import ExportError
 from exporter.graph.architectures import ARCHITECTURES as REGISTRY
 from exporter.graph.config import load_model_config
-from exporter.graph.passes.quantize import QuantScheme, dequantize, quantize_rows
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
@@ -28,6 +27,7 @@ from exporter.validation.reference import load_reference, reference_greedy
 from exporter.validation.streamed import StreamedReference
 from exporter.validation.validate import validate_export
 from tests.conftest import DECODE_STEPS, MAX_SEQ_LEN, VARIANTS
+from tests.quantized_reference import dequantized_checkpoint
 
 MOE = list(MOE_ARCHITECTURES)
 # gpt-oss's attention sinks exist only in GroupQueryAttention: its other variants are refused.
@@ -91,50 +91,18 @@ def test_experts_run_as_one_fused_op_per_sparse_layer(arch, checkpoint, exported
         assert moe.sparse_layers == (True, False) and moe.shared_expert_intermediate == 48 and not moe.normalize
 
 
-def _dequantized_checkpoint(source, export_dir, out):
-    """The checkpoint with every weight the export quantized replaced by its own quantize-dequantize
-    (numpy, onnxruntime's blockwise algorithm): rows are quantized independently, so packing and
-    interleaving do not change a row's values."""
-    from safetensors.numpy import load_file, save_file
-
-    manifest = json.loads((export_dir / "manifest.json").read_text())
-    schemes = {}
-    for recipe in manifest["initializers"].values():
-        quant = recipe.get("quantization")
-        if quant and quant["role"] == "packed":
-            for part in recipe["parts"]:
-                schemes[part["tensor"]] = {**quant, "transposed": part.get("transposed", False)}
-    assert schemes
-    shutil.copytree(source, out)
-    for file in sorted(source.glob("*.safetensors")):
-        tensors = load_file(str(file))
-        for name, quant in schemes.items():
-            if name in tensors:
-                w = tensors[name].astype(np.float32)
-                if quant["transposed"]:  # gpt-oss's [experts, in, out]: rows are its columns
-                    w = np.ascontiguousarray(w.swapaxes(-1, -2))
-                rows = w.reshape(-1, w.shape[-1])
-                block = quant["block_size"]
-                packed, scales, zero = quantize_rows(rows, quant["bits"], block, quant["symmetric"])
-                back = dequantize(packed, scales, None if quant["symmetric"] else zero,
-                                  QuantScheme(quant["bits"], block, quant["symmetric"]), rows.shape[1])
-                back = back.reshape(w.shape)
-                back = back.swapaxes(-1, -2) if quant["transposed"] else back
-                tensors[name] = np.ascontiguousarray(back.astype(tensors[name].dtype))  # save_file writes the buffer
-        save_file(tensors, str(out / file.name), metadata={"format": "pt"})
-    return out, schemes
-
-
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 @pytest.mark.parametrize("arch", MOE)
 def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch, dtype, checkpoint, tmp_path):
-    """QMoE (int4 blocks of 32, int8 one scale per row) and 4-bit MatMulNBits compute in fp32 on the
-    CPU: the export's logits are transformers' on the checkpoint whose quantized weights are replaced
-    by their dequantized values, to 1e-4 of the logit range, and greedy decode gives the same tokens.
-    8-bit MatMulNBits runs int8 activations there (its only fast kernel): within 5% of the range, at
-    most 2 of 24 decisive steps different on these random weights (measured 0.5-3.7%, 0-2)."""
+    """QMoE (int4 blocks of 32, int8 one scale per row) and 4-bit MatMulNBits at accuracy level 0
+    compute in fp32 on the CPU: the export's logits are transformers' on the checkpoint whose quantized
+    weights are replaced by their dequantized values, to 1e-4 of the logit range, and greedy decode
+    gives the same tokens. 8-bit MatMulNBits runs int8 activations there (its only fast kernel): within
+    5% of the range, at most 2 of 24 decisive steps different on these random weights (measured
+    0.5-3.7%, 0-2)."""
     source = checkpoint(arch)
-    request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant=_variant(arch), max_seq_len=MAX_SEQ_LEN)
+    request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant=_variant(arch), max_seq_len=MAX_SEQ_LEN,
+                            quant={"accuracy_level": 0} if dtype == "int4" else None)
     out = export_model(request, tmp_path / "export", validate=False).out_dir
     nodes = _nodes(out)
     qmoe = [n for n in nodes if n.op_type == "QMoE"]
@@ -151,7 +119,7 @@ def test_quantized_experts_match_the_dequantized_checkpoint_in_transformers(arch
     assert routers and all(decisions[n]["quantized"] is False for n in routers)  # routing stays in float
     assert all(d["quantized"] for d in decisions.values() if "experts" in d.get("roles", []))
 
-    dequantized, _ = _dequantized_checkpoint(source, out, tmp_path / "dequantized")
+    dequantized, _ = dequantized_checkpoint(source, out, tmp_path / "dequantized")
     ref = reference_greedy(load_reference(dequantized), _prompt(arch), DECODE_STEPS)
     if dtype == "int4":
         result = run_parity(Decoder(out), ref, near_tie_margin=0.0)

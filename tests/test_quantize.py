@@ -17,7 +17,11 @@ from exporter.errors import ExportError
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest, QuantSpec
 from exporter.validation.validate import validate_export
-from tests.conftest import MAX_SEQ_LEN
+from exporter.runtime.session import Decoder
+from exporter.validation.parity import run_parity
+from exporter.validation.reference import load_reference, reference_greedy
+from tests.conftest import DECODE_STEPS, MAX_SEQ_LEN
+from tests.quantized_reference import dequantized_checkpoint
 
 VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
 
@@ -72,8 +76,9 @@ def test_streamed_quantization_is_onnxruntimes_own_bit_for_bit(checkpoint, tmp_p
 def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(checkpoint, tmp_path, variant):
     source = checkpoint("qwen2")  # q/k/v bias: MatMulNBits then Add
     figures = {}
-    for dtype in ("int4", "int8"):
-        out = _export(source, tmp_path / dtype, dtype=dtype, variant=variant)
+    for dtype, level in (("int4", None), ("int8", None), ("int4", 0)):
+        out = _export(source, tmp_path / f"{dtype}-{level}", dtype=dtype, variant=variant,
+                      quant=None if level is None else {"accuracy_level": level})
         census = {n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node}
         assert "MatMul" not in census and len(_nbits_nodes(out / "model.onnx")) == 9  # packed qkv, gate_up: one each
         report = validate_export(out)
@@ -86,10 +91,11 @@ def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(c
         decode = by_gate["quality"][-1]
         assert "decode steps through the cache" in decode.check, decode.to_dict()
         levels = {a.i for n in _nbits_nodes(out / "model.onnx") for a in n.attribute if a.name == "accuracy_level"}
-        if dtype == "int4":  # fp32 activations: decode must equal the export's own prefill
+        if level == 0:  # fp32 activations: decode must equal the export's own prefill
             assert levels == {0} and decode.status == "pass", decode.to_dict()
-        else:  # 8-bit weights run with int8 activations on the CPU (its fast kernel): reported, not judged
-            assert levels == {4} and decode.status == "info" and decode.measured < 0.1 * decode.details["logit_range"]
+            continue
+        # the CPU default: int8 activations (its fast kernels, fold.CPU_ACCURACY_LEVEL), reported, not judged
+        assert levels == {4} and decode.status == "info" and decode.measured < 0.1 * decode.details["logit_range"]
         assert report.quality["positions"] > 100 and report.quality["tokenizer"] == "bytes"
         report.write(out)
         assert "Quality against the unquantized reference" in (out / "parity_report.md").read_text()
@@ -97,6 +103,43 @@ def test_every_variant_runs_quantized_and_passes_structure_weights_and_runtime(c
     # 8 bits are closer to the reference than 4, on every figure (random weights: same checkpoint)
     assert figures["int8"]["kl_mean"] < figures["int4"]["kl_mean"] / 4
     assert abs(figures["int8"]["ppl_delta"]) < abs(figures["int4"]["ppl_delta"]) or figures["int4"]["ppl_delta"] < 0
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_tied_embedding_gathers_from_the_quantized_lm_head_exactly(checkpoint, tmp_path, symmetric):
+    """A tied table is stored once, as the LM head's blocks: GatherBlockQuantized reads the same codes
+    and scales (and zero points) as MatMulNBits, so at accuracy level 0 the export equals transformers
+    on the dequantized checkpoint (its tied embedding dequantized too) to 1e-4 of the logit range and
+    decodes its tokens; ``keep: embedding`` leaves the float table."""
+    source = checkpoint("llama", tie_word_embeddings=True)
+    quant = {"accuracy_level": 0, "symmetric": symmetric}
+    out = _export(source, tmp_path / "q", quant=quant)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    gathers = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gathers) == 1 and not any(n.op_type == "Gather" and "embed" in n.input[0] for n in graph.node)
+    views = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Reshape"}
+    assert views[gathers[0].input[0]] == "model.embed_tokens.weight.T.q4b32" + ("s" if symmetric else "a") + ".packed"
+    assert not [i.name for i in graph.initializer if i.name == "model.embed_tokens.weight.T"]  # no float copy
+    decision = json.loads((out / "manifest.json").read_text())["quantization"]["weights"]["model.embed_tokens.weight.T"]
+    assert "lm_head" in decision["roles"] and "GatherBlockQuantized" in decision["embedding"]
+
+    dequantized, _ = dequantized_checkpoint(source, out, tmp_path / "dequantized")
+    ref = reference_greedy(load_reference(dequantized), [1, 5, 9, 14, 3, 27, 8], DECODE_STEPS)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert result.prefill_max_abs_error <= 1e-4 * result.logit_range, result
+    assert result.tokens == ref.tokens, result.mismatches
+
+    kept = _export(source, tmp_path / "kept", quant={**quant, "keep": ["embedding"]})
+    graph = onnx.load(str(kept / "model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "GatherBlockQuantized" for n in graph.node)
+    assert any(i.name == "model.embed_tokens.weight.T" for i in graph.initializer)
+    assert (kept / "model.onnx.data").stat().st_size > (out / "model.onnx.data").stat().st_size
+
+    # cuda: unchanged (a float table, accuracy level 0, which CUDA ignores); built here, never run
+    cuda = _export(source, tmp_path / "cuda", variant="gqa", ep="cuda")
+    graph = onnx.load(str(cuda / "model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "GatherBlockQuantized" for n in graph.node)
+    assert {a.i for n in _nbits_nodes(cuda / "model.onnx") for a in n.attribute if a.name == "accuracy_level"} == {0}
 
 
 def _external(path, name) -> tuple[int, int]:
@@ -224,9 +267,11 @@ def test_a_cuda_quantized_export_of_a_bf16_trained_checkpoint_computes_in_bf16(c
     ({"block_size": 24}, "power of 2"),
     ({"block_size": 8}, "at least 16"),
     ({"lm_head_bits": 2}, "4 or 8"),
-    ({"keep": ["embeddings"]}, "lm_head, first_layer, last_layer"),
+    ({"keep": ["embeddings"]}, "lm_head, first_layer, last_layer, embedding"),
     ({"bits": 4}, "unknown quant option bits"),
     ({"activations": "fp32"}, "fp16 or bf16"),
+    ({"accuracy_level": 5}, "0, 1, 2, 3, 4"),
+    ({"accuracy_level": True}, "accuracy_level must be one of"),
 ])
 def test_bad_quant_options_are_refused_with_what_to_use(options, words):
     with pytest.raises(ExportError, match=words):

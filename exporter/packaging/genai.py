@@ -282,8 +282,11 @@ def build_genai_config(
         model["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     if pad is not None:
         model["pad_token_id"] = pad
+    session_options = {"log_id": "onnxruntime-genai", "provider_options": provider_options}
+    if request.ep is EP.CPU:
+        session_options["intra_op_num_threads"] = CPU_INTRA_OP_THREADS
     model["decoder"] = {
-        "session_options": {"log_id": "onnxruntime-genai", "provider_options": provider_options},
+        "session_options": session_options,
         "filename": MODEL_FILE,
         "head_size": config.head_dim,
         "hidden_size": config.hidden_size,
@@ -294,6 +297,16 @@ def build_genai_config(
         "outputs": outputs,
     }
     return {"model": model, "search": search_defaults(generation, variant, context_length)}
+
+
+# A CPU package's intra-op thread count: 0 hands the choice to onnxruntime (one thread per physical
+# core). Left unset, onnxruntime-genai uses half the logical CPUs (at most 16), which assumes two
+# hardware threads per core: on a machine with one per core (many cloud VMs; this project's 2-core CI
+# machine) that is half the cores. SmolLM2-135M int4 through genai's generator there: 7.2-7.9 ms/token
+# with 0 against 10.3 unset, and the genai builder's own package alike (7.3 vs 10.3;
+# benchmarks/results/cpu_matrix.json has both ways for both packages). On two threads per core the
+# two counts are the same; past 16 physical cores onnxruntime's is larger than genai's cap (not measured).
+CPU_INTRA_OP_THREADS = 0
 
 
 def search_defaults(generation: dict, variant: Variant, context_length: int) -> dict:

@@ -31,8 +31,10 @@ class QuantOptions(BaseModel):
     block_size: int = Field(32, ge=16, le=4096, description="a power of 2, at least 16")
     symmetric: bool = Field(True, description="false: a zero point per block")
     lm_head_bits: Literal[4, 8] | None = Field(None, description="the LM head's width (default: the dtype's)")
-    keep: list[Literal["lm_head", "first_layer", "last_layer"]] = Field(
-        default_factory=list, max_length=3, description="roles left unquantized")
+    keep: list[Literal["lm_head", "first_layer", "last_layer", "embedding"]] = Field(
+        default_factory=list, max_length=4, description="roles left unquantized")
+    accuracy_level: Literal[0, 1, 2, 3, 4] | None = Field(
+        None, description="MatMulNBits accuracy level on cpu (0: fp32 activations, 4: int8); default by EP")
 
 
 class ExportCreate(BaseModel):

@@ -27,6 +27,8 @@ def quant_tag(quant: dict | None) -> str:
         return ""
     tag = f"-b{spec.block_size}{'s' if spec.symmetric else 'a'}"
     tag += f"-lm{spec.lm_head_bits}" if spec.lm_head_bits else ""
+    tag += f"-acc{spec.accuracy_level}" if spec.accuracy_level is not None else ""
+    tag += f"-{spec.activations}" if spec.activations else ""
     return tag + ("-keep-" + "-".join(spec.keep) if spec.keep else "")
 
 

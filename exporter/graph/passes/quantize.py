@@ -337,6 +337,64 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(changed))
 
 
+class GatherTiedEmbeddingPass(ir.passes.InPlacePass):
+    """A tied embedding gathers its rows from the quantized LM head's own blocks.
+
+    The graph gathers a tied table's columns from the ``[hidden, vocab]`` weight that the LM head
+    multiplies by (``Gather(axis=1)`` + ``Transpose``); once the head is MatMulNBits, that float table
+    is the one weight left unquantized (a third of SmolLM2-135M's int4 file). The pair becomes
+    ``com.microsoft::GatherBlockQuantized`` over the head's packed codes and scales, viewed as ``[vocab,
+    hidden * bits / 8]`` / ``[vocab, blocks]`` through Reshape nodes: one copy of the bytes on disk, and
+    the embedding dequantizes exactly the values the head multiplies by. Skipped where K is not a
+    whole number of blocks (the packed rows are padded) or the head is not quantized (kept, or
+    ``keep`` names ``embedding``). The genai builder does the same for its int4 CPU exports."""
+
+    def __init__(self, quantize: "QuantizeMatMulPass"):
+        super().__init__()
+        self.quantize = quantize
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        changed = 0
+        for gather in list(graph):
+            if gather.op_type != "Gather" or gather.domain != "" or gather.attributes.get_int("axis", 0) != 1:
+                continue
+            table = gather.inputs[0]
+            decision = self.quantize.decisions.get(table.name or "") if table is not None else None
+            users = list(gather.outputs[0].uses())
+            if not decision or not decision.get("quantized") or "lm_head" not in decision["roles"] or len(users) != 1:
+                continue
+            transpose = users[0][0]
+            if transpose.op_type != "Transpose" or list(transpose.attributes.get_ints("perm", [])) != [1, 2, 0]:
+                continue
+            stem = decision["initializer"].removesuffix(".packed")
+            packed = graph.initializers[f"{stem}.packed"]
+            quantization = packed.const_value.quantization
+            scheme, k, n = quantization.scheme, quantization.k, quantization.n
+            if k % scheme.block_size:
+                continue
+            k_blocks, _, zp_bytes = scheme.layout(k)
+            views = [(packed, [n, k * scheme.bits // 8]), (graph.initializers[f"{stem}.scales"], [n, k_blocks])]
+            if not scheme.symmetric:
+                views.append((graph.initializers[f"{stem}.zero_points"], [n, zp_bytes]))
+            inputs = []
+            for value, shape in views:
+                shape_name = f"{value.name}.gather_shape"
+                shape_value = make_initializer(graph, ir.tensor(np.array(shape, np.int64), name=shape_name), shape_name)
+                reshape = ir.node("Reshape", [value, shape_value], name=f"{value.name}.gather_view", num_outputs=1)
+                graph.insert_before(gather, reshape)
+                inputs.append(reshape.outputs[0])
+            inputs.insert(1, gather.inputs[1])
+            new = ir.node("GatherBlockQuantized", inputs, domain=MS_DOMAIN, name=f"{gather.name or 'embedding'}_quantized",
+                          attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": scheme.block_size,
+                                      "bits": scheme.bits}, num_outputs=1)
+            _replace_node(graph, transpose, new)
+            graph.remove(gather, safe=True)
+            decision["embedding"] = "GatherBlockQuantized over these blocks (tied)"
+            changed += 1
+        return ir.passes.PassResult(model, modified=bool(changed))
+
+
 class QuantizeExpertsPass(ir.passes.InPlacePass):
     """Every ``MoE`` on checkpoint experts becomes ``com.microsoft::QMoE``: fc1 / fc2 quantized row by
     row as MatMulNBits quantizes a weight's output columns (``[experts, N, K]`` is ``[experts * N, K]``
