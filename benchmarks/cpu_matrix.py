@@ -99,6 +99,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--prompt-tokens", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a real model of tests/real_model.py: smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--no-thread-control", action="store_true", help="leave out the thread-control copies")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,11 +115,14 @@ def main() -> int:
     from exporter.validation.gates.quality import WINDOW, reference_logits, text_tokens, windows
     from exporter.validation.reference import load_reference
     from quant_quality import folder_bytes, onnx_census, score_export
-    from tests.real_model import GGUF_MEMBER, PACKAGE, real_checkpoint
+    from tests.real_model import REAL_MODELS, real_checkpoint
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="cpu-matrix-"))
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint = real_checkpoint()
+    if args.model not in REAL_MODELS:
+        parser.error(f"unknown --model {args.model!r}: use one of {', '.join(REAL_MODELS)}")
+    spec = REAL_MODELS[args.model]
+    checkpoint = real_checkpoint(args.model)
     config = json.loads((checkpoint / "config.json").read_text())
 
     exports: dict[str, Path] = {}
@@ -211,7 +216,8 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "versions": {"onnxruntime": onnxruntime.__version__, "onnxruntime_genai": og.__version__,
                      "transformers": transformers.__version__, "torch": torch.__version__},
-        "model": f"SmolLM2-135M-Instruct: {PACKAGE} {GGUF_MEMBER}, dequantized by transformers",
+        "model": f"{spec.note}: {', '.join(f'{package} {member}' for package, member in spec.parts)}, "
+                 "dequantized by transformers",
         "how_driven": f"onnxruntime-genai's Generator for every export (its own genai_config.json), greedy, prompt of "
                       f"{args.prompt_tokens} tokens, {args.new_tokens} new, decode = median step after {args.warmup}; "
                       f"{args.rounds} rounds alternating, median over rounds",
