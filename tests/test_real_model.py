@@ -120,8 +120,8 @@ def test_the_genai_package_generates_transformers_text(variant, real_export, ref
 
 @pytest.mark.parametrize("dtype,passes", [("int8", True), ("int4", False)])
 def test_the_quality_gate_passes_int8_and_refuses_int4_of_a_135m_model(real, tmp_path, dtype, passes):
-    """On real text, int8 stays close to the unquantized model (KL ~0.015 nats, perplexity +1.3%, with the
-    int8 activations the CPU's 8-bit kernel computes);
+    """On real text, int8 stays close to the unquantized model (KL ~0.014 nats, perplexity +0.9%, with the
+    int8 activations the CPU's MatMulNBits kernels compute by default);
     round-to-nearest int4 of a 135M model does not (KL ~1.2 nats, perplexity about double:
     benchmarks/results/quant_quality.json): the gate quarantines it instead of shipping it silently."""
     from exporter.validation.validate import validate_export
@@ -133,10 +133,8 @@ def test_the_quality_gate_passes_int8_and_refuses_int4_of_a_135m_model(real, tmp
     assert report.quality["tokenizer"] == "checkpoint" and report.quality["decisive_positions"] > 100
     scored, decode = quality[:3], quality[3]
     assert all(g.status == "pass" for g in scored) is passes, [g.to_dict() for g in scored]
-    if dtype == "int4":  # fp32 activations: decode through the cache agrees with the export's own prefill
-        assert decode.status == "pass", decode.to_dict()
-    else:  # int8 weights run int8 activations on the CPU (the fast kernel): the figure is reported, not judged
-        assert decode.status == "info" and decode.details["int8_activations"], decode.to_dict()
+    # int8 activations on the CPU (its fast kernels, accuracy level 4): the figure is reported, not judged
+    assert decode.status == "info" and decode.details["int8_activations"], decode.to_dict()
     assert not [g for g in report.failed if g.gate != "quality"]
 
 
