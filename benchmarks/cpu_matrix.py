@@ -110,6 +110,7 @@ def main() -> int:
     import torch
     import transformers
 
+    from exporter.reports.bench_report import cpu_markdown
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
     from exporter.validation.gates.quality import WINDOW, reference_logits, text_tokens, windows
@@ -128,6 +129,7 @@ def main() -> int:
     exports: dict[str, Path] = {}
     commands: dict[str, str] = {}
     build_s: dict[str, float] = {}
+    failed: dict[str, str] = {}  # exports that could not be built, with the tool's own words
     for label, (dtype, variant, quant) in OURS.items():
         out = work / label.replace(" ", "_").replace("=", "")
         t0 = time.perf_counter()
@@ -143,7 +145,8 @@ def main() -> int:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"{label}: builder exited {proc.returncode}: {proc.stderr[-800:]}", flush=True)
+            failed[label] = f"builder exited {proc.returncode}: {proc.stderr.strip()[-800:]}"
+            print(f"{label}: {failed[label]}", flush=True)
             continue
         build_s[label] = round(time.perf_counter() - t0, 2)
         exports[label], commands[label] = out, " ".join(cmd[1:]).replace(str(work), "<work>")
@@ -226,9 +229,11 @@ def main() -> int:
                    f"through the KV cache (decode_steps: what a generator's decode computes)",
         "comparison": comparison,
         "results": results,
+        "failed_exports": failed,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(cpu_markdown(record))
     print(json.dumps(comparison, indent=1))
     return 0
 

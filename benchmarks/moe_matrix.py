@@ -163,6 +163,54 @@ def generate(model, batch: int, ctx: int, steps: int, warmup: int, vocab: int) -
     return {"prefill_ms": prefill * 1000, "decode_ms": float(np.median(times) * 1000), "tokens": tokens}
 
 
+def profile_decode(directory: Path, batch: int, ctx: int, steps: int, vocab: int, skip: int = 4) -> dict:
+    """onnxruntime's profile of one generation through genai's generator, as the package runs it:
+    a copy of its genai_config.json sets ``session_options.enable_profiling``; kernel time per op
+    type and per node over the decode steps after the prompt's run and ``skip`` more (first calls tune
+    kernels), microseconds per step, and the execution provider each op ran on."""
+    import onnxruntime_genai as og
+
+    config_path = directory / "genai_config.json"
+    original = config_path.read_text()
+    prefix = directory.parent / f"profile-{directory.name}"
+    config = json.loads(original)
+    config["model"]["decoder"].setdefault("session_options", {})["enable_profiling"] = str(prefix)
+    config_path.write_text(json.dumps(config, indent=2))
+    try:
+        model = og.Model(str(directory))
+        generate(model, batch, ctx, steps, 0, vocab)
+        del model  # the session writes its profile as it closes
+        gc.collect()
+    finally:
+        config_path.write_text(original)
+    files = sorted(prefix.parent.glob(f"{prefix.name}*.json"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        raise RuntimeError(f"no profile written under {prefix}*")
+    trace = json.loads(files[-1].read_text())
+    runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
+    first = min(1 + skip, len(runs) - 1) if len(runs) > 1 else 0
+    decode_start = runs[first] if runs else 0
+    decode_runs = max(len(runs) - first, 1)
+    by_op: dict[str, float] = {}
+    by_node: dict[str, float] = {}
+    providers: dict[str, set] = {}
+    for event in trace:
+        if event.get("cat") == "Node" and event["ts"] >= decode_start and event["name"].endswith("_kernel_time"):
+            op = event.get("args", {}).get("op_name", "?")
+            providers.setdefault(op, set()).add(event.get("args", {}).get("provider", "?"))
+            by_op[op] = by_op.get(op, 0.0) + event["dur"]
+            node = event["name"][: -len("_kernel_time")]
+            by_node[node] = by_node.get(node, 0.0) + event["dur"]
+    run_us = [e["dur"] for e in trace if e.get("name") == "model_run" and e["ts"] >= decode_start]
+    per_step = lambda table, top: {k: round(v / decode_runs, 1) for k, v in  # noqa: E731
+                                   sorted(table.items(), key=lambda kv: -kv[1])[:top]}
+    return {"batch": batch, "ctx": ctx, "decode_runs": decode_runs, "file": files[-1].name,
+            "model_run_us_median": float(np.median(run_us)) if run_us else None,
+            "kernel_us_per_step": round(sum(by_op.values()) / decode_runs, 1),
+            "op_us_per_step": per_step(by_op, 40), "top_nodes_us_per_step": per_step(by_node, 15),
+            "providers": {op: sorted(p) for op, p in providers.items()}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a geometry of exporter.geometries")
@@ -181,6 +229,9 @@ def main() -> int:
                         help="gpt-oss: store the random experts as MXFP4 (_blocks / _scales), as gpt-oss ships; the "
                              "genai builder's int4 reads only those")
     parser.add_argument("--genai-extra", default="", help="space-separated key=value for the builder's --extra_options")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, one profiled generation per export at the first batch and "
+                             "context (onnxruntime's profiler through genai_config session_options)")
     parser.add_argument("--merge", type=Path, default=None,
                         help="an earlier run's JSON of the same model: its depths join this one's extrapolation")
     args = parser.parse_args()
@@ -292,6 +343,15 @@ def main() -> int:
                         rec.save()
         del models
         gc.collect()
+        if args.profile:
+            for name, directory in built.items():
+                try:
+                    rec.data["depths"][str(depth)].setdefault("profile", {})[name] = profile_decode(
+                        directory, batches[0], contexts[0], args.steps, vocab)
+                    log(f"profiled {name}: {rec.data['depths'][str(depth)]['profile'][name]['op_us_per_step']}")
+                except Exception as err:
+                    rec.error(f"profile {name} L{depth}", err)
+                rec.save()
         shutil.rmtree(work, ignore_errors=True)  # the next depth needs the disk
     summarize(rec)
     return 0

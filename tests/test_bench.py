@@ -290,3 +290,39 @@ def test_the_report_of_a_windowed_attn_static_export_names_its_kernel_cost(expor
         (tmp_path / f"report-{arch}-{variant}").mkdir()
         _, md = write_report(export / "benchmark.json", tmp_path / f"report-{arch}-{variant}")
         assert (WINDOW_NOTE in md.read_text()) is noted, (arch, variant)
+
+
+def test_the_dtype_recommendation_weighs_speed_against_the_quality_gate():
+    from exporter.reports.bench_report import cpu_markdown, dtype_recommendation
+
+    rows = {
+        "ours int4 gqa": {"dtype": "int4", "decode_ms": 7.0, "model_bytes": 86e6,
+                          "agreement": 0.92, "kl_mean": 0.19, "ppl_delta": 0.32},
+        "ours int8 attn_dynamic": {"dtype": "int8", "decode_ms": 10.0, "model_bytes": 154e6,
+                                   "agreement": 1.0, "kl_mean": 0.01, "ppl_delta": 0.005},
+        "ours fp32 gqa": {"dtype": "fp32", "decode_ms": 21.0, "model_bytes": 540e6},
+    }
+    verdict = dtype_recommendation(rows)
+    assert verdict["pick"] == "ours int8 attn_dynamic"
+    assert list(verdict["passed_over"]) == ["ours int4 gqa"]
+    assert verdict["passed_over"]["ours int4 gqa"] == ["perplexity +32.0% > +15%"]
+    # Within the int4 limits, the faster int4 is the pick; without quality figures it is never eligible.
+    rows["ours int4 gqa"]["ppl_delta"] = 0.10
+    assert dtype_recommendation(rows)["pick"] == "ours int4 gqa"
+    del rows["ours int4 gqa"]["kl_mean"]
+    assert dtype_recommendation(rows)["passed_over"]["ours int4 gqa"] == ["no kl_mean measured"]
+    # Tighter thresholds of the caller's rule out int8 too, leaving fp32.
+    strict = {"int4": {"agreement_min": 1, "kl_max": 0, "ppl_delta_max": 0},
+              "int8": {"agreement_min": 1, "kl_max": 0.001, "ppl_delta_max": 0.001}}
+    assert dtype_recommendation(rows, strict)["pick"] == "ours fp32 gqa"
+
+    result = {"model": "m", "command": "python benchmarks/cpu_matrix.py", "results": {
+        name: {**{k: v for k, v in row.items() if k != "dtype"}, "prefill_ms": 30.0} for name, row in rows.items()}}
+    result["results"]["ours int4 gqa"]["kl_mean"] = 0.19
+    result["results"]["genai builder int4"] = {"decode_ms": 9.0, "prefill_ms": 40.0, "model_bytes": 87e6,
+                                               "agreement": 0.9, "kl_mean": 0.2, "ppl_delta": 0.2}
+    result["failed_exports"] = {"genai builder fp32": "builder exited 1: ...\nKeyError: 'rope_type'"}
+    text = cpu_markdown(result)
+    assert "- **ours int4 gqa**: 7.00 ms/token, 86 MB" in text
+    assert "int4: our fastest (ours int4 gqa) is 0.78x the builder's decode time, KL 0.1900 against its 0.2000" in text
+    assert "genai builder fp32 could not be built: KeyError: 'rope_type'" in text

@@ -208,3 +208,82 @@ if __name__ == "__main__":
 
     for argument in sys.argv[1:]:
         print(*write_report(Path(argument)))
+
+
+def dtype_recommendation(rows: dict[str, dict], thresholds: dict | None = None) -> dict:
+    """Which export of a dtype matrix to ship, speed weighed against measured quality.
+
+    ``rows``: name -> {"dtype", "decode_ms", "model_bytes"} and, for quantized dtypes, the quality
+    figures against the fp32 reference ("agreement", "kl_mean", "ppl_delta"). A quantized row is
+    eligible when its dtype's quality-gate thresholds hold (the gate's defaults unless given); float
+    rows are the reference's own precision. The pick is the fastest eligible row; each faster row it
+    passes over is named with the figure that ruled it out."""
+    from exporter.validation.gates.quality import DEFAULT_THRESHOLDS
+
+    limits = thresholds or DEFAULT_THRESHOLDS
+    verdicts = {}
+    for name, row in rows.items():
+        bounds = limits.get(row["dtype"])
+        if bounds is None:
+            verdicts[name] = []
+            continue
+        missing = [k for k in ("agreement", "kl_mean", "ppl_delta") if row.get(k) is None]
+        if missing:
+            verdicts[name] = [f"no {', '.join(missing)} measured"]
+            continue
+        failed = []
+        if row["agreement"] < bounds["agreement_min"]:
+            failed.append(f"agreement {row['agreement']:.3f} < {bounds['agreement_min']}")
+        if row["kl_mean"] > bounds["kl_max"]:
+            failed.append(f"KL {row['kl_mean']:.4f} > {bounds['kl_max']}")
+        if row["ppl_delta"] > bounds["ppl_delta_max"]:
+            failed.append(f"perplexity +{100 * row['ppl_delta']:.1f}% > +{100 * bounds['ppl_delta_max']:.0f}%")
+        verdicts[name] = failed
+    by_speed = sorted(rows, key=lambda n: rows[n]["decode_ms"])
+    pick = next((n for n in by_speed if not verdicts[n]), None)
+    passed_over = {n: verdicts[n] for n in by_speed[: by_speed.index(pick) if pick else len(by_speed)]}
+    return {"pick": pick, "passed_over": passed_over, "verdicts": verdicts, "thresholds": limits}
+
+
+def cpu_markdown(result: dict) -> str:
+    """The summary of ``benchmarks/cpu_matrix.py``'s JSON: every export's speed, size and quality, ours
+    against the builder's, and the recommendation per dtype and overall (speed weighed against quality)."""
+    rows = result["results"]
+    lines = [f"# CPU decode: {result.get('model', '')}", "",
+             f"{result.get('how_driven', '')}. Quality: {result.get('quality', '')}.",
+             f"Command: `{result.get('command', '')}`", "",
+             "| export | decode ms/token | prefill ms | MB | agreement | KL | perplexity |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        quality = [f"{row['agreement']:.3f}", f"{row['kl_mean']:.4f}", f"{100 * row['ppl_delta']:+.1f}%"] \
+            if row.get("kl_mean") is not None else ["-", "-", "-"]
+        lines.append(f"| {name} | {row['decode_ms']:.2f} | {row['prefill_ms']:.1f} | {row['model_bytes'] / 1e6:.0f} | "
+                     + " | ".join(quality) + " |")
+    ours = {n: {**r, "dtype": _dtype_of(n)} for n, r in rows.items()
+            if n.startswith("ours") and "threads=" not in n and _dtype_of(n)}
+    verdict = dtype_recommendation(ours)
+    lines += ["", "Recommendation (the fastest of our exports whose quality passes its dtype's quality-gate "
+              "thresholds against the fp32 reference):", ""]
+    if verdict["pick"]:
+        row = rows[verdict["pick"]]
+        lines.append(f"- **{verdict['pick']}**: {row['decode_ms']:.2f} ms/token, {row['model_bytes'] / 1e6:.0f} MB")
+    else:
+        lines.append("- none of our exports passes")
+    for name, why in verdict["passed_over"].items():
+        lines.append(f"- not {name} ({rows[name]['decode_ms']:.2f} ms/token): {'; '.join(why)}")
+    for dtype in ("int4", "int8", "fp32"):
+        mine = {n: r for n, r in ours.items() if r["dtype"] == dtype}
+        peer = f"genai builder {dtype}"
+        if mine and peer in rows:
+            best = min(mine, key=lambda n: mine[n]["decode_ms"])
+            ratio = mine[best]["decode_ms"] / rows[peer]["decode_ms"]
+            lines.append(f"- {dtype}: our fastest ({best}) is {ratio:.2f}x the builder's decode time"
+                         + (f", KL {mine[best]['kl_mean']:.4f} against its {rows[peer]['kl_mean']:.4f}"
+                            if dtype != "fp32" and rows[peer].get("kl_mean") is not None else ""))
+    for name, err in result.get("failed_exports", {}).items():
+        lines.append(f"- {name} could not be built: {err.splitlines()[-1][:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def _dtype_of(name: str) -> str | None:
+    return next((d for d in ("int4", "int8", "fp32", "fp16", "bf16") if f" {d} " in f" {name} "), None)
