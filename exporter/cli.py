@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -64,7 +65,38 @@ def add_export_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")
     p.add_argument("--no-validate", action="store_true", help="skip the validation gates (status: unvalidated)")
     p.add_argument("--validate-ep", default=None, help="cpu | cuda: where to validate (default: --ep)")
+    p.add_argument("--layout", default="farm", choices=("farm", "hf"),
+                   help="farm: model.onnx + model.onnx.data at the root (onnxruntime-genai reads it; the default); "
+                        "hf: a Hugging Face model repository (config.json, onnx/model{,_fp16,_q4,_q4f16,_int8}.onnx) "
+                        "for transformers.js and optimum, attn_dynamic only (the default variant there)")
     p.set_defaults(func=_cmd_export)
+
+
+def add_layout_parser(sub) -> None:
+    p = sub.add_parser("layout", help="lay a finished export out for another consumer (hf: transformers.js, optimum)")
+    p.add_argument("kind", choices=("hf",), help="hf: a Hugging Face model repository")
+    p.add_argument("dir", type=Path, help="the export directory (farm layout)")
+    p.add_argument("--out", required=True, type=Path, help="a new directory for the laid-out repository")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="the checkpoint directory it was exported from (default: the manifest's source path)")
+    p.set_defaults(func=_cmd_layout)
+
+
+def _cmd_layout(args) -> int:
+    from exporter.packaging.hf_layout import write_hf_layout
+
+    manifest_path = args.dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ExportError(f"{args.dir} has no {MANIFEST_FILE}: pass an export directory")
+    checkpoint = args.checkpoint or Path(json.loads(manifest_path.read_text())["source"]["path"])
+    if not checkpoint.is_dir():
+        raise ExportError(f"the checkpoint {checkpoint} is not a directory here: pass --checkpoint")
+    manifest = write_hf_layout(args.dir, args.out, checkpoint)
+    print(f"laid out {args.dir} as a Hugging Face repository in {args.out}:")
+    for name, entry in manifest["files"].items():
+        print(f"  {name:<28} {entry['size']:>14,d} bytes")
+    print(f"  transformers.js: dtype {manifest['layout']['transformers_js_dtype']!r}")
+    return 0
 
 
 def add_validate_parser(sub) -> None:
@@ -171,13 +203,16 @@ def _cmd_export(args) -> int:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 
+    variant = args.variant
+    if args.layout == "hf" and variant is None and not args.static_cache:
+        variant = "attn_dynamic"  # the variant both hf consumers run (exporter/packaging/hf_layout.py)
     request = ExportRequest(
         model=args.model,
         dtype=args.dtype,
         ep=args.ep,
         static_cache=args.static_cache,
         max_seq_len=args.max_seq_len,
-        variant=args.variant,
+        variant=variant,
         quant=_quant_options(args),
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
@@ -189,7 +224,7 @@ def _cmd_export(args) -> int:
         result = export_model(
             request, args.out, progress, overwrite=args.overwrite,
             validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=reference_cache_default(),
-            rope_cache=rope_cache_default(),
+            rope_cache=rope_cache_default(), layout=args.layout,
         )
     except ValidationFailed as failed:
         progress.close()
@@ -248,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_validate_parser(sub)
     add_bench_parser(sub)
     add_diff_parser(sub)
+    add_layout_parser(sub)
     return parser
 
 

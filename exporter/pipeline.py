@@ -18,6 +18,7 @@ from pathlib import Path
 from exporter.graph.build import build_model
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
+from exporter.packaging import hf_layout
 from exporter.packaging.genai import write_genai_package
 from exporter.packaging.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
@@ -155,15 +156,22 @@ def export_model(
     export_id: str | None = None,
     reference_cache: Path | None = None,
     rope_cache: Path | None = None,
+    layout: str = "farm",
 ) -> ExportResult:
     """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
 
     A failed gate still publishes the directory (report included) with manifest status
-    "quarantined", then raises ``ValidationFailed``.
+    "quarantined", then raises ``ValidationFailed``. ``layout`` "hf": the validated export laid out
+    as a Hugging Face model repository (exporter/packaging/hf_layout.py) is what lands in ``out_dir``.
     """
     progress = progress or Progress()
     export_id = export_id or uuid.uuid4().hex
-    request.resolved_variant()  # refuse impossible requests before touching anything
+    variant = request.resolved_variant()  # refuse impossible requests before touching anything
+    if layout not in ("farm", hf_layout.LAYOUT):
+        raise ExportError(f"unknown layout {layout!r}: use farm (model.onnx at the root, what onnxruntime-genai "
+                          f"reads) or hf (a Hugging Face repository for transformers.js and optimum)")
+    if layout == hf_layout.LAYOUT:
+        hf_layout.check_request(request.dtype.value, variant.value)
     if validate:
         check_validatable(request.max_seq_len)
     out_dir = Path(out_dir).absolute()
@@ -182,6 +190,15 @@ def export_model(
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,
                                     progress, reference_cache=reference_cache)
         manifest.write(staging)
+        if layout == hf_layout.LAYOUT:
+            laid_out = staging.with_name(f"{staging.name}-hf")
+            try:
+                manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path))
+            except BaseException:
+                shutil.rmtree(laid_out, ignore_errors=True)
+                raise
+            shutil.rmtree(staging)
+            staging = laid_out
         _publish_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

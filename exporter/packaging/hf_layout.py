@@ -1,0 +1,165 @@
+"""The Hugging Face repository layout that transformers.js and optimum read, made from a finished export.
+
+A farm export keeps ``model.onnx`` + ``model.onnx.data`` at its root (what validation, the benchmark
+and onnxruntime-genai read). transformers.js and optimum's ORTModelForCausalLM read a model repository
+instead (README "For transformers.js and optimum"):
+
+- ``config.json`` and ``generation_config.json`` of the checkpoint, its tokenizer files and chat template;
+- ``onnx/model{suffix}.onnx`` named by dtype as transformers.js names them (``""`` fp32, ``_fp16``,
+  ``_q4`` int4 with fp32 activations, ``_q4f16`` int4 with fp16 ones, ``_int8``);
+- the weights beside it as ``<file>_data``: transformers.js fetches external data only under that
+  name, and only when ``config.json``'s ``transformers.js_config.use_external_data_format`` names
+  the file (one chunk here).
+
+Only attn_dynamic exports are laid out: both consumers feed ``attention_mask`` / ``position_ids``
+and past / present caches and left-pad a batch. A gqa export's GroupQueryAttention reads right
+padding (a left-padded row comes out silently wrong) and neither consumer drives attn_static's
+static caches, so those are refused with the reason.
+
+Nothing is re-exported: the graph is the validated one with its external-data locations renamed,
+and the weights file is linked (copied across file systems), so its bytes and sha256 are the
+export's. The layout's ``manifest.json`` is the export's with ``layout`` added and ``files`` listing
+what this folder holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import _get_all_tensors  # every tensor of the graph and its subgraphs
+
+from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE
+from exporter.errors import ExportError
+from exporter.packaging.genai import GENERATION_CONFIG_FILE, TOKENIZER_FILES, TOKENIZER_GLOBS
+from exporter.packaging.package import file_entry
+
+LAYOUT = "hf"
+ONNX_DIR = "onnx"
+CONFIG_FILE = "config.json"
+# (weight dtype, activation dtype of the graph's logits) -> transformers.js's file suffix (its dtype name)
+SUFFIX = {
+    ("fp32", "FLOAT"): ("", "fp32"),
+    ("fp16", "FLOAT16"): ("_fp16", "fp16"),
+    ("int4", "FLOAT"): ("_q4", "q4"),
+    ("int4", "FLOAT16"): ("_q4f16", "q4f16"),
+    ("int8", "FLOAT"): ("_int8", "int8"),
+}
+VARIANT_REASONS = {
+    "gqa": "a gqa export's GroupQueryAttention expects right padding, and transformers.js and optimum left-pad "
+           "a batch (a padded row would come out silently wrong): export --variant attn_dynamic for the hf layout",
+    "attn_static": "neither transformers.js nor optimum drives attn_static's fixed caches (write_indices, "
+                   "nonpad_kv_seqlen): export --variant attn_dynamic for the hf layout",
+}
+
+
+def check_request(dtype: str, variant: str) -> None:
+    """Refuse, before any work, a request the hf layout cannot hold (the activation dtype of a cuda int4
+    export depends on the checkpoint: that case is checked on the built graph, hf_file_names)."""
+    if variant in VARIANT_REASONS:
+        raise ExportError(f"no hf layout for a {variant} export: {VARIANT_REASONS[variant]}")
+    if dtype not in {d for d, _ in SUFFIX}:
+        raise ExportError(f"transformers.js has no file name for {dtype} weights: the hf layout takes "
+                          f"{', '.join(sorted({d for d, _ in SUFFIX}))}")
+
+
+def hf_file_names(manifest: dict) -> tuple[str, str, str]:
+    """(``onnx/model{suffix}.onnx``, its ``_data`` file, transformers.js's dtype name) of an export, or
+    ExportError naming why it has no place in the layout."""
+    request = manifest["request"]
+    check_request(request["dtype"], manifest.get("variant") or request["variant"])
+    logits = next((o for o in manifest["graph"]["outputs"] if o["name"] == "logits"), None)
+    key = (request["dtype"], logits["dtype"] if logits else None)
+    if key not in SUFFIX:
+        known = ", ".join(f"{d} with {a.lower()} activations" for d, a in SUFFIX)
+        raise ExportError(f"transformers.js has no file name for {key[0]} weights with {str(key[1]).lower()} "
+                          f"activations (it names {known}): export one of those for the hf layout")
+    suffix, dtype = SUFFIX[key]
+    model = f"model{suffix}.onnx"
+    return f"{ONNX_DIR}/{model}", f"{ONNX_DIR}/{model}_data", dtype
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
+    """model.onnx with every external tensor's ``location`` renamed (the proto only; no weight is read)."""
+    model = onnx.load(str(src), load_external_data=False)
+    renamed = 0
+    for tensor in _get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                if entry.value != old:
+                    raise ExportError(f"{src} keeps weights in {entry.value!r}, not {old!r}: not a farm export")
+                entry.value = new
+                renamed += 1
+    if not renamed:
+        raise ExportError(f"{src} has no external weights to relocate: not a farm export")
+    onnx.save(model, str(dst))
+
+
+def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path) -> dict:
+    """Lay the export in ``export_dir`` out as a Hugging Face model repository in ``out_dir`` (new or
+    empty). ``checkpoint_dir``: the checkpoint it was exported from (config.json, generation_config.json,
+    tokenizer files). Returns the layout's manifest."""
+    export_dir, out_dir, checkpoint_dir = Path(export_dir), Path(out_dir), Path(checkpoint_dir)
+    manifest_path = export_dir / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if manifest.get("layout", {}).get("kind") == LAYOUT:
+        raise ExportError(f"{export_dir} is already in the hf layout")
+    if not manifest or not (export_dir / MODEL_FILE).is_file():
+        raise ExportError(f"{export_dir} is not a farm export (no {MANIFEST_FILE} / {MODEL_FILE} at its root)")
+    model_name, data_name, dtype = hf_file_names(manifest)
+    config_path = checkpoint_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ExportError(f"{checkpoint_dir} has no {CONFIG_FILE}: pass the checkpoint the export was made from")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} exists and is not empty: choose a new directory")
+    (out_dir / ONNX_DIR).mkdir(parents=True, exist_ok=True)
+
+    _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
+    _link_or_copy(export_dir / DATA_FILE, out_dir / data_name)
+    config = json.loads(config_path.read_text())
+    js_config = dict(config.get("transformers.js_config") or {})
+    external = dict(js_config.get("use_external_data_format") or {})
+    external[Path(model_name).name] = 1
+    js_config.update(use_external_data_format=external, dtype=dtype)
+    config["transformers.js_config"] = js_config
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    files = [model_name, data_name, CONFIG_FILE]
+    # The export's tokenizer files (a genai package's tokenizer_config.json carries the special-token flags
+    # genai reads; transformers reads them too) and what else it holds beside the graph: reports, benchmark.
+    carried = [n for n in manifest["files"] if n not in (MODEL_FILE, DATA_FILE, GENAI_CONFIG_FILE)]
+    for name in carried:
+        if (export_dir / name).is_file():
+            shutil.copy2(export_dir / name, out_dir / name)
+            files.append(name)
+    for name in (GENERATION_CONFIG_FILE, *TOKENIZER_FILES):
+        if name not in files and (checkpoint_dir / name).is_file():
+            shutil.copy2(checkpoint_dir / name, out_dir / name)
+            files.append(name)
+    for pattern in TOKENIZER_GLOBS:
+        for path in checkpoint_dir.glob(pattern):
+            if path.name not in files:
+                shutil.copy2(path, out_dir / path.name)
+                files.append(path.name)
+    layout_manifest = dict(manifest)
+    layout_manifest["layout"] = {
+        "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,
+        "from_export": {"export_id": manifest.get("export_id"),
+                        "files": {n: manifest["files"][n] for n in (MODEL_FILE, DATA_FILE)}},
+        "padding": "left or right (attention_mask and position_ids are inputs; Attention reads the mask)",
+        "consumers": ["transformers.js >= 4 (onnxruntime-node / -web)", "optimum ORTModelForCausalLM"],
+    }
+    # The weights are the export's bytes (linked or copied): their entry is the export's, not re-read.
+    layout_manifest["files"] = {name: manifest["files"][DATA_FILE] if name == data_name else file_entry(out_dir / name)
+                                for name in files}
+    (out_dir / MANIFEST_FILE).write_text(json.dumps(layout_manifest, indent=2) + "\n")
+    return layout_manifest

@@ -1,0 +1,185 @@
+"""The hf layout (exporter/packaging/hf_layout.py) run by its real consumers: exports of every dense
+architecture, laid out as a Hugging Face model repository, generate transformers' greedy tokens in
+transformers.js 4 under Node (onnxruntime-node) and in optimum's ORTModelForCausalLM (its own virtual
+environment: it pins transformers < 4.58), for a left-padded batch of two rows."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from exporter.errors import ExportError
+from exporter.packaging.hf_layout import write_hf_layout
+from exporter.pipeline import export_model
+from exporter.request import ExportRequest
+from exporter.tiny_checkpoint import ARCH_CONFIGS, MOE_ARCHITECTURES
+from quantized_reference import dequantized_checkpoint
+
+CLIENTS = Path(__file__).resolve().parents[1] / "clients"
+CLIENT = CLIENTS / "transformersjs"
+DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def transformersjs() -> Path:
+    """clients/transformersjs with its pinned @huggingface/transformers installed (npm ci, once)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    assert node and npm, "the transformers.js tests need Node.js and npm on PATH"
+    if not (CLIENT / "node_modules" / "@huggingface" / "transformers").is_dir():
+        # onnxruntime-node's install script fetches CUDA binaries from nuget; the CPU ones ship in the package.
+        env = dict(os.environ, ONNXRUNTIME_NODE_INSTALL="skip")
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT, env=env, check=True, capture_output=True)
+    return CLIENT / "generate.mjs"
+
+
+@pytest.fixture(scope="session")
+def optimum() -> tuple[Path, Path]:
+    """(python, generate.py) of clients/optimum's environment, built once from its requirements.txt."""
+    env_dir = CLIENTS / "optimum" / ".venv"
+    python = env_dir / "bin" / "python"
+    marker = env_dir / ".installed"
+    requirements = CLIENTS / "optimum" / "requirements.txt"
+    if not marker.is_file() or marker.read_text() != requirements.read_text():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(env_dir)], check=True)
+        # torch alone first: pip then takes the local CPU build, never a CUDA one.
+        torch_pin = next(line for line in requirements.read_text().splitlines() if line.startswith("torch=="))
+        for args in ([torch_pin], ["-r", str(requirements)]):
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True, capture_output=True)
+        marker.write_text(requirements.read_text())
+    return python, CLIENTS / "optimum" / "generate.py"
+
+
+def prompts(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Two rows, the first left-padded by 3 (as transformers' tokenizer pads a batch for generation)."""
+    rng = np.random.default_rng(len(arch))
+    long = [int(t) for t in rng.integers(3, 250, size=9)]
+    short = [int(t) for t in rng.integers(3, 250, size=6)]
+    return [[0, 0, 0, *short], long], [[0, 0, 0, *[1] * 6], [1] * 9]
+
+
+def client_generate(command: list[str], layout: Path, ids, mask) -> list[list[int]]:
+    """Run a client script on ``layout``: the request as a JSON file, the sequences from its last line."""
+    request = layout.parent / f"{layout.name}-request.json"
+    request.write_text(json.dumps({"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW_TOKENS}))
+    proc = subprocess.run([*command, str(request)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["sequences"]
+
+
+def js_generate(script: Path, layout: Path, dtype: str, ids, mask) -> list[list[int]]:
+    return client_generate(["node", str(script), str(layout), dtype], layout, ids, mask)
+
+
+@functools.cache
+def hf_generate(checkpoint: Path, ids: str, mask: str) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    out = model.generate(input_ids=torch.tensor(json.loads(ids)), attention_mask=torch.tensor(json.loads(mask)),
+                         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return out.tolist()
+
+
+def check_rows(got, want, ids):
+    for row, (g, w) in enumerate(zip(got, want)):
+        assert g[len(ids[row]):] == w[len(ids[row]):], f"row {row}: transformers.js {g} vs transformers {w}"
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_transformersjs(
+        arch, exported, checkpoint, transformersjs, tmp_path):
+    export_dir = exported(arch, "attn_dynamic")
+    layout = tmp_path / "repo"
+    manifest = write_hf_layout(export_dir, layout, checkpoint(arch))
+    assert manifest["layout"]["model_file"] == "onnx/model.onnx"
+    assert (layout / "onnx" / "model.onnx_data").stat().st_ino == (export_dir / "model.onnx.data").stat().st_ino
+    config = json.loads((layout / "config.json").read_text())
+    assert config["transformers.js_config"]["use_external_data_format"] == {"model.onnx": 1}
+    ids, mask = prompts(arch)
+    got = js_generate(transformersjs, layout, "fp32", ids, mask)
+    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_int4_export_runs_as_transformersjs_q4_with_its_dequantized_weights_tokens(
+        arch, checkpoint, transformersjs, tmp_path):
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="int4", ep="cpu", variant="attn_dynamic", max_seq_len=64,
+                            quant={"accuracy_level": 0})  # fp32 activations: exact to the dequantized weights
+    export_dir = export_model(request, tmp_path / "export", validate=False).out_dir
+    layout = tmp_path / "repo"
+    manifest = write_hf_layout(export_dir, layout, source)
+    assert manifest["layout"]["model_file"] == "onnx/model_q4.onnx"
+    assert json.loads((layout / "config.json").read_text())["transformers.js_config"]["dtype"] == "q4"
+    reference, _ = dequantized_checkpoint(source, export_dir, tmp_path / "dequantized")
+    ids, mask = prompts(arch)
+    got = js_generate(transformersjs, layout, "q4", ids, mask)
+    check_rows(got, hf_generate(reference, json.dumps(ids), json.dumps(mask)), ids)
+
+
+def test_the_hf_layout_refuses_what_its_consumers_cannot_run(exported, checkpoint, tmp_path):
+    with pytest.raises(ExportError, match="expects right padding.*left-pad"):
+        write_hf_layout(exported("llama", "gqa"), tmp_path / "a", checkpoint("llama"))
+    with pytest.raises(ExportError, match="attn_static"):
+        write_hf_layout(exported("llama", "attn_static"), tmp_path / "b", checkpoint("llama"))
+    with pytest.raises(ExportError, match="no config.json"):
+        write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "c", tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("")
+    with pytest.raises(ExportError, match="not empty"):
+        write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "d", checkpoint("llama"))
+    with pytest.raises(ExportError, match="not a farm export"):
+        write_hf_layout(tmp_path / "d", tmp_path / "e", checkpoint("llama"))
+
+
+def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, transformersjs, tmp_path, capsys):
+    from exporter.cli import main
+
+    source = checkpoint("qwen2")
+    out = tmp_path / "repo"
+    # No --variant: the hf layout's default is attn_dynamic; the gates run on the farm layout first.
+    assert main(["export", "--model", str(source), "--out", str(out), "--max-seq-len", "64", "--layout", "hf"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "ready" and manifest["variant"] == "attn_dynamic"
+    assert manifest["layout"]["kind"] == "hf" and not (out / "model.onnx").exists()
+    assert {"parity_report.json", "config.json", "onnx/model.onnx", "onnx/model.onnx_data"} <= set(manifest["files"])
+    ids, mask = prompts("qwen2")
+    check_rows(js_generate(transformersjs, out, "fp32", ids, mask),
+               hf_generate(source, json.dumps(ids), json.dumps(mask)), ids)
+
+    # A request the layout cannot hold is refused before any work, with the reason and what to do.
+    assert main(["export", "--model", str(source), "--out", str(tmp_path / "gqa"), "--variant", "gqa",
+                 "--layout", "hf"]) == 2
+    assert "expects right padding" in capsys.readouterr().err and not (tmp_path / "gqa").exists()
+    assert main(["export", "--model", str(source), "--out", str(tmp_path / "bf16"), "--dtype", "bf16",
+                 "--layout", "hf"]) == 2
+    assert "no file name for bf16" in capsys.readouterr().err
+
+    # An existing farm export is laid out by `exportfarm layout hf` (checkpoint from its manifest).
+    farm = tmp_path / "farm"
+    assert main(["export", "--model", str(source), "--out", str(farm), "--variant", "attn_dynamic",
+                 "--no-validate"]) == 0
+    assert main(["layout", "hf", str(farm), "--out", str(tmp_path / "repo2")]) == 0
+    assert (tmp_path / "repo2" / "onnx" / "model.onnx_data").is_file()
+    assert main(["layout", "hf", str(tmp_path / "repo2"), "--out", str(tmp_path / "repo3")]) == 2
+    assert "already in the hf layout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_optimum(
+        arch, exported, checkpoint, optimum, tmp_path):
+    layout = tmp_path / "repo"
+    write_hf_layout(exported(arch, "attn_dynamic"), layout, checkpoint(arch))
+    ids, mask = prompts(arch)
+    python, script = optimum
+    got = client_generate([str(python), str(script), str(layout)], layout, ids, mask)
+    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
