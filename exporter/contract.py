@@ -99,6 +99,19 @@ CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_
                "context_length")
 
 
+# --- how a batch's rows of different lengths are fed (the manifest's "padding") -------------------
+
+PADDING = {
+    "attn_dynamic": {"batch": "left or right padding", "why": "attention_mask and position_ids are inputs; "
+                     "Attention masks every row's padding (transformers.js and optimum left-pad)"},
+    "gqa": {"batch": "right padding only", "why": "GroupQueryAttention takes each row's length from "
+            "attention_mask's sum and assumes its tokens come first (onnxruntime-genai pads this way); a "
+            "left-padded row comes out wrong; one row is unaffected"},
+    "attn_static": {"batch": "no padding: each row's write_indices / nonpad_kv_seqlen", "why": "rows advance "
+                    "independently in the fixed caches"},
+}
+
+
 # --- files of an export folder --------------------------------------------------------------------
 
 MODEL_FILE = "model.onnx"

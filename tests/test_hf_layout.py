@@ -127,6 +127,9 @@ def test_an_int4_export_runs_as_transformersjs_q4_with_its_dequantized_weights_t
 
 
 def test_the_hf_layout_refuses_what_its_consumers_cannot_run(exported, checkpoint, tmp_path):
+    # Every manifest says how a batch is padded; the gqa one is why the layout refuses it.
+    gqa_manifest = json.loads((exported("llama", "gqa") / "manifest.json").read_text())
+    assert gqa_manifest["padding"]["batch"] == "right padding only"
     with pytest.raises(ExportError, match="expects right padding.*left-pad"):
         write_hf_layout(exported("llama", "gqa"), tmp_path / "a", checkpoint("llama"))
     with pytest.raises(ExportError, match="attn_static"):
@@ -151,6 +154,7 @@ def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, trans
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "ready" and manifest["variant"] == "attn_dynamic"
     assert manifest["layout"]["kind"] == "hf" and not (out / "model.onnx").exists()
+    assert manifest["padding"]["batch"] == "left or right padding"
     assert {"parity_report.json", "config.json", "onnx/model.onnx", "onnx/model.onnx_data"} <= set(manifest["files"])
     ids, mask = prompts("qwen2")
     check_rows(js_generate(transformersjs, out, "fp32", ids, mask),
@@ -183,3 +187,19 @@ def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_i
     python, script = optimum
     got = client_generate([str(python), str(script), str(layout)], layout, ids, mask)
     check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_an_fp16_export_in_the_hf_layout_generates_transformers_fp32_tokens_in_both_clients(
+        arch, checkpoint, transformersjs, optimum, tmp_path):
+    """fp16 weights and activations on the CPU EP; on these tiny models no step is near enough a tie
+    for fp16 rounding to flip it, so the tokens are fp32 transformers' exactly."""
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="fp16", ep="cpu", variant="attn_dynamic", max_seq_len=64)
+    layout = export_model(request, tmp_path / "repo", validate=False, layout="hf").out_dir
+    assert (layout / "onnx" / "model_fp16.onnx").is_file()
+    ids, mask = prompts(arch)
+    want = hf_generate(source, json.dumps(ids), json.dumps(mask))
+    check_rows(js_generate(transformersjs, layout, "fp16", ids, mask), want, ids)
+    python, script = optimum
+    check_rows(client_generate([str(python), str(script), str(layout)], layout, ids, mask), want, ids)

@@ -155,7 +155,6 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path) -> di
         "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,
         "from_export": {"export_id": manifest.get("export_id"),
                         "files": {n: manifest["files"][n] for n in (MODEL_FILE, DATA_FILE)}},
-        "padding": "left or right (attention_mask and position_ids are inputs; Attention reads the mask)",
         "consumers": ["transformers.js >= 4 (onnxruntime-node / -web)", "optimum ORTModelForCausalLM"],
     }
     # The weights are the export's bytes (linked or copied): their entry is the export's, not re-read.

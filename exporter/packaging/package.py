@@ -19,7 +19,7 @@ from exporter.request import ExportRequest, Variant, cache_key
 from exporter.packaging.resolve import ResolvedSource
 from exporter.versions import runtime_versions
 
-from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE  # noqa: F401  (the files this writes)
+from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE, PADDING  # noqa: F401  (the files this writes)
 MANIFEST_SCHEMA = 1
 
 
@@ -108,6 +108,7 @@ def build_manifest(
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "request": request.to_dict(),
         "variant": variant.value,
+        "padding": PADDING[variant.value],
         "source": source.to_dict(),
         "cache_key": cache_key(request, source.revision, versions["exporter"], versions["onnxruntime"]),
         "versions": versions,
