@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="a real model of tests/real_model.py: smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--no-thread-control", action="store_true", help="leave out the thread-control copies")
+    parser.add_argument("--no-bare-session", action="store_true",
+                        help="leave out the bare-session drive (decode_check.py, IO binding) of the gqa graphs")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -172,6 +174,25 @@ def main() -> int:
             print(f"round {r} {label:26s} prefill {prefill:7.2f} ms  decode {decode:6.2f} ms/token", flush=True)
     del models
 
+    # The same GroupQueryAttention graphs, ours and the builder's, driven by a bare onnxruntime session
+    # with IO binding (benchmarks/decode_check.py: no exporter code, onnxruntime's own thread default,
+    # past and present bound to one buffer, the mask growing as genai's does): the graphs compared
+    # without either runtime's settings.
+    bare_labels = [label for label in exports if "threads=" not in label
+                   and (label.startswith("genai builder") or " gqa" in label)]
+    bare: dict[str, list[float]] = {label: [] for label in bare_labels}
+    if not args.no_bare_session:
+        import decode_check
+
+        for r in range(args.rounds):
+            for label in bare_labels:
+                time.sleep(0.5)
+                ms = decode_check.measure(exports[label], graph=False, buffer=args.prompt_tokens + args.new_tokens + 8,
+                                          ctx=args.prompt_tokens, steps=args.new_tokens - args.warmup,
+                                          warmup=args.warmup, ep="cpu")
+                bare[label].append(round(ms, 3))
+                print(f"round {r} {label:26s} bare session decode {ms:6.2f} ms/token", flush=True)
+
     # Quality against transformers fp32 on the same weights (one scoring path for every export).
     tokens, how, prefix = text_tokens(checkpoint, config["vocab_size"])
     chunks = windows(tokens, WINDOW, prefix)
@@ -193,6 +214,9 @@ def main() -> int:
                              "ppl_delta": round(decoded.ppl_delta, 6)},
             "build_s": build_s.get(label), "command": commands[label],
         }
+        if bare.get(label):
+            results[label]["bare_session_decode_ms"] = float(np.median(bare[label]))
+            results[label]["bare_session_rounds"] = bare[label]
         print(f"{label:26s} agree {quality.agreement:.4f}  KL {quality.kl_mean:.4f}  decode-path agree "
               f"{decoded.agreement:.4f} KL {decoded.kl_mean:.4f}  {results[label]['model_bytes'] / 1e6:.0f} MB", flush=True)
 
@@ -212,6 +236,9 @@ def main() -> int:
                                (thread_label("ours int4 gqa", None), "genai builder int4"),
                                (thread_label("ours fp32 gqa", None), "genai builder fp32"))
                   if o in results and t in results}
+    for o, t in (("ours int4 gqa", "genai builder int4"), ("ours fp32 gqa", "genai builder fp32")):
+        if "bare_session_decode_ms" in results.get(o, {}) and "bare_session_decode_ms" in results.get(t, {}):
+            comparison[f"{o} / {t}"]["bare_session_decode"] = ratio(o, t, "bare_session_decode_ms")
     record = {
         "benchmark": "cpu_matrix",
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -223,7 +250,9 @@ def main() -> int:
                  "dequantized by transformers",
         "how_driven": f"onnxruntime-genai's Generator for every export (its own genai_config.json), greedy, prompt of "
                       f"{args.prompt_tokens} tokens, {args.new_tokens} new, decode = median step after {args.warmup}; "
-                      f"{args.rounds} rounds alternating, median over rounds",
+                      f"{args.rounds} rounds alternating, median over rounds; bare_session_decode_ms: the gqa graphs "
+                      "(ours and the builder's) in a bare onnxruntime session with IO binding "
+                      "(benchmarks/decode_check.py, onnxruntime's default threads), same prompt and steps",
         "quality": f"teacher-forced against transformers fp32, {len(chunks)} windows of {WINDOW} ({how}): each window "
                    f"as one prefill (the quality gate's way: agreement, kl_mean, ppl_delta) and one token at a time "
                    f"through the KV cache (decode_steps: what a generator's decode computes)",

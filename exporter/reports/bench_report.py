@@ -280,6 +280,12 @@ def cpu_markdown(result: dict) -> str:
             lines.append(f"- {dtype}: our fastest ({best}) is {ratio:.2f}x the builder's decode time"
                          + (f", KL {mine[best]['kl_mean']:.4f} against its {rows[peer]['kl_mean']:.4f}"
                             if dtype != "fp32" and rows[peer].get("kl_mean") is not None else ""))
+            gqa = f"ours {dtype} gqa"
+            if "bare_session_decode_ms" in rows.get(gqa, {}) and "bare_session_decode_ms" in rows[peer]:
+                lines.append(f"- {dtype}, both gqa graphs in a bare session (IO binding, the same threads): ours "
+                             f"{rows[gqa]['bare_session_decode_ms']:.2f} ms/token against "
+                             f"{rows[peer]['bare_session_decode_ms']:.2f} ("
+                             f"{rows[gqa]['bare_session_decode_ms'] / rows[peer]['bare_session_decode_ms']:.2f}x)")
     for name, err in result.get("failed_exports", {}).items():
         lines.append(f"- {name} could not be built: {err.splitlines()[-1][:300]}")
     return "\n".join(lines) + "\n"

@@ -25,13 +25,11 @@ def residual_rms_norm(
     kernel instead of two per norm, which matters when decode is launch-bound (it runs on CPU too).
     """
     if bias is not None:  # LayerNorm: SkipLayerNormalization's beta is the bias
-        normed, _mean, _inv_std, summed = b.op_multi(
-            "SkipLayerNormalization", [update, residual, weight, bias], {"epsilon": float(eps)},
-            num_outputs=4, domain="com.microsoft",
-        )
-        return normed, summed
-    normed, _mean, _inv_std, summed = b.op_multi(
-        "SkipSimplifiedLayerNormalization", [update, residual, weight], {"epsilon": float(eps)},
-        num_outputs=4, domain="com.microsoft",
-    )
+        op, inputs = "SkipLayerNormalization", [update, residual, weight, bias]
+    else:
+        op, inputs = "SkipSimplifiedLayerNormalization", [update, residual, weight]
+    normed, mean, inv_std, summed = b.op_multi(op, inputs, {"epsilon": float(eps)}, num_outputs=4, domain="com.microsoft")
+    # The mean and inverse standard deviation outputs (training's) are left unnamed, so the kernel
+    # neither allocates nor writes them: on the CPU that was 40% of the op's time (7 us a norm, SmolLM2).
+    mean.name = inv_std.name = ""
     return normed, summed
