@@ -252,7 +252,8 @@ def main() -> int:
                       f"{args.prompt_tokens} tokens, {args.new_tokens} new, decode = median step after {args.warmup}; "
                       f"{args.rounds} rounds alternating, median over rounds; bare_session_decode_ms: the gqa graphs "
                       "(ours and the builder's) in a bare onnxruntime session with IO binding "
-                      "(benchmarks/decode_check.py, onnxruntime's default threads), same prompt and steps",
+                      "(benchmarks/decode_check.py, onnxruntime's default threads; its own random prompt of the same "
+                      "length), same steps",
         "quality": f"teacher-forced against transformers fp32, {len(chunks)} windows of {WINDOW} ({how}): each window "
                    f"as one prefill (the quality gate's way: agreement, kl_mean, ppl_delta) and one token at a time "
                    f"through the KV cache (decode_steps: what a generator's decode computes)",

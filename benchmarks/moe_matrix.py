@@ -25,6 +25,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -164,25 +165,32 @@ def generate(model, batch: int, ctx: int, steps: int, warmup: int, vocab: int) -
 
 
 def profile_decode(directory: Path, batch: int, ctx: int, steps: int, vocab: int, skip: int = 4) -> dict:
-    """onnxruntime's profile of one generation through genai's generator, as the package runs it:
-    a copy of its genai_config.json sets ``session_options.enable_profiling``; kernel time per op
-    type and per node over the decode steps after the prompt's run and ``skip`` more (first calls tune
-    kernels), microseconds per step, and the execution provider each op ran on."""
+    """onnxruntime's profile of one generation through genai's generator, as the package runs it: a
+    linked copy of the package whose genai_config.json sets ``session_options.enable_profiling`` (the
+    package itself is never edited). Kernel time per op type and per node over the decode steps after
+    the prompt's run and ``skip`` more (first calls tune kernels), microseconds per step, and the
+    execution provider each op ran on."""
     import onnxruntime_genai as og
 
-    config_path = directory / "genai_config.json"
-    original = config_path.read_text()
+    if steps <= skip + 1:
+        raise ValueError(f"profile_decode: {steps} steps leave none after the {skip} skipped")
+    copy = directory.parent / f"profiled-{directory.name}"
+    shutil.rmtree(copy, ignore_errors=True)
+    copy.mkdir()
+    for f in directory.iterdir():
+        if f.is_file() and f.name != "genai_config.json":
+            os.link(f, copy / f.name)
     prefix = directory.parent / f"profile-{directory.name}"
-    config = json.loads(original)
+    config = json.loads((directory / "genai_config.json").read_text())
     config["model"]["decoder"].setdefault("session_options", {})["enable_profiling"] = str(prefix)
-    config_path.write_text(json.dumps(config, indent=2))
+    (copy / "genai_config.json").write_text(json.dumps(config, indent=2))
     try:
-        model = og.Model(str(directory))
+        model = og.Model(str(copy))
         generate(model, batch, ctx, steps, 0, vocab)
         del model  # the session writes its profile as it closes
         gc.collect()
     finally:
-        config_path.write_text(original)
+        shutil.rmtree(copy, ignore_errors=True)
     files = sorted(prefix.parent.glob(f"{prefix.name}*.json"), key=lambda f: f.stat().st_mtime)
     if not files:
         raise RuntimeError(f"no profile written under {prefix}*")
@@ -204,7 +212,8 @@ def profile_decode(directory: Path, batch: int, ctx: int, steps: int, vocab: int
     run_us = [e["dur"] for e in trace if e.get("name") == "model_run" and e["ts"] >= decode_start]
     per_step = lambda table, top: {k: round(v / decode_runs, 1) for k, v in  # noqa: E731
                                    sorted(table.items(), key=lambda kv: -kv[1])[:top]}
-    return {"batch": batch, "ctx": ctx, "decode_runs": decode_runs, "file": files[-1].name,
+    return {"batch": batch, "ctx": ctx, "decode_runs": decode_runs, "skipped_decode_runs": first - 1,
+            "file": files[-1].name,
             "model_run_us_median": float(np.median(run_us)) if run_us else None,
             "kernel_us_per_step": round(sum(by_op.values()) / decode_runs, 1),
             "op_us_per_step": per_step(by_op, 40), "top_nodes_us_per_step": per_step(by_node, 15),

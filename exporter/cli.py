@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -83,14 +82,13 @@ def add_layout_parser(sub) -> None:
 
 
 def _cmd_layout(args) -> int:
-    from exporter.packaging.hf_layout import write_hf_layout
+    from exporter.packaging.hf_layout import check_export, write_hf_layout
 
-    manifest_path = args.dir / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise ExportError(f"{args.dir} has no {MANIFEST_FILE}: pass an export directory")
-    checkpoint = args.checkpoint or Path(json.loads(manifest_path.read_text())["source"]["path"])
-    if not checkpoint.is_dir():
-        raise ExportError(f"the checkpoint {checkpoint} is not a directory here: pass --checkpoint")
+    source = check_export(args.dir).get("source") or {}  # refuses what the layout cannot hold, first
+    checkpoint = args.checkpoint or (Path(source["path"]) if source.get("path") else None)
+    if checkpoint is None or not checkpoint.is_dir():
+        raise ExportError(f"the checkpoint this export was made from ({checkpoint or 'not in its manifest'}) is not a "
+                          "directory here: pass --checkpoint DIR")
     manifest = write_hf_layout(args.dir, args.out, checkpoint)
     print(f"laid out {args.dir} as a Hugging Face repository in {args.out}:")
     for name, entry in manifest["files"].items():

@@ -171,7 +171,7 @@ def export_model(
         raise ExportError(f"unknown layout {layout!r}: use farm (model.onnx at the root, what onnxruntime-genai "
                           f"reads) or hf (a Hugging Face repository for transformers.js and optimum)")
     if layout == hf_layout.LAYOUT:
-        hf_layout.check_request(request.dtype.value, variant.value)
+        hf_layout.check_request(request.dtype.value, variant.value, request.ep.value)
     if validate:
         check_validatable(request.max_seq_len)
     out_dir = Path(out_dir).absolute()
@@ -185,6 +185,8 @@ def export_model(
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache)
+        if layout == hf_layout.LAYOUT:
+            hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating
         report = None
         if validate:
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,
@@ -193,12 +195,12 @@ def export_model(
         if layout == hf_layout.LAYOUT:
             laid_out = staging.with_name(f"{staging.name}-hf")
             try:
-                manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path))
+                manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path, move_weights=True))
             except BaseException:
                 shutil.rmtree(laid_out, ignore_errors=True)
                 raise
-            shutil.rmtree(staging)
-            staging = laid_out
+            farm, staging = staging, laid_out
+            shutil.rmtree(farm, ignore_errors=True)
         _publish_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

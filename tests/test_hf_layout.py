@@ -35,12 +35,21 @@ NEW_TOKENS = 12
 def transformersjs() -> Path:
     """clients/transformersjs with its pinned @huggingface/transformers installed (npm ci, once)."""
     node, npm = shutil.which("node"), shutil.which("npm")
-    assert node and npm, "the transformers.js tests need Node.js and npm on PATH"
-    if not (CLIENT / "node_modules" / "@huggingface" / "transformers").is_dir():
+    assert node and npm, "the transformers.js tests need Node.js and npm on PATH (.ci/run installs them)"
+    lock = (CLIENT / "package-lock.json").read_text()
+    marker = CLIENT / "node_modules" / ".installed-lock"
+    if not marker.is_file() or marker.read_text() != lock:
         # onnxruntime-node's install script fetches CUDA binaries from nuget; the CPU ones ship in the package.
         env = dict(os.environ, ONNXRUNTIME_NODE_INSTALL="skip")
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT, env=env, check=True, capture_output=True)
+        run_or_say([npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT, env=env)
+        marker.write_text(lock)
     return CLIENT / "generate.mjs"
+
+
+def run_or_say(command: list[str], **kwargs) -> None:
+    """Run an install step; on failure, fail with the tool's own last words."""
+    proc = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
 
 
 @pytest.fixture(scope="session")
@@ -51,11 +60,12 @@ def optimum() -> tuple[Path, Path]:
     marker = env_dir / ".installed"
     requirements = CLIENTS / "optimum" / "requirements.txt"
     if not marker.is_file() or marker.read_text() != requirements.read_text():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(env_dir)], check=True)
-        # torch alone first: pip then takes the local CPU build, never a CUDA one.
+        run_or_say([sys.executable, "-m", "venv", "--clear", str(env_dir)])
+        # torch alone first: on this project's machines pip then takes the local CPU build of that
+        # release (as `make install` does), not PyPI's CUDA one.
         torch_pin = next(line for line in requirements.read_text().splitlines() if line.startswith("torch=="))
         for args in ([torch_pin], ["-r", str(requirements)]):
-            subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True, capture_output=True)
+            run_or_say([str(python), "-m", "pip", "install", "-q", *args])
         marker.write_text(requirements.read_text())
     return python, CLIENTS / "optimum" / "generate.py"
 
@@ -89,9 +99,10 @@ def hf_generate(checkpoint: Path, ids: str, mask: str) -> list[list[int]]:
     return out.tolist()
 
 
-def check_rows(got, want, ids):
+def check_rows(got, want, ids, client: str = "transformers.js"):
+    assert len(got) == len(want) == len(ids), f"{client} gave {len(got)} rows for {len(ids)}"
     for row, (g, w) in enumerate(zip(got, want)):
-        assert g[len(ids[row]):] == w[len(ids[row]):], f"row {row}: transformers.js {g} vs transformers {w}"
+        assert g[len(ids[row]):] == w[len(ids[row]):], f"row {row}: {client} {g} vs transformers {w}"
 
 
 @pytest.mark.parametrize("arch", DENSE)
@@ -101,7 +112,11 @@ def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_i
     layout = tmp_path / "repo"
     manifest = write_hf_layout(export_dir, layout, checkpoint(arch))
     assert manifest["layout"]["model_file"] == "onnx/model.onnx"
-    assert (layout / "onnx" / "model.onnx_data").stat().st_ino == (export_dir / "model.onnx.data").stat().st_ino
+    # A copy, not a hard link: onnx's checker refuses external data with several links (the source
+    # export's structure gate would fail afterwards).
+    copied = layout / "onnx" / "model.onnx_data"
+    assert copied.read_bytes() == (export_dir / "model.onnx.data").read_bytes()
+    assert copied.stat().st_nlink == (export_dir / "model.onnx.data").stat().st_nlink == 1
     config = json.loads((layout / "config.json").read_text())
     assert config["transformers.js_config"]["use_external_data_format"] == {"model.onnx": 1}
     ids, mask = prompts(arch)
@@ -132,13 +147,13 @@ def test_the_hf_layout_refuses_what_its_consumers_cannot_run(exported, checkpoin
     assert gqa_manifest["padding"]["batch"] == "right padding only"
     with pytest.raises(ExportError, match="expects right padding.*left-pad"):
         write_hf_layout(exported("llama", "gqa"), tmp_path / "a", checkpoint("llama"))
-    with pytest.raises(ExportError, match="attn_static"):
+    with pytest.raises(ExportError, match="neither transformers.js nor optimum drives attn_static"):
         write_hf_layout(exported("llama", "attn_static"), tmp_path / "b", checkpoint("llama"))
     with pytest.raises(ExportError, match="no config.json"):
         write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "c", tmp_path)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("")
-    with pytest.raises(ExportError, match="not empty"):
+    with pytest.raises(ExportError, match="not an empty directory"):
         write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "d", checkpoint("llama"))
     with pytest.raises(ExportError, match="not a farm export"):
         write_hf_layout(tmp_path / "d", tmp_path / "e", checkpoint("llama"))
@@ -186,7 +201,7 @@ def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_i
     ids, mask = prompts(arch)
     python, script = optimum
     got = client_generate([str(python), str(script), str(layout)], layout, ids, mask)
-    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
+    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids, "optimum")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
@@ -202,4 +217,35 @@ def test_an_fp16_export_in_the_hf_layout_generates_transformers_fp32_tokens_in_b
     want = hf_generate(source, json.dumps(ids), json.dumps(mask))
     check_rows(js_generate(transformersjs, layout, "fp16", ids, mask), want, ids)
     python, script = optimum
-    check_rows(client_generate([str(python), str(script), str(layout)], layout, ids, mask), want, ids)
+    check_rows(client_generate([str(python), str(script), str(layout)], layout, ids, mask), want, ids, "optimum")
+
+
+def test_file_names_follow_transformersjs_dtypes_and_a_failed_layout_leaves_nothing(exported, checkpoint, tmp_path):
+    from exporter.packaging.hf_layout import hf_file_names
+
+    def manifest(dtype, logits):
+        return {"request": {"dtype": dtype, "variant": "attn_dynamic"}, "variant": "attn_dynamic",
+                "graph": {"outputs": [{"name": "logits", "dtype": logits}]}}
+
+    assert hf_file_names(manifest("int4", "FLOAT16")) == ("onnx/model_q4f16.onnx", "onnx/model_q4f16.onnx_data", "q4f16")
+    assert hf_file_names(manifest("int8", "FLOAT")) == ("onnx/model_int8.onnx", "onnx/model_int8.onnx_data", "int8")
+    with pytest.raises(ExportError, match="no file name for int4 weights with bfloat16 activations"):
+        hf_file_names(manifest("int4", "BFLOAT16"))
+    # A farm export whose graph keeps its weights under another name: refused, and no folder is left.
+    source = exported("llama", "attn_dynamic")
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    (broken / "model.onnx.data").rename(broken / "weights.bin")
+    (broken / "model.onnx.data").symlink_to(broken / "weights.bin")
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors
+
+    graph = onnx.load(str(broken / "model.onnx"), load_external_data=False)
+    for tensor in _get_all_tensors(graph):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "weights.bin"
+    onnx.save(graph, str(broken / "model.onnx"))
+    with pytest.raises(ExportError, match="keeps weights in 'weights.bin'"):
+        write_hf_layout(broken, tmp_path / "out", checkpoint("llama"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]

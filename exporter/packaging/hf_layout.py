@@ -17,8 +17,9 @@ padding (a left-padded row comes out silently wrong) and neither consumer drives
 static caches, so those are refused with the reason.
 
 Nothing is re-exported: the graph is the validated one with its external-data locations renamed,
-and the weights file is linked (copied across file systems), so its bytes and sha256 are the
-export's. The layout's ``manifest.json`` is the export's with ``layout`` added and ``files`` listing
+and the weights file is moved (``export --layout hf``) or copied (``exportfarm layout hf``), never
+hard-linked (onnx's checker refuses external data with several links), so its bytes and sha256 are
+the export's. The layout's ``manifest.json`` is the export's with ``layout`` added and ``files`` listing
 what this folder holds.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import onnx
@@ -56,14 +58,19 @@ VARIANT_REASONS = {
 }
 
 
-def check_request(dtype: str, variant: str) -> None:
-    """Refuse, before any work, a request the hf layout cannot hold (the activation dtype of a cuda int4
-    export depends on the checkpoint: that case is checked on the built graph, hf_file_names)."""
+def check_request(dtype: str, variant: str, ep: str | None = None) -> None:
+    """Refuse, before any work, a request the hf layout cannot hold. The activation dtype of a cuda int4
+    export depends on the checkpoint (bf16 for one trained in bf16): the pipeline checks that on the
+    built graph (hf_file_names), before validating it."""
     if variant in VARIANT_REASONS:
         raise ExportError(f"no hf layout for a {variant} export: {VARIANT_REASONS[variant]}")
     if dtype not in {d for d, _ in SUFFIX}:
         raise ExportError(f"transformers.js has no file name for {dtype} weights: the hf layout takes "
                           f"{', '.join(sorted({d for d, _ in SUFFIX}))}")
+    if dtype == "int8" and ep == "cuda":
+        raise ExportError("transformers.js names int8 weights only with fp32 activations (model_int8.onnx), and an "
+                          "int8 cuda export computes in fp16 / bf16: export int8 for ep cpu, or int4 for cuda "
+                          "(model_q4f16.onnx), for the hf layout")
 
 
 def hf_file_names(manifest: dict) -> tuple[str, str, str]:
@@ -82,11 +89,13 @@ def hf_file_names(manifest: dict) -> tuple[str, str, str]:
     return f"{ONNX_DIR}/{model}", f"{ONNX_DIR}/{model}_data", dtype
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def _move_or_copy(src: Path, dst: Path, move: bool) -> None:
+    """Never a hard link: onnx's checker refuses external data with more than one link (it reads it
+    as a hard-link attack), which would fail the source export's own structure gate afterwards."""
+    if move:
+        os.replace(src, dst)
+    else:
+        shutil.copyfile(src, dst)
 
 
 def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
@@ -105,28 +114,56 @@ def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
     onnx.save(model, str(dst))
 
 
-def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path) -> dict:
+def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, move_weights: bool = False) -> dict:
     """Lay the export in ``export_dir`` out as a Hugging Face model repository in ``out_dir`` (new or
     empty). ``checkpoint_dir``: the checkpoint it was exported from (config.json, generation_config.json,
-    tokenizer files). Returns the layout's manifest."""
+    tokenizer files). The weights file is copied, or moved with ``move_weights`` (the pipeline's staged
+    export, dropped afterwards). Written beside ``out_dir`` and renamed into place at the end, so a
+    failure leaves nothing behind. Returns the layout's manifest."""
     export_dir, out_dir, checkpoint_dir = Path(export_dir), Path(out_dir), Path(checkpoint_dir)
+    manifest = check_export(export_dir)
+    model_name, data_name, dtype = hf_file_names(manifest)
+    config_path = checkpoint_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ExportError(f"{checkpoint_dir} has no {CONFIG_FILE}: pass the checkpoint the export was made from")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not an empty directory: choose a new directory")
+    data_entry = manifest["files"][DATA_FILE]
+    if (export_dir / DATA_FILE).stat().st_size != data_entry["size"]:
+        raise ExportError(f"{export_dir / DATA_FILE} is {(export_dir / DATA_FILE).stat().st_size} bytes, its manifest "
+                          f"says {data_entry['size']}: the export was changed after it was written")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.hf-partial-{uuid.uuid4().hex[:8]}")
+    try:
+        layout_manifest = _write(export_dir, staging, checkpoint_dir, manifest, model_name, data_name, dtype,
+                                 move_weights)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return layout_manifest
+
+
+def check_export(export_dir: Path) -> dict:
+    """The manifest of a farm-layout export, or ExportError saying what ``export_dir`` is instead."""
     manifest_path = export_dir / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     if manifest.get("layout", {}).get("kind") == LAYOUT:
         raise ExportError(f"{export_dir} is already in the hf layout")
     if not manifest or not (export_dir / MODEL_FILE).is_file():
         raise ExportError(f"{export_dir} is not a farm export (no {MANIFEST_FILE} / {MODEL_FILE} at its root)")
-    model_name, data_name, dtype = hf_file_names(manifest)
-    config_path = checkpoint_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise ExportError(f"{checkpoint_dir} has no {CONFIG_FILE}: pass the checkpoint the export was made from")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ExportError(f"{out_dir} exists and is not empty: choose a new directory")
-    (out_dir / ONNX_DIR).mkdir(parents=True, exist_ok=True)
+    hf_file_names(manifest)
+    return manifest
 
+
+def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict, model_name: str, data_name: str,
+           dtype: str, move_weights: bool) -> dict:
+    (out_dir / ONNX_DIR).mkdir(parents=True)
     _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
-    _link_or_copy(export_dir / DATA_FILE, out_dir / data_name)
-    config = json.loads(config_path.read_text())
+    _move_or_copy(export_dir / DATA_FILE, out_dir / data_name, move_weights)
+    config = json.loads((checkpoint_dir / CONFIG_FILE).read_text())
     js_config = dict(config.get("transformers.js_config") or {})
     external = dict(js_config.get("use_external_data_format") or {})
     external[Path(model_name).name] = 1
@@ -134,30 +171,35 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path) -> di
     config["transformers.js_config"] = js_config
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     files = [model_name, data_name, CONFIG_FILE]
+
+    def carry(source: Path, name: str) -> None:
+        """Copy one more file in under its own name: never over one written here, never outside."""
+        if name in files or name in (MANIFEST_FILE, GENAI_CONFIG_FILE) or "/" in name or name.startswith("."):
+            return
+        shutil.copy2(source, out_dir / name)
+        files.append(name)
+
     # The export's tokenizer files (a genai package's tokenizer_config.json carries the special-token flags
-    # genai reads; transformers reads them too) and what else it holds beside the graph: reports, benchmark.
-    carried = [n for n in manifest["files"] if n not in (MODEL_FILE, DATA_FILE, GENAI_CONFIG_FILE)]
-    for name in carried:
-        if (export_dir / name).is_file():
-            shutil.copy2(export_dir / name, out_dir / name)
-            files.append(name)
+    # genai reads; transformers reads them too) and its reports, then what else the checkpoint has.
+    for name in manifest["files"]:
+        if name not in (MODEL_FILE, DATA_FILE) and (export_dir / name).is_file():
+            carry(export_dir / name, name)
     for name in (GENERATION_CONFIG_FILE, *TOKENIZER_FILES):
-        if name not in files and (checkpoint_dir / name).is_file():
-            shutil.copy2(checkpoint_dir / name, out_dir / name)
-            files.append(name)
+        if (checkpoint_dir / name).is_file():
+            carry(checkpoint_dir / name, name)
     for pattern in TOKENIZER_GLOBS:
         for path in checkpoint_dir.glob(pattern):
-            if path.name not in files:
-                shutil.copy2(path, out_dir / path.name)
-                files.append(path.name)
+            carry(path, path.name)
     layout_manifest = dict(manifest)
     layout_manifest["layout"] = {
         "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,
         "from_export": {"export_id": manifest.get("export_id"),
                         "files": {n: manifest["files"][n] for n in (MODEL_FILE, DATA_FILE)}},
-        "consumers": ["transformers.js >= 4 (onnxruntime-node / -web)", "optimum ORTModelForCausalLM"],
+        "consumers": ["transformers.js >= 4 on onnxruntime-node", "optimum ORTModelForCausalLM"],
     }
-    # The weights are the export's bytes (linked or copied): their entry is the export's, not re-read.
+    layout_manifest["genai"] = {"package": False, "reason": "the hf layout is not an onnxruntime-genai package (no "
+                                "genai_config.json); export with the farm layout for onnxruntime-genai"}
+    # The weights are the export's bytes (moved or copied, size checked): their entry is the export's.
     layout_manifest["files"] = {name: manifest["files"][DATA_FILE] if name == data_name else file_entry(out_dir / name)
                                 for name in files}
     (out_dir / MANIFEST_FILE).write_text(json.dumps(layout_manifest, indent=2) + "\n")

@@ -108,7 +108,7 @@ def build_manifest(
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "request": request.to_dict(),
         "variant": variant.value,
-        "padding": PADDING[variant.value],
+        "padding": dict(PADDING[variant.value]),
         "source": source.to_dict(),
         "cache_key": cache_key(request, source.revision, versions["exporter"], versions["onnxruntime"]),
         "versions": versions,

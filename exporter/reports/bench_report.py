@@ -8,6 +8,7 @@ context, the crossover between our variants, and recommends a variant per contex
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -203,24 +204,22 @@ def write_report(result_path: Path, out_dir: Path | None = None) -> tuple[Path, 
     return png, md
 
 
-if __name__ == "__main__":
-    import sys
-
-    for argument in sys.argv[1:]:
-        print(*write_report(Path(argument)))
-
 
 def dtype_recommendation(rows: dict[str, dict], thresholds: dict | None = None) -> dict:
     """Which export of a dtype matrix to ship, speed weighed against measured quality.
 
     ``rows``: name -> {"dtype", "decode_ms", "model_bytes"} and, for quantized dtypes, the quality
-    figures against the fp32 reference ("agreement", "kl_mean", "ppl_delta"). A quantized row is
-    eligible when its dtype's quality-gate thresholds hold (the gate's defaults unless given); float
-    rows are the reference's own precision. The pick is the fastest eligible row; each faster row it
+    figures against the fp32 reference ("agreement", "kl_mean", "ppl_delta"). A row of a dtype with
+    quality-gate thresholds (int4, int8: the gate's defaults, each overridden per key by ``thresholds``)
+    is eligible when they hold; a float row (fp32, fp16, bf16) has no such gate here: its parity is the
+    parity gate's, not a quality budget. The pick is the fastest eligible row; each faster row it
     passes over is named with the figure that ruled it out."""
+    import math
+
     from exporter.validation.gates.quality import DEFAULT_THRESHOLDS
 
-    limits = thresholds or DEFAULT_THRESHOLDS
+    limits = {dtype: {**bounds, **(thresholds or {}).get(dtype, {})} for dtype, bounds in DEFAULT_THRESHOLDS.items()}
+    limits.update({dtype: bounds for dtype, bounds in (thresholds or {}).items() if dtype not in limits})
     verdicts = {}
     for name, row in rows.items():
         bounds = limits.get(row["dtype"])
@@ -239,7 +238,15 @@ def dtype_recommendation(rows: dict[str, dict], thresholds: dict | None = None) 
         if row["ppl_delta"] > bounds["ppl_delta_max"]:
             failed.append(f"perplexity +{100 * row['ppl_delta']:.1f}% > +{100 * bounds['ppl_delta_max']:.0f}%")
         verdicts[name] = failed
-    by_speed = sorted(rows, key=lambda n: rows[n]["decode_ms"])
+
+    def speed(name: str) -> float:
+        ms = rows[name].get("decode_ms")
+        return float(ms) if isinstance(ms, (int, float)) and math.isfinite(ms) else math.inf
+
+    for name in rows:
+        if speed(name) == math.inf:
+            verdicts[name] = [*verdicts[name], "no decode time measured"]
+    by_speed = sorted(rows, key=speed)
     pick = next((n for n in by_speed if not verdicts[n]), None)
     passed_over = {n: verdicts[n] for n in by_speed[: by_speed.index(pick) if pick else len(by_speed)]}
     return {"pick": pick, "passed_over": passed_over, "verdicts": verdicts, "thresholds": limits}
@@ -280,6 +287,10 @@ def cpu_markdown(result: dict) -> str:
             lines.append(f"- {dtype}: our fastest ({best}) is {ratio:.2f}x the builder's decode time"
                          + (f", KL {mine[best]['kl_mean']:.4f} against its {rows[peer]['kl_mean']:.4f}"
                             if dtype != "fp32" and rows[peer].get("kl_mean") is not None else ""))
+            equal = f"{peer} threads=0"  # the builder's package given our thread setting (cpu_matrix)
+            if best in rows and equal in rows:
+                lines.append(f"- {dtype}, the builder's package given our thread setting: "
+                             f"{mine[best]['decode_ms'] / rows[equal]['decode_ms']:.2f}x its decode time")
             gqa = f"ours {dtype} gqa"
             if "bare_session_decode_ms" in rows.get(gqa, {}) and "bare_session_decode_ms" in rows[peer]:
                 lines.append(f"- {dtype}, both gqa graphs in a bare session (IO binding, the same threads): ours "
@@ -293,3 +304,10 @@ def cpu_markdown(result: dict) -> str:
 
 def _dtype_of(name: str) -> str | None:
     return next((d for d in ("int4", "int8", "fp32", "fp16", "bf16") if f" {d} " in f" {name} "), None)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for argument in sys.argv[1:]:
+        print(*write_report(Path(argument)))
