@@ -117,7 +117,7 @@ def main() -> int:
     from exporter.request import ExportRequest
     from exporter.validation.gates.quality import WINDOW, reference_logits, text_tokens, windows
     from exporter.validation.reference import load_reference
-    from quant_quality import folder_bytes, onnx_census, score_export
+    from quant_quality import folder_bytes, onnx_census, score_export_ways
     from tests.real_model import REAL_MODELS, real_checkpoint
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="cpu-matrix-"))
@@ -202,8 +202,7 @@ def main() -> int:
     for label, folder in exports.items():
         key = folder.joinpath("model.onnx").resolve()  # a thread-control copy scores as its source
         if key not in scored:
-            scored[key] = (score_export(folder, config, chunks, reference, how),
-                           score_export(folder, config, chunks, reference, how, decode=True))
+            scored[key] = tuple(score_export_ways(folder, config, chunks, reference, how, ("prefill", "decode")))
         quality, decoded = scored[key]
         results[label] = {
             "decode_ms": float(np.median(rounds[label]["decode_ms"])), "prefill_ms": float(np.median(rounds[label]["prefill_ms"])),

@@ -256,6 +256,28 @@ def bench_ort(model_path: Path, ep: str, graph: bool, buffer_for, contexts, step
     return figures, logits
 
 
+def kernel_times(trace: list[dict], first_run: int) -> dict:
+    """An onnxruntime profile's kernel time from its ``first_run``-th ``model_run`` on (0: the first):
+    microseconds summed per op type (``by_op``), per node (``by_node``), the providers each op type ran
+    on, the runs counted and each one's duration."""
+    runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
+    first_run = min(first_run, max(len(runs) - 1, 0))
+    start = runs[first_run] if runs else 0
+    by_op: dict[str, float] = {}
+    by_node: dict[str, float] = {}
+    providers: dict[str, set] = {}
+    for event in trace:
+        if event.get("cat") == "Node" and event["ts"] >= start and event["name"].endswith("_kernel_time"):
+            op = event.get("args", {}).get("op_name", "?")
+            providers.setdefault(op, set()).add(event.get("args", {}).get("provider", "?"))
+            by_op[op] = by_op.get(op, 0.0) + event["dur"]
+            node = event["name"][: -len("_kernel_time")]
+            by_node[node] = by_node.get(node, 0.0) + event["dur"]
+    return {"by_op": by_op, "by_node": by_node, "providers": providers, "first_run": first_run,
+            "runs": max(len(runs) - first_run, 1),
+            "run_us": [e["dur"] for e in trace if e.get("name") == "model_run" and e["ts"] >= start]}
+
+
 def profile_decode(model_path: Path, ep: str, ctx: int, steps: int, vocab: int, out_dir: Path) -> dict:
     """ORT's own profile of ``steps`` uncaptured decode steps: time per op type, largest first."""
     import onnxruntime as ort
@@ -271,13 +293,7 @@ def profile_decode(model_path: Path, ep: str, ctx: int, steps: int, vocab: int, 
     harness.prefill_bound(np.random.default_rng(0).integers(3, vocab, size=(1, ctx)), caches, ctx + steps + 2)
     harness.decode_bound(caches, ctx, ctx + steps + 2, steps, 0)
     trace = json.loads(Path(harness.session.end_profiling()).read_text())
-    runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
-    decode_start = runs[1] if len(runs) > 1 else 0
-    by_op: dict[str, float] = {}
-    for event in trace:
-        if event.get("cat") == "Node" and event["ts"] >= decode_start and event["name"].endswith("_kernel_time"):
-            op = event.get("args", {}).get("op_name", "?")
-            by_op[op] = by_op.get(op, 0.0) + event["dur"]
+    by_op = kernel_times(trace, first_run=1)["by_op"]
     total = sum(by_op.values()) or 1.0
     return {"ctx": ctx, "steps": steps, "op_us_per_step": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
             "op_share": {k: round(v / total, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])}}

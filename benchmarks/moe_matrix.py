@@ -194,30 +194,16 @@ def profile_decode(directory: Path, batch: int, ctx: int, steps: int, vocab: int
     files = sorted(prefix.parent.glob(f"{prefix.name}*.json"), key=lambda f: f.stat().st_mtime)
     if not files:
         raise RuntimeError(f"no profile written under {prefix}*")
-    trace = json.loads(files[-1].read_text())
-    runs = sorted(e["ts"] for e in trace if e.get("name") == "model_run")
-    first = min(1 + skip, len(runs) - 1) if len(runs) > 1 else 0
-    decode_start = runs[first] if runs else 0
-    decode_runs = max(len(runs) - first, 1)
-    by_op: dict[str, float] = {}
-    by_node: dict[str, float] = {}
-    providers: dict[str, set] = {}
-    for event in trace:
-        if event.get("cat") == "Node" and event["ts"] >= decode_start and event["name"].endswith("_kernel_time"):
-            op = event.get("args", {}).get("op_name", "?")
-            providers.setdefault(op, set()).add(event.get("args", {}).get("provider", "?"))
-            by_op[op] = by_op.get(op, 0.0) + event["dur"]
-            node = event["name"][: -len("_kernel_time")]
-            by_node[node] = by_node.get(node, 0.0) + event["dur"]
-    run_us = [e["dur"] for e in trace if e.get("name") == "model_run" and e["ts"] >= decode_start]
+    times = gpu_matrix.kernel_times(json.loads(files[-1].read_text()), first_run=1 + skip)
+    decode_runs, run_us = times["runs"], times["run_us"]
     per_step = lambda table, top: {k: round(v / decode_runs, 1) for k, v in  # noqa: E731
                                    sorted(table.items(), key=lambda kv: -kv[1])[:top]}
-    return {"batch": batch, "ctx": ctx, "decode_runs": decode_runs, "skipped_decode_runs": first - 1,
+    return {"batch": batch, "ctx": ctx, "decode_runs": decode_runs, "skipped_decode_runs": times["first_run"] - 1,
             "file": files[-1].name,
             "model_run_us_median": float(np.median(run_us)) if run_us else None,
-            "kernel_us_per_step": round(sum(by_op.values()) / decode_runs, 1),
-            "op_us_per_step": per_step(by_op, 40), "top_nodes_us_per_step": per_step(by_node, 15),
-            "providers": {op: sorted(p) for op, p in providers.items()}}
+            "kernel_us_per_step": round(sum(times["by_op"].values()) / decode_runs, 1),
+            "op_us_per_step": per_step(times["by_op"], 40), "top_nodes_us_per_step": per_step(times["by_node"], 15),
+            "providers": {op: sorted(p) for op, p in times["providers"].items()}}
 
 
 def main() -> int:

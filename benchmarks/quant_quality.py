@@ -111,11 +111,18 @@ def score_export(folder: Path, config: dict, chunks: list[list[int]], reference:
     ours or the genai builder's) against the reference's logits over ``chunks``, by one code path:
     each window as one prefill (the gate's way), or with ``decode`` one token at a time through the
     cache (what a generator's decode steps compute: int8-activation kernels quantize the two apart)."""
+    return score_export_ways(folder, config, chunks, reference, how, ("decode",) if decode else ("prefill",))[0]
+
+
+def score_export_ways(folder: Path, config: dict, chunks: list[list[int]], reference: list[np.ndarray], how: str,
+                      ways: tuple[str, ...] = ("prefill", "decode")) -> list:
+    """``score_export`` each of ``ways`` ("prefill", "decode"), one session for all of them."""
     from exporter.validation.gates.quality import score
 
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     lm = RawPrefill(folder / "model.onnx", config["num_key_value_heads"], head_dim)
-    return score(chunks, reference, [lm.decoded(c) if decode else lm.logits(c) for c in chunks], how)
+    run = {"prefill": lm.logits, "decode": lm.decoded}
+    return [score(chunks, reference, [run[way](c) for c in chunks], how) for way in ways]
 
 
 def genai_generate(export_dir: Path, prompts: list[list[int]]) -> list[list[int]]:

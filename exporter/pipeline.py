@@ -193,12 +193,9 @@ def export_model(
                                     progress, reference_cache=reference_cache)
         manifest.write(staging)
         if layout == hf_layout.LAYOUT:
+            # write_hf_layout leaves nothing behind when it fails; the farm staging is dropped either way.
             laid_out = staging.with_name(f"{staging.name}-hf")
-            try:
-                manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path, move_weights=True))
-            except BaseException:
-                shutil.rmtree(laid_out, ignore_errors=True)
-                raise
+            manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path, move_weights=True))
             farm, staging = staging, laid_out
             shutil.rmtree(farm, ignore_errors=True)
         _publish_dir(staging, out_dir)

@@ -34,7 +34,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import _get_all_tensors  # every tensor of the graph and its subgraphs
 
-from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE
+from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, LOGITS, MANIFEST_FILE, MODEL_FILE
 from exporter.errors import ExportError
 from exporter.packaging.genai import GENERATION_CONFIG_FILE, TOKENIZER_FILES, TOKENIZER_GLOBS
 from exporter.packaging.package import file_entry
@@ -78,7 +78,7 @@ def hf_file_names(manifest: dict) -> tuple[str, str, str]:
     ExportError naming why it has no place in the layout."""
     request = manifest["request"]
     check_request(request["dtype"], manifest.get("variant") or request["variant"])
-    logits = next((o for o in manifest["graph"]["outputs"] if o["name"] == "logits"), None)
+    logits = next((o for o in manifest["graph"]["outputs"] if o["name"] == LOGITS), None)
     key = (request["dtype"], logits["dtype"] if logits else None)
     if key not in SUFFIX:
         known = ", ".join(f"{d} with {a.lower()} activations" for d, a in SUFFIX)
