@@ -39,6 +39,9 @@ PORT_OPTIONS = (
 GRPC_PORT_OFFSET = 10000
 # Unix sockets weed creates under /tmp whatever TMPDIR says, named after the port they mirror.
 SOCKET_DIR = Path("/tmp")
+# SeaweedFS's volume server takes no writes once its disk has less than 1% free (-volume.minFreeSpace),
+# and then answers every upload with a bare "InternalError"; below this share the server is not started.
+MIN_FREE_SHARE = 0.02
 
 
 def weed_binary() -> Path:
@@ -154,6 +157,7 @@ class SeaweedS3:
         """Start (or restart, same ports and data) the server and wait until S3 answers."""
         if self._process is not None:
             raise RuntimeError("SeaweedFS is already running")
+        self._check_disk()
         for name in ("data", "logs"):
             (self.workdir / name).mkdir(exist_ok=True)
         with (self.workdir / "weed.out").open("ab") as out:
@@ -163,6 +167,15 @@ class SeaweedS3:
         except BaseException:
             self.stop()
             raise
+
+    def _check_disk(self) -> None:
+        """Refuse to start where SeaweedFS would refuse every write, naming the disk and what fills it."""
+        usage = shutil.disk_usage(self.workdir)
+        if usage.free < MIN_FREE_SHARE * usage.total:
+            raise RuntimeError(
+                f"the disk holding {self.workdir} has {usage.free >> 20} MiB free of {usage.total >> 20} MiB "
+                f"(under {MIN_FREE_SHARE:.0%}): SeaweedFS would answer every upload with InternalError. "
+                "Free some space (podman images, old pytest temp dirs) or point TMPDIR at another disk")
 
     def _wait_ready(self) -> None:
         """Poll ListBuckets until it succeeds, the process dies, or startup_timeout_s passes."""

@@ -18,7 +18,8 @@ sees the compose restart policy bring the container back and the job end `ready`
 attempt, downloads every artifact through its presigned S3 link and checks its sha256, then tears
 everything down. Needs podman, runc, catatonit, mmdebstrap and docker-compose (CI installs them);
 EXPORTFARM_SKIP_CONTAINERS=1 skips instead, on a machine that cannot have them. With
-EXPORTFARM_CONTAINER_TIMINGS=<file> the build and start times are written there as JSON.
+EXPORTFARM_CONTAINER_TIMINGS=<file> the build and start times are written there as JSON. The images
+are removed at the end (they take several GB) unless EXPORTFARM_KEEP_IMAGES=1.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -117,7 +119,7 @@ def _build_inputs() -> tuple[list[str], str]:
 
 
 @pytest.fixture(scope="module")
-def images(podman_conf, settings_file) -> dict:
+def images(podman_conf, settings_file) -> Iterator[dict]:
     """Every image: the Debian base, the three stand-ins, api / cpu-worker, gpu-worker."""
     _require_tools()
     timings: dict = {}
@@ -140,8 +142,18 @@ def images(podman_conf, settings_file) -> dict:
         FARM, {"PYTHON_IMAGE": base_image, "TORCH_PIP_SOURCE": torch_source}, volumes)
     timings["gpu_worker_image_s"] = stack.build(
         ["gpu-worker"], {"CUDA_IMAGE": base_image, "TORCH_PIP_SOURCE": torch_source}, volumes)
-    return {"base": base_image, "stand_ins": stand_ins, "names": {s: stack.image(s) for s in IMAGES},
-            "timings": timings, "stack": stack}
+    names = {s: stack.image(s) for s in IMAGES}
+    yield {"base": base_image, "stand_ins": stand_ins, "names": names, "timings": timings, "stack": stack}
+    if os.environ.get("EXPORTFARM_KEEP_IMAGES") != "1":
+        _remove_images([*names.values(), *stand_ins.values(), base_image])
+
+
+def _remove_images(images: list[str]) -> None:
+    """Give back the disk the builds took (several GB: torch in three images, their build layers), so
+    the tests after this module do not run on a full disk. EXPORTFARM_KEEP_IMAGES=1 keeps them."""
+    removed = _podman("rmi", "--force", *images, timeout=300)
+    assert removed.returncode == 0, f"podman rmi failed: {removed.stderr[-2000:]}"
+    _podman("image", "prune", "--force", timeout=300)  # the untagged layers of the builds
 
 
 @pytest.fixture(scope="module")
