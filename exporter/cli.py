@@ -47,6 +47,9 @@ def add_export_parser(sub) -> None:
                    help="fp32 | fp16 | bf16 | int4 | int8 (weight-only MatMulNBits; default fp32)")
     p.add_argument("--quant-block-size", type=int, default=None, help="int4 / int8: MatMulNBits block size (default 32)")
     p.add_argument("--quant-asymmetric", action="store_true", help="int4 / int8: zero points per block")
+    p.add_argument("--quant-method", default=None, choices=("rtn", "hqq"),
+                   help="int4: rtn (round to nearest, default) or hqq (onnxruntime's half-quadratic quantization, "
+                        "float zero points: needs --quant-asymmetric)")
     p.add_argument("--quant-lm-head-bits", type=int, default=None, help="int4: 8 quantizes the LM head to int8")
     p.add_argument("--quant-activations", default=None, choices=("fp16", "bf16"),
                    help="int4 / int8 on cuda: the activation dtype (default: bf16 for a checkpoint trained in "
@@ -68,6 +71,10 @@ def add_export_parser(sub) -> None:
                    help="farm: model.onnx + model.onnx.data at the root (onnxruntime-genai reads it; the default); "
                         "hf: a Hugging Face model repository (config.json, onnx/model{,_fp16,_q4,_q4f16,_int8}.onnx) "
                         "for transformers.js and optimum, attn_dynamic only (the default variant there)")
+    p.add_argument("--compat", action="store_true",
+                   help="write the graph in IR 10 / opset 20 with onnxruntime's contrib ops, for older runtimes "
+                        "(transformers.js 3.x on onnxruntime 1.21): attn_dynamic (its default), fp32 / fp16 / int4 / "
+                        "int8, dense models; anything else is refused with the reason")
     p.set_defaults(func=_cmd_export)
 
 
@@ -184,6 +191,8 @@ def _quant_options(args) -> dict | None:
         options["block_size"] = args.quant_block_size
     if args.quant_activations:
         options["activations"] = args.quant_activations
+    if args.quant_method is not None:
+        options["method"] = args.quant_method
     if args.quant_asymmetric:
         options["symmetric"] = False
     if args.quant_lm_head_bits is not None:
@@ -201,17 +210,16 @@ def _cmd_export(args) -> int:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 
-    variant = args.variant
-    if args.layout == "hf" and variant is None and not args.static_cache:
-        variant = "attn_dynamic"  # the variant both hf consumers run (exporter/packaging/hf_layout.py)
     request = ExportRequest(
         model=args.model,
         dtype=args.dtype,
         ep=args.ep,
         static_cache=args.static_cache,
         max_seq_len=args.max_seq_len,
-        variant=variant,
+        variant=args.variant,
         quant=_quant_options(args),
+        layout=args.layout,
+        compat=args.compat,
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
@@ -222,7 +230,7 @@ def _cmd_export(args) -> int:
         result = export_model(
             request, args.out, progress, overwrite=args.overwrite,
             validate=not args.no_validate, validate_ep=args.validate_ep, reference_cache=reference_cache_default(),
-            rope_cache=rope_cache_default(), layout=args.layout,
+            rope_cache=rope_cache_default(),
         )
     except ValidationFailed as failed:
         progress.close()

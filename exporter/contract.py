@@ -94,6 +94,8 @@ def static_cache_counts(cached: np.ndarray | list[int], new_tokens: int) -> dict
 
 META_PREFIX = "exportfarm."
 META_VARIANT, META_DTYPE, META_EP, META_CONFIG = (f"{META_PREFIX}{k}" for k in ("variant", "dtype", "ep", "config"))
+# "compat" on an export for older onnxruntime (exporter/graph/target.py); absent on the current target.
+META_TARGET = f"{META_PREFIX}target"
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")

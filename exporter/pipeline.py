@@ -18,6 +18,7 @@ from pathlib import Path
 from exporter.graph.build import build_model
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
+from exporter.graph.passes.quantize import METHOD_DESCRIPTIONS
 from exporter.packaging import hf_layout
 from exporter.packaging.genai import write_genai_package
 from exporter.packaging.package import MANIFEST_FILE, Manifest, build_manifest, write_model
@@ -108,12 +109,15 @@ def build_export(
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
-            "method": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest"
-                      + ("; experts through QMoE (int8: one scale per row)" if built.config.moe else ""),
+            "method": request.quant.method,
+            "algorithm": METHOD_DESCRIPTIONS[request.quant.method]
+                         + ("; experts through QMoE, round to nearest (int8: one scale per row)" if built.config.moe else ""),
             "dtype": request.dtype.value, "activations": built.activations.value, **request.quant.to_dict(),
             "weights": folded.quantization,
         }
     manifest.data["status"] = "unvalidated"
+    if request.layout == hf_layout.LAYOUT:
+        hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating
     return manifest
 
 
@@ -156,22 +160,16 @@ def export_model(
     export_id: str | None = None,
     reference_cache: Path | None = None,
     rope_cache: Path | None = None,
-    layout: str = "farm",
 ) -> ExportResult:
     """Export ``request`` into ``out_dir``; with ``validate`` the gates decide its status.
 
     A failed gate still publishes the directory (report included) with manifest status
-    "quarantined", then raises ``ValidationFailed``. ``layout`` "hf": the validated export laid out
-    as a Hugging Face model repository (exporter/packaging/hf_layout.py) is what lands in ``out_dir``.
+    "quarantined", then raises ``ValidationFailed``. With the request's layout "hf" the validated export
+    laid out as a Hugging Face model repository (exporter/packaging/hf_layout.py) is what lands in ``out_dir``.
     """
     progress = progress or Progress()
     export_id = export_id or uuid.uuid4().hex
-    variant = request.resolved_variant()  # refuse impossible requests before touching anything
-    if layout not in ("farm", hf_layout.LAYOUT):
-        raise ExportError(f"unknown layout {layout!r}: use farm (model.onnx at the root, what onnxruntime-genai "
-                          f"reads) or hf (a Hugging Face repository for transformers.js and optimum)")
-    if layout == hf_layout.LAYOUT:
-        hf_layout.check_request(request.dtype.value, variant.value, request.ep.value)
+    request.resolved_variant()  # refuse impossible requests (and layouts) before touching anything
     if validate:
         check_validatable(request.max_seq_len)
     out_dir = Path(out_dir).absolute()
@@ -185,17 +183,15 @@ def export_model(
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache)
-        if layout == hf_layout.LAYOUT:
-            hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating
         report = None
         if validate:
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,
                                     progress, reference_cache=reference_cache)
         manifest.write(staging)
-        if layout == hf_layout.LAYOUT:
+        if request.layout == hf_layout.LAYOUT:
             # write_hf_layout leaves nothing behind when it fails; the farm staging is dropped either way.
             laid_out = staging.with_name(f"{staging.name}-hf")
-            manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path, move_weights=True))
+            manifest = Manifest(hf_layout.write_hf_layout(staging, laid_out, source.path, weights="move"))
             farm, staging = staging, laid_out
             shutil.rmtree(farm, ignore_errors=True)
         _publish_dir(staging, out_dir)

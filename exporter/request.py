@@ -77,6 +77,8 @@ QUANT_KEEP_CHOICES = ("lm_head", "first_layer", "last_layer", "embedding")
 # MatMulNBits accuracy levels (the minimum precision of its activations: 0 = the activation dtype,
 # 4 = int8); the CPU EP acts on them, CUDA ignores them.
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+# How weights are quantized: round to nearest, or onnxruntime's HQQ (graph/passes/quantize.py).
+QUANT_METHODS = ("rtn", "hqq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,9 @@ class QuantSpec:
     embedding stays float instead of gathering from the quantized LM head). ``accuracy_level``: every
     MatMulNBits' level; None picks by EP (graph/fold.py: int8 activations on the CPU, measured fastest
     at the quality the gates check; 0 computes in the activation dtype, exact to the dequantized weights).
+    ``method``: "rtn" (round to nearest) or "hqq" (onnxruntime's HQQ for the 4-bit weights: float zero
+    points, so ``symmetric`` false; graph/passes/quantize.py). It enters ``to_dict`` (the cache key) only
+    when not "rtn", so every earlier export keeps its key.
     """
 
     block_size: int = 32
@@ -96,6 +101,7 @@ class QuantSpec:
     keep: tuple[str, ...] = ()
     activations: str | None = None  # cuda: fp16 | bf16; None: bf16 for a bf16-trained checkpoint, else fp16
     accuracy_level: int | None = None  # None: by EP (fold.CPU_ACCURACY_LEVEL)
+    method: str = "rtn"  # QUANT_METHODS
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
@@ -114,19 +120,26 @@ class QuantSpec:
                                                 or self.accuracy_level not in ACCURACY_LEVELS):
             raise ExportError(f"quant accuracy_level must be one of {', '.join(map(str, ACCURACY_LEVELS))} (MatMulNBits: "
                               f"0 computes in the activation dtype, 4 in int8), got {self.accuracy_level!r}")
+        if self.method not in QUANT_METHODS:
+            raise ExportError(f"unknown quant method {self.method!r}: use rtn (round to nearest) or hqq "
+                              "(half-quadratic, zero points per block)")
+        if self.method == "hqq" and self.symmetric:
+            raise ExportError("quant method hqq fits a zero point per block: set symmetric false (--quant-asymmetric)")
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "symmetric": self.symmetric, "lm_head_bits": self.lm_head_bits,
                 "keep": list(self.keep), **({"activations": self.activations} if self.activations else {}),
-                **({"accuracy_level": self.accuracy_level} if self.accuracy_level is not None else {})}
+                **({"accuracy_level": self.accuracy_level} if self.accuracy_level is not None else {}),
+                **({"method": self.method} if self.method != "rtn" else {})}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> QuantSpec:
         data = dict(data or {})
-        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations", "accuracy_level"})
+        unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations", "accuracy_level",
+                                      "method"})
         if unknown:
             raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, "
-                              "keep, activations, accuracy_level")
+                              "keep, activations, accuracy_level, method")
         return cls(**{**data, "keep": tuple(data.get("keep", ()))})
 
 
@@ -146,9 +159,17 @@ def _enum_value(enum_type: type[enum.Enum], value: object, field: str) -> enum.E
         raise ExportError(f"unknown {field} {value!r}: use one of {allowed}") from None
 
 
+# How an export's files are laid out: "farm" (model.onnx + model.onnx.data at the root, an
+# onnxruntime-genai package) or "hf" (a Hugging Face repository for transformers.js and optimum,
+# exporter/packaging/hf_layout.py).
+LAYOUTS = ("farm", "hf")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportRequest:
-    """One export as a user asks for it; ``variant`` None means "choose for me"."""
+    """One export as a user asks for it; ``variant`` None means "choose for me". ``layout`` and
+    ``compat`` (the graph in IR 10 / opset 20 for older onnxruntime, exporter/graph/target.py) enter the identity only when
+    not the default, so the cache keys of every earlier export stay what they were."""
 
     model: str
     dtype: DType = DType.FP32
@@ -157,15 +178,24 @@ class ExportRequest:
     max_seq_len: int | None = None
     variant: Variant | None = None
     quant: QuantSpec | None = None  # quantized dtypes only; None there means the defaults
+    layout: str = "farm"
+    compat: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum_value(DType, self.dtype, "dtype"))
+        if self.layout not in LAYOUTS:
+            raise ExportError(f"unknown layout {self.layout!r}: use farm (model.onnx at the root, what onnxruntime-genai "
+                              "reads) or hf (a Hugging Face repository for transformers.js and optimum)")
+        if not isinstance(self.compat, bool):
+            raise ExportError(f"compat must be true or false, got {self.compat!r}")
         if isinstance(self.quant, dict):
             object.__setattr__(self, "quant", QuantSpec.from_dict(self.quant))
         if self.dtype.quantized and self.quant is None:
             object.__setattr__(self, "quant", QuantSpec())
         if not self.dtype.quantized and self.quant is not None:
             raise ExportError(f"quant options apply to int4 / int8 only, not {self.dtype.value}: drop them or pick int4 / int8")
+        if self.quant is not None and self.quant.method == "hqq" and self.dtype.bits != 4:
+            raise ExportError(f"quant method hqq quantizes 4-bit weights: use dtype int4, or method rtn for {self.dtype.value}")
         object.__setattr__(self, "ep", _enum_value(EP, self.ep, "execution provider"))
         if self.variant is not None:
             object.__setattr__(self, "variant", _enum_value(Variant, self.variant, "variant"))
@@ -185,6 +215,8 @@ class ExportRequest:
         if variant is None:
             if self.static_cache:
                 variant = Variant.ATTN_STATIC
+            elif self.layout == "hf" or self.compat:
+                variant = Variant.ATTN_DYNAMIC  # what transformers.js and optimum drive; compat's only one
             elif self.ep is EP.CUDA and activation_dtype(self.dtype, self.ep) in (DType.FP16, DType.BF16):
                 variant = Variant.GQA
             else:
@@ -209,6 +241,14 @@ class ExportRequest:
                 "GroupQueryAttention has no bf16 kernel on the CPU execution provider: "
                 "use dtype fp16/fp32 for cpu, or ep cuda for bf16"
             )
+        if self.layout == "hf":
+            from exporter.packaging.hf_layout import check_request
+
+            check_request(self.dtype.value, variant.value, self.ep.value)
+        if self.compat:
+            from exporter.graph.target import check_compat
+
+            check_compat(variant.value, self.dtype.value, self.ep.value)
         return variant
 
     def to_dict(self) -> dict:
@@ -220,6 +260,8 @@ class ExportRequest:
             "max_seq_len": self.max_seq_len,
             "variant": self.variant.value if self.variant else None,
             **({"quant": self.quant.to_dict()} if self.quant else {}),
+            **({"layout": self.layout} if self.layout != "farm" else {}),
+            **({"compat": True} if self.compat else {}),
         }
 
     @property

@@ -71,7 +71,7 @@ def _model_segments(manifest: dict) -> list[str]:
 
 def export_prefix(manifest: dict) -> str:
     """The object key prefix of an export, per DESIGN.md:
-    ``<model>/<revision>/<variant>-<dtype>-<ep>[-ms<max_seq_len>]/ort-<version>/<export id>/``.
+    ``<model>/<revision>/<variant>-<dtype>-<ep>[-ms<max_seq_len>][-hf][-compat]/ort-<version>/<export id>/``.
 
     Built only from what the manifest records, so the same export always lands in the same place
     and an ORT upgrade or a new revision never overwrites an older export.
@@ -80,6 +80,10 @@ def export_prefix(manifest: dict) -> str:
     build = f"{manifest['variant']}-{request['dtype']}-{request['ep']}"
     if request.get("max_seq_len") is not None:
         build += f"-ms{request['max_seq_len']}"
+    if (manifest.get("layout") or {}).get("kind") == "hf":
+        build += "-hf"
+    if request.get("compat"):
+        build += "-compat"
     segments = [
         *_model_segments(manifest),
         _key_segment(manifest["source"]["revision"], "revision"),
@@ -108,10 +112,13 @@ def _directory(prefix: str) -> str:
     return check_key(prefix, prefix=True)
 
 
-def _upload_order(files: dict[str, dict]) -> list[str]:
-    """Data file, graph, then the rest by name; manifest.json is never in it (it goes last)."""
-    rest = sorted(name for name in files if name not in (*UPLOAD_FIRST, MANIFEST_FILE))
-    return [name for name in UPLOAD_FIRST if name in files] + rest
+def _upload_order(manifest: dict) -> list[str]:
+    """Data file, graph (where the layout put them), then the rest by name; manifest.json is never in
+    it (it goes last)."""
+    files, layout = manifest["files"], manifest.get("layout") or {}
+    first = (layout["data_file"], layout["model_file"]) if "data_file" in layout else UPLOAD_FIRST
+    rest = sorted(name for name in files if name not in (*first, MANIFEST_FILE))
+    return [name for name in first if name in files] + rest
 
 
 def _matches(info: ObjectInfo | None, entry: dict) -> bool:
@@ -181,7 +188,7 @@ def publish_export(
 
     uploaded, skipped = [], []
     files = manifest["files"]
-    for name in _upload_order(files):
+    for name in _upload_order(manifest):
         if _publish_file(store, export_dir, check_key(prefix + name), name, files[name], guard):
             uploaded.append(name)
         else:

@@ -83,13 +83,14 @@ def reexports_in_flight(session: Session) -> int:
 
 
 def _is_latest_of_its_slot(session: Session, export: Export) -> bool:
-    """Only the newest ready export of a (model, variant, dtype, quant options, ep, max_seq_len) is
-    re-exported (quant compared here, not in SQL: PostgreSQL's json type has no equality)."""
+    """Only the newest ready export of a (model, variant, dtype, quant options, ep, max_seq_len, layout,
+    compat) is re-exported (quant compared here, not in SQL: PostgreSQL's json type has no equality)."""
     newer = session.scalars(
         select(Export).where(
             Export.model == export.model, Export.variant == export.variant, Export.dtype == export.dtype,
             Export.ep == export.ep, Export.max_seq_len == export.max_seq_len if export.max_seq_len is not None
-            else Export.max_seq_len.is_(None), Export.status == ExportStatus.READY,
+            else Export.max_seq_len.is_(None), Export.layout == export.layout, Export.compat == export.compat,
+            Export.status == ExportStatus.READY,
             Export.finished_at > export.finished_at,
         )
     ).all()

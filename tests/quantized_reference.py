@@ -1,5 +1,5 @@
 """The reference a quantized export is exact to: its checkpoint with every weight the export quantized
-replaced by that weight's own quantize-dequantize."""
+replaced by that weight's own quantize-dequantize (round to nearest, or HQQ: see dequantized_checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import shutil
 
 import numpy as np
 
-from exporter.graph.passes.quantize import QuantScheme, dequantize, quantize_rows
+from exporter.graph.passes.quantize import QuantScheme, dequantize, quantize_hqq, quantize_rows
 
 
 def dequantized_checkpoint(source, export_dir, out):
     """The checkpoint with every weight the export quantized replaced by its own quantize-dequantize
     (numpy, onnxruntime's blockwise algorithm): rows are quantized independently, so packing and
-    interleaving do not change a row's values."""
+    interleaving do not change a row's values. HQQ's optimizer stops on the mean error of the rows it
+    is given together, so an HQQ weight is quantized here as one call per checkpoint tensor, which is
+    what the export does where a tensor fits one checkpoint block (every tiny checkpoint's does)."""
     from safetensors.numpy import load_file, save_file
 
     manifest = json.loads((export_dir / "manifest.json").read_text())
@@ -35,9 +37,12 @@ def dequantized_checkpoint(source, export_dir, out):
                     w = np.ascontiguousarray(w.swapaxes(-1, -2))
                 rows = w.reshape(-1, w.shape[-1])
                 block = quant["block_size"]
-                packed, scales, zero = quantize_rows(rows, quant["bits"], block, quant["symmetric"])
-                back = dequantize(packed, scales, None if quant["symmetric"] else zero,
-                                  QuantScheme(quant["bits"], block, quant["symmetric"]), rows.shape[1])
+                scheme = QuantScheme.of(quant)
+                if scheme.method == "hqq":
+                    packed, scales, zero = quantize_hqq(rows, scheme.bits, block)
+                else:
+                    packed, scales, zero = quantize_rows(rows, scheme.bits, block, scheme.symmetric)
+                back = dequantize(packed, scales, None if scheme.symmetric else zero, scheme, rows.shape[1])
                 back = back.reshape(w.shape)
                 back = back.swapaxes(-1, -2) if quant["transposed"] else back
                 tensors[name] = np.ascontiguousarray(back.astype(tensors[name].dtype))  # save_file writes the buffer

@@ -8,7 +8,8 @@ from fastapi.testclient import TestClient
 from services.api.app import create_app
 from services.auth import create_token
 from services.catalog.database import session_scope, upgrade_schema
-from exporter.request import ExportRequest
+from exporter import __version__
+from exporter.request import ExportRequest, cache_key
 from services.settings import Settings
 
 ADMIN = "admin-token-for-tests-0123456789"
@@ -48,6 +49,23 @@ def test_post_queues_and_identical_post_returns_it(api):
     assert detail["events"][0]["to_status"] == "queued" and detail["percent"] == 0
 
 
+def test_an_hf_layout_or_compat_request_is_a_build_of_its_own_and_the_farm_keys_stay(api):
+    farm = post(api, {"model": "tiny-qwen3", "dtype": "fp16", "ep": "cpu", "variant": "attn_dynamic", "force": True})
+    hf = post(api, {"model": "tiny-qwen3", "dtype": "fp16", "ep": "cpu", "layout": "hf", "force": True})
+    compat = post(api, {"model": "tiny-qwen3", "dtype": "fp16", "ep": "cpu", "variant": "attn_dynamic",
+                        "compat": True, "force": True})
+    assert farm.status_code == hf.status_code == compat.status_code == 202, (farm.text, hf.text, compat.text)
+    farm, hf, compat = farm.json(), hf.json(), compat.json()
+    assert (farm["layout"], farm["compat"]) == ("farm", False)
+    assert (hf["layout"], hf["variant"]) == ("hf", "attn_dynamic")  # the variant both hf consumers drive
+    assert compat["compat"] is True
+    assert len({farm["cache_key"], hf["cache_key"], compat["cache_key"]}) == 3
+    # A farm request's identity is what it was before layouts existed: earlier exports keep their keys.
+    request = ExportRequest(model="tiny-qwen3", dtype="fp16", ep="cpu", variant="attn_dynamic")
+    assert "layout" not in request.to_dict() and "compat" not in request.to_dict()
+    assert cache_key(request, farm["revision"], __version__, farm["ort_version"]) == farm["cache_key"]
+
+
 @pytest.mark.parametrize(
     "body, words",
     [
@@ -60,6 +78,10 @@ def test_post_queues_and_identical_post_returns_it(api):
         ({"model": "tiny-qwen3", "ep": "cpu", "dtype": "bf16", "variant": "gqa"}, ["bf16", "cpu"]),
         ({"model": "tiny-qwen3", "static_cache": True, "max_seq_len": 100000, "ep": "cpu"}, ["max_position_embeddings"]),
         ({"model": "tiny-qwen3", "colour": "blue"}, ["colour", "not permitted"]),
+        ({"model": "tiny-qwen3", "layout": "hf", "variant": "gqa"}, ["no hf layout", "right padding", "attn_dynamic"]),
+        ({"model": "tiny-qwen3", "layout": "hf", "static_cache": True, "max_seq_len": 64}, ["no hf layout", "attn_static"]),
+        ({"model": "tiny-qwen3", "layout": "hf", "dtype": "bf16", "ep": "cuda"}, ["no file name for bf16"]),
+        ({"model": "tiny-qwen3", "layout": "onnx"}, ["layout", "farm", "hf"]),
         ({"dtype": "fp16"}, ["model", "required"]),
     ],
 )

@@ -163,7 +163,7 @@ def assert_published_once(api, s3, export):
         body = client.get_object(Bucket=bucket, Key=prefix + name)["Body"].read()
         assert hashlib.sha256(body).hexdigest() == entry["sha256"] and len(body) == entry["size"], name
     variant_prefix = prefix.rstrip("/").rsplit("/", 2)[0] + "/"
-    exports_there = {key.split("/")[-2] for key in objects_under(s3, bucket, variant_prefix)}
+    exports_there = {key.split("/")[1] for key in objects_under(s3, bucket, variant_prefix)}  # ort-<v>/<id>/...
     assert exports_there == {export["id"]}
     return manifest
 
@@ -230,6 +230,32 @@ def test_worker_killed_in_a_stage_is_finished_by_the_other_once(api, s3, pool, f
     assert_published_once(api, s3, export)
     again = api.post("/exports", json=KILL_IN[stage])
     assert again.status_code == 200 and again.json()["id"] == export["id"]
+
+
+def test_an_hf_layout_export_is_published_laid_out_once_through_a_worker_killed_laying_it_out(
+        api, s3, pool, failpoints):
+    """layout "hf" through the REST API: the worker validates and benchmarks the farm export, lays it out
+    as a Hugging Face repository (its own stage, killed here once) and publishes that folder, at a
+    prefix of its own; the catalog lists it as a build of its own."""
+    body = {"model": "tiny-qwen2", "dtype": "fp32", "ep": "cpu", "layout": "hf"}
+    failpoints.set("layout", attempt=1)
+    posted = api.post("/exports", json=body)
+    assert posted.status_code == 202, posted.text
+    held = wait_for(api, posted.json()["id"], lambda e: e["stage"] == "layout" and e["worker"], what="stage layout")
+    pool.holding(held).kill()
+    pool.fill()
+    export = wait_done(api, posted.json()["id"])
+    assert export["attempts"] == 2 and (export["layout"], export["variant"]) == ("hf", "attn_dynamic")
+    manifest = assert_published_once(api, s3, export)
+    assert manifest["layout"]["kind"] == "hf" and export["storage_prefix"].split("/")[-4].endswith("-hf")
+    assert {"config.json", "onnx/model.onnx", "onnx/model.onnx_data", "parity_report.json",
+            "benchmark.json"} <= set(manifest["files"])
+    assert "model.onnx" not in manifest["files"] and "genai_config.json" not in manifest["files"]
+    config = json.loads(s3.client().get_object(Bucket=api.settings.s3_bucket,
+                                               Key=export["storage_prefix"] + "config.json")["Body"].read())
+    assert config["transformers.js_config"]["use_external_data_format"] == {"model.onnx": 1}
+    variants = api.get("/catalog/models/tiny-qwen2").json()["variants"]
+    assert variants["attn_dynamic-fp32-cpu-hf"]["id"] == export["id"], variants
 
 
 def test_a_worker_stopped_past_its_lease_writes_nothing_after_it_resumes(api, s3, pool, failpoints):

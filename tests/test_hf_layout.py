@@ -29,6 +29,7 @@ CLIENTS = Path(__file__).resolve().parents[1] / "clients"
 CLIENT = CLIENTS / "transformersjs"
 DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
 NEW_TOKENS = 12
+FP16 = ["llama", "qwen3", "gemma2"]
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +71,40 @@ def optimum() -> tuple[Path, Path]:
     return python, CLIENTS / "optimum" / "generate.py"
 
 
+@pytest.fixture(scope="session")
+def laid_out(exported, checkpoint, workdir):
+    """laid_out(arch, dtype) -> the attn_dynamic export of ``arch`` in the hf layout (made once): fp32 laid
+    out from the farm export, fp16 exported straight into the layout (``layout="hf"``)."""
+
+    @functools.cache
+    def make(arch: str, dtype: str = "fp32") -> Path:
+        out = workdir / "hf-layout" / f"{arch}-{dtype}"
+        if dtype == "fp32":
+            write_hf_layout(exported(arch, "attn_dynamic"), out, checkpoint(arch))
+            return out
+        request = ExportRequest(model=str(checkpoint(arch)), dtype=dtype, ep="cpu", variant="attn_dynamic",
+                                max_seq_len=64, layout="hf")
+        return export_model(request, out, validate=False).out_dir
+
+    return lambda arch, dtype="fp32": make(arch, dtype)  # one cache entry however it is called
+
+
+@pytest.fixture(scope="session")
+def optimum_tokens(optimum, laid_out) -> dict[tuple[str, str], list[list[int]]]:
+    """{(arch, dtype): sequences} from one optimum process over every repository its tests check."""
+    python, script = optimum
+    wanted = [(arch, "fp32") for arch in DENSE] + [(arch, "fp16") for arch in FP16]
+    args = []
+    for arch, dtype in wanted:
+        layout = laid_out(arch, dtype)
+        args += [str(layout), str(write_request(layout, *prompts(arch)))]
+    proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [line["repo"] for line in lines] == args[::2], proc.stdout[-2000:]
+    return {key: line["sequences"] for key, line in zip(wanted, lines)}
+
+
 def prompts(arch: str) -> tuple[list[list[int]], list[list[int]]]:
     """Two rows, the first left-padded by 3 (as transformers' tokenizer pads a batch for generation)."""
     rng = np.random.default_rng(len(arch))
@@ -78,11 +113,16 @@ def prompts(arch: str) -> tuple[list[list[int]], list[list[int]]]:
     return [[0, 0, 0, *short], long], [[0, 0, 0, *[1] * 6], [1] * 9]
 
 
-def client_generate(command: list[str], layout: Path, ids, mask) -> list[list[int]]:
-    """Run a client script on ``layout``: the request as a JSON file, the sequences from its last line."""
+def write_request(layout: Path, ids, mask) -> Path:
     request = layout.parent / f"{layout.name}-request.json"
     request.write_text(json.dumps({"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW_TOKENS}))
-    proc = subprocess.run([*command, str(request)], capture_output=True, text=True, timeout=300)
+    return request
+
+
+def client_generate(command: list[str], layout: Path, ids, mask) -> list[list[int]]:
+    """Run a client script on ``layout``: the request as a JSON file, the sequences from its last line."""
+    proc = subprocess.run([*command, str(write_request(layout, ids, mask))], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["sequences"]
 
@@ -107,10 +147,10 @@ def check_rows(got, want, ids, client: str = "transformers.js"):
 
 @pytest.mark.parametrize("arch", DENSE)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_transformersjs(
-        arch, exported, checkpoint, transformersjs, tmp_path):
+        arch, exported, checkpoint, laid_out, transformersjs):
     export_dir = exported(arch, "attn_dynamic")
-    layout = tmp_path / "repo"
-    manifest = write_hf_layout(export_dir, layout, checkpoint(arch))
+    layout = laid_out(arch)
+    manifest = json.loads((layout / "manifest.json").read_text())
     assert manifest["layout"]["model_file"] == "onnx/model.onnx"
     # A copy, not a hard link: onnx's checker refuses external data with several links (the source
     # export's structure gate would fail afterwards).
@@ -195,29 +235,35 @@ def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, trans
 
 @pytest.mark.parametrize("arch", DENSE)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_optimum(
-        arch, exported, checkpoint, optimum, tmp_path):
-    layout = tmp_path / "repo"
-    write_hf_layout(exported(arch, "attn_dynamic"), layout, checkpoint(arch))
+        arch, checkpoint, optimum_tokens):
     ids, mask = prompts(arch)
-    python, script = optimum
-    got = client_generate([str(python), str(script), str(layout)], layout, ids, mask)
-    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids, "optimum")
+    check_rows(optimum_tokens[arch, "fp32"], hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids,
+               "optimum")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", FP16)
 def test_an_fp16_export_in_the_hf_layout_generates_transformers_fp32_tokens_in_both_clients(
-        arch, checkpoint, transformersjs, optimum, tmp_path):
+        arch, checkpoint, laid_out, transformersjs, optimum_tokens):
     """fp16 weights and activations on the CPU EP; on these tiny models no step is near enough a tie
     for fp16 rounding to flip it, so the tokens are fp32 transformers' exactly."""
-    source = checkpoint(arch)
-    request = ExportRequest(model=str(source), dtype="fp16", ep="cpu", variant="attn_dynamic", max_seq_len=64)
-    layout = export_model(request, tmp_path / "repo", validate=False, layout="hf").out_dir
+    layout = laid_out(arch, "fp16")
     assert (layout / "onnx" / "model_fp16.onnx").is_file()
     ids, mask = prompts(arch)
-    want = hf_generate(source, json.dumps(ids), json.dumps(mask))
+    want = hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask))
     check_rows(js_generate(transformersjs, layout, "fp16", ids, mask), want, ids)
-    python, script = optimum
-    check_rows(client_generate([str(python), str(script), str(layout)], layout, ids, mask), want, ids, "optimum")
+    check_rows(optimum_tokens[arch, "fp16"], want, ids, "optimum")
+
+
+def test_a_worker_links_the_weights_instead_of_copying_them(exported, checkpoint, tmp_path):
+    """weights="link" (a worker publishing the laid-out folder, which nothing checks with onnx's checker):
+    the same inode, no second copy on disk; an unknown mode is refused."""
+    source = shutil.copytree(exported("qwen2", "attn_dynamic"), tmp_path / "export")
+    manifest = write_hf_layout(source, tmp_path / "repo", checkpoint("qwen2"), weights="link")
+    linked = tmp_path / "repo" / manifest["layout"]["data_file"]
+    assert linked.stat().st_ino == (source / "model.onnx.data").stat().st_ino and linked.stat().st_nlink == 2
+    assert manifest["files"][manifest["layout"]["data_file"]] == manifest["layout"]["from_export"]["files"]["model.onnx.data"]
+    with pytest.raises(ValueError, match="weights must be one of"):
+        write_hf_layout(source, tmp_path / "repo2", checkpoint("qwen2"), weights="symlink")
 
 
 def test_file_names_follow_transformersjs_dtypes_and_a_failed_layout_leaves_nothing(exported, checkpoint, tmp_path):

@@ -112,6 +112,17 @@ def test_only_the_newest_export_of_a_slot_is_reexported(settings):
     assert [q["predecessor_id"] for q in result.queued] == [newest]
 
 
+def test_the_hf_layout_and_compat_builds_are_slots_of_their_own_and_their_reexports_stay_so(settings):
+    worker(settings, "new-node", "1.31.1")
+    farm = ready_export(settings, "tiny-llama", variant="attn_dynamic")
+    hf = ready_export(settings, "tiny-llama", variant="attn_dynamic", layout="hf")
+    compat = ready_export(settings, "tiny-llama", variant="attn_dynamic", compat=True)
+    result = plan(settings)
+    assert sorted(q["predecessor_id"] for q in result.queued) == sorted([farm, hf, compat])
+    kinds = {(n.predecessor_id, n.layout, n.compat) for n in reexports(settings)}
+    assert kinds == {(farm, "farm", False), (hf, "hf", False), (compat, "farm", True)}
+
+
 def test_unknown_policy_is_refused(settings):
     with pytest.raises(ValueError, match="dry-run"):
         plan(settings, policy="everything")

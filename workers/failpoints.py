@@ -18,7 +18,7 @@ import os
 import time
 
 log = logging.getLogger(__name__)
-POINTS = ("resolve", "build", "fold", "package", "validate", "bench", "diff", "publish", "upload", "published")
+POINTS = ("resolve", "build", "fold", "package", "validate", "bench", "diff", "layout", "publish", "upload", "published")
 
 
 def pause(point: str, export_id: str, attempt: int, check=None) -> None:

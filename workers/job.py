@@ -38,6 +38,7 @@ from exporter.reports.bench_report import write_report
 from exporter.contract import BENCH_FILE, DATA_FILE
 from exporter.reports.diff import ExportArtifacts
 from exporter.errors import ExportError
+from exporter.packaging.hf_layout import write_hf_layout
 from exporter.packaging.package import Manifest
 from exporter.pipeline import Progress, build_export, validate_built
 from exporter.request import ExportRequest
@@ -62,7 +63,7 @@ T = TypeVar("T")
 # Stage -> (start %, end %) of the whole job, for the API's progress figure.
 STAGE_SPAN = {
     "resolve": (0, 5), "build": (5, 20), "fold": (20, 25), "package": (25, 55), "validate": (55, 80),
-    "bench": (80, 88), "diff": (88, 90), "publish": (90, 100),
+    "bench": (80, 88), "diff": (88, 89), "layout": (89, 90), "publish": (90, 100),
 }
 RECORD_FILE = "record.json"
 
@@ -229,6 +230,14 @@ class Job:
     def export_dir(self) -> Path:
         return self.work / "export"
 
+    @property
+    def laid_out_dir(self) -> Path:
+        """The export laid out for another consumer (hf), when the request asks for it."""
+        return self.work / "export-hf"
+
+    def publish_dir(self, record: JobRecord) -> Path:
+        return self.laid_out_dir if (record.manifest.get("layout") or {}).get("kind") else self.export_dir
+
     def catalog(self, write: Callable, *args, **kwargs):
         """A fenced catalog write, retried while the database is unreachable (the lease permitting)."""
         delay = 0.5
@@ -370,11 +379,27 @@ def diff(job: Job, record: JobRecord) -> None:
         record.diff = result.to_dict()
 
 
+def layout(job: Job, record: JobRecord) -> None:
+    """The layout the request asked for besides the farm's: the validated, benchmarked export laid out
+    as a Hugging Face repository (exporter/packaging/hf_layout.py) in its own folder, which is what
+    publish uploads. Its weights are a hard link (no copy): nothing checks the farm folder again."""
+    if record.request.get("layout", "farm") == "farm":
+        return
+    job.progress.stage("layout")
+    Manifest(record.manifest).write(job.export_dir)  # what write_hf_layout reads
+    for leftover in job.work.glob(f".{job.laid_out_dir.name}.hf-partial-*"):  # a killed attempt's
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(job.laid_out_dir, ignore_errors=True)  # laid out, but not recorded before a kill
+    record.manifest = write_hf_layout(job.export_dir, job.laid_out_dir, record.resolved_source().path, weights="link")
+
+
 def publish(job: Job, record: JobRecord) -> ExportStatus:
     """Write the manifest (once), record the prefix, upload data first and the manifest last, finish."""
     job.progress.stage("publish")
     status = ExportStatus(record.manifest["status"])
-    Manifest(record.manifest).write(job.export_dir)
+    export_dir = job.publish_dir(record)
+    weights = (record.manifest.get("layout") or {}).get("data_file", DATA_FILE)
+    Manifest(record.manifest).write(export_dir)
     prefix = export_prefix(record.manifest)
     job.keeper.check()
     earlier = job.catalog(lifecycle.begin_publish, prefix)
@@ -385,10 +410,10 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
     retries = max(1, job.settings.publish_retries)
     for attempt in range(1, retries + 1):
         try:
-            publish_export(job.store, job.export_dir, prefix, status.value, guard=job.keeper.check,
+            publish_export(job.store, export_dir, prefix, status.value, guard=job.keeper.check,
                            attempt=job.lease.attempt, on_uploaded=lambda name: failpoints.pause("upload", job.lease.export_id, job.lease.attempt,
                                                                      job.keeper.check)
-                           if name == DATA_FILE else None)
+                           if name == weights else None)
             break
         except StorageError as err:
             if attempt == retries:
@@ -408,6 +433,7 @@ def publish(job: Job, record: JobRecord) -> ExportStatus:
 
 STAGES: tuple[tuple[str, Callable[[Job, JobRecord], object]], ...] = (
     ("resolve", resolve), ("build", build), ("validate", validate), ("bench", bench), ("diff", diff),
+    ("layout", layout),
 )
 
 

@@ -17,6 +17,7 @@ from exporter.graph.config import ModelConfig, load_model_config
 from exporter.errors import ExportError
 from exporter.request import EP, DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
+from exporter.graph.target import check_compat, check_compat_model, target_for
 from exporter.graph.task import build_graph
 
 IR_DTYPES = {DType.FP32: ir.DataType.FLOAT, DType.FP16: ir.DataType.FLOAT16, DType.BF16: ir.DataType.BFLOAT16}
@@ -41,8 +42,10 @@ ROPE_TABLE_POSITIONS = 1 << 20
 CUDA_QMOE_TILE = 64
 
 
-def check_request_against_config(request: ExportRequest, variant: Variant, cfg: ModelConfig) -> None:
-    """Refuse what this checkpoint cannot do, before any graph is built."""
+def check_request_against_config(request: ExportRequest, variant: Variant, cfg: ModelConfig,
+                                 activations: DType | None = None) -> None:
+    """Refuse what this checkpoint cannot do, before any graph is built (``activations``: what the
+    graph computes in on this checkpoint; None: what the request alone says)."""
     if request.max_seq_len is None and cfg.max_position_embeddings > ROPE_TABLE_POSITIONS:
         raise ExportError(
             f"the model allows {cfg.max_position_embeddings} positions, and without max_seq_len the export's rotary "
@@ -54,6 +57,10 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
             f"{cfg.max_position_embeddings}: use max_seq_len {cfg.max_position_embeddings} or less"
         )
     arch = ARCHITECTURES[cfg.architecture]
+    if request.compat:
+        check_compat(variant.value, request.dtype.value, request.ep.value)
+        check_compat_model(cfg.architecture, cfg.moe is not None, bool(arch.attention_sinks),
+                           (activations or request.activations).value)
     if cfg.moe and request.dtype.quantized and request.ep is EP.CUDA:
         widths = {"hidden_size": cfg.hidden_size, "expert width": cfg.moe.expert_intermediate}
         odd = {k: v for k, v in widths.items() if v % CUDA_QMOE_TILE}
@@ -165,15 +172,16 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports."""
     variant = request.resolved_variant()
     cfg = load_model_config(source.path, ARCHITECTURES)
-    check_request_against_config(request, variant, cfg)
+    activations = request.activations_for(source.path)
+    check_request_against_config(request, variant, cfg, activations)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
     check_shapes(cfg, arch, checkpoint)
-    activations = request.activations_for(source.path)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache)
+    target = target_for(request.compat)
+    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target)
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
-    model = ir.Model(graph, ir_version=11, producer_name="exportfarm", producer_version=__version__)
+    model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
     model.metadata_props.update(
         {
             contract.META_VARIANT: variant.value,
@@ -199,4 +207,6 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
             ),
         }
     )
+    if request.compat:
+        model.metadata_props[contract.META_TARGET] = target.name
     return BuildResult(model, cfg, arch, variant, checkpoint, activations)

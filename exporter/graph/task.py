@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import onnx_ir as ir
 
 from exporter import contract as io
@@ -57,6 +58,19 @@ def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir
     diagonal = b.op("Equal", [k_row, q_col])
     keys = b.op("Unsqueeze", [b.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), b.ints(1, 2)])
     return b.op("Or", [b.op("And", [causal, keys]), diagonal])
+
+
+def attention_bias(b: GraphBuilder, mask: ir.Value, num_heads: int) -> ir.Value:
+    """A boolean mask as the additive bias MultiHeadAttention takes (compat), [batch, heads, seq, total]:
+    0 where visible, the dtype's lowest where not (transformers' own masked value, finite so no row
+    ever sums to NaN).
+
+    Expanded to every head: onnxruntime 1.21's CPU MultiHeadAttention reads a bias broadcast over
+    heads ([batch, 1, seq, total]) wrongly for every row after the first (measured: row 0 exact,
+    row 1 off by up to 4 in the logits). One expanded copy serves all layers."""
+    lowest = float(np.finfo(b.dtype.numpy()).min)
+    bias = b.op("Where", [mask, b.scalar(0.0), b.scalar(lowest)])
+    return b.op("Expand", [bias, b.ints(1, num_heads, 1, 1)])
 
 
 def static_window_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Value, window: int) -> ir.Value:
@@ -115,6 +129,8 @@ def build_graph(
     on_layer=None,
 ) -> ir.Graph:
     dtype = b.dtype
+    # The compat target's attention takes the mask as an additive bias; the current one a boolean.
+    as_mask = (lambda mask: attention_bias(b, mask, cfg.num_heads)) if b.target.contrib_ops else (lambda mask: mask)
     input_ids = _input(io.INPUT_IDS, I64, [BATCH, SEQ])
     inputs = [input_ids]
     step = StepInputs(rotary=None)
@@ -128,7 +144,7 @@ def build_graph(
         if variant is Variant.ATTN_DYNAMIC:
             attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
             inputs += [attention_mask, position_ids]
-            step.attn_mask = causal_padding_mask(b, input_ids, attention_mask)
+            step.attn_mask = as_mask(causal_padding_mask(b, input_ids, attention_mask))
         else:
             inputs.append(position_ids)
 
@@ -159,7 +175,7 @@ def build_graph(
             extra = {"rotary": rotaries.get(rope), "window": window}
             if window and variant is Variant.ATTN_DYNAMIC:
                 if window not in masks:
-                    masks[window] = causal_padding_mask(b, input_ids, attention_mask, window)
+                    masks[window] = as_mask(causal_padding_mask(b, input_ids, attention_mask, window))
                 extra["attn_mask"] = masks[window]
             elif window and variant is Variant.ATTN_STATIC:
                 if window not in masks:
@@ -211,6 +227,6 @@ def build_graph(
         [logits, *outputs],
         nodes=b.tape.nodes,
         initializers=b.tape.initializers,
-        opset_imports={"": 24, "com.microsoft": 1},
+        opset_imports={"": b.target.opset, "com.microsoft": 1},
         name=f"{cfg.architecture}_{variant.value}",
     )

@@ -17,9 +17,9 @@ padding (a left-padded row comes out silently wrong) and neither consumer drives
 static caches, so those are refused with the reason.
 
 Nothing is re-exported: the graph is the validated one with its external-data locations renamed,
-and the weights file is moved (``export --layout hf``) or copied (``exportfarm layout hf``), never
-hard-linked (onnx's checker refuses external data with several links), so its bytes and sha256 are
-the export's. The layout's ``manifest.json`` is the export's with ``layout`` added and ``files`` listing
+and the weights file is moved (``export --layout hf``), copied (``exportfarm layout hf``) or, in a
+worker that only uploads the result, hard-linked (onnx's checker refuses external data with several
+links, so never where the source export is checked again), so its bytes and sha256 are the export's. The layout's ``manifest.json`` is the export's with ``layout`` added and ``files`` listing
 what this folder holds.
 """
 
@@ -89,11 +89,20 @@ def hf_file_names(manifest: dict) -> tuple[str, str, str]:
     return f"{ONNX_DIR}/{model}", f"{ONNX_DIR}/{model}_data", dtype
 
 
-def _move_or_copy(src: Path, dst: Path, move: bool) -> None:
-    """Never a hard link: onnx's checker refuses external data with more than one link (it reads it
-    as a hard-link attack), which would fail the source export's own structure gate afterwards."""
-    if move:
+WEIGHTS_MODES = ("copy", "move", "link")
+
+
+def _carry_weights(src: Path, dst: Path, mode: str) -> None:
+    """Copy, move or hard-link the weights. A link only where nothing checks either folder with onnx's
+    checker while both exist: it refuses external data with more than one link (it reads it as a
+    hard-link attack). A filesystem without hard links gets a copy."""
+    if mode == "move":
         os.replace(src, dst)
+    elif mode == "link":
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
     else:
         shutil.copyfile(src, dst)
 
@@ -114,13 +123,16 @@ def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
     onnx.save(model, str(dst))
 
 
-def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, move_weights: bool = False) -> dict:
+def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, weights: str = "copy") -> dict:
     """Lay the export in ``export_dir`` out as a Hugging Face model repository in ``out_dir`` (new or
     empty). ``checkpoint_dir``: the checkpoint it was exported from (config.json, generation_config.json,
-    tokenizer files). The weights file is copied, or moved with ``move_weights`` (the pipeline's staged
-    export, dropped afterwards). Written beside ``out_dir`` and renamed into place at the end, so a
-    failure leaves nothing behind. Returns the layout's manifest."""
+    tokenizer files). The weights file is copied; ``weights`` "move" moves it (the pipeline's staged
+    export, dropped afterwards), "link" hard-links it (a worker's export, read by nothing but the
+    upload). Written beside ``out_dir`` and renamed into place at the end, so a failure leaves nothing
+    behind. Returns the layout's manifest."""
     export_dir, out_dir, checkpoint_dir = Path(export_dir), Path(out_dir), Path(checkpoint_dir)
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     manifest = check_export(export_dir)
     model_name, data_name, dtype = hf_file_names(manifest)
     config_path = checkpoint_dir / CONFIG_FILE
@@ -136,7 +148,7 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, mo
     staging = out_dir.with_name(f".{out_dir.name}.hf-partial-{uuid.uuid4().hex[:8]}")
     try:
         layout_manifest = _write(export_dir, staging, checkpoint_dir, manifest, model_name, data_name, dtype,
-                                 move_weights)
+                                 weights)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -159,15 +171,17 @@ def check_export(export_dir: Path) -> dict:
 
 
 def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict, model_name: str, data_name: str,
-           dtype: str, move_weights: bool) -> dict:
+           dtype: str, weights: str) -> dict:
     (out_dir / ONNX_DIR).mkdir(parents=True)
     _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
-    _move_or_copy(export_dir / DATA_FILE, out_dir / data_name, move_weights)
+    _carry_weights(export_dir / DATA_FILE, out_dir / data_name, weights)
     config = json.loads((checkpoint_dir / CONFIG_FILE).read_text())
     js_config = dict(config.get("transformers.js_config") or {})
     external = dict(js_config.get("use_external_data_format") or {})
     external[Path(model_name).name] = 1
     js_config.update(use_external_data_format=external, dtype=dtype)
+    if dtype in ("fp16", "q4f16"):  # the caches' dtype: transformers.js 3 makes the empty past float32 unless told
+        js_config["kv_cache_dtype"] = {**(js_config.get("kv_cache_dtype") or {}), dtype: "float16"}
     config["transformers.js_config"] = js_config
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     files = [model_name, data_name, CONFIG_FILE]

@@ -30,7 +30,8 @@ from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
 from exporter.packaging.resolve import resolve_source
-from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
+from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, META_PREFIX, META_TARGET, MODEL_FILE, REPORT_JSON, REPORT_MD
+from exporter.graph.target import COMPAT
 
 PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
 
@@ -179,6 +180,13 @@ def _packed_gqa(model_path: Path) -> bool:
     return gqa is not None and (len(gqa.input) < 2 or not gqa.input[1])
 
 
+def _compat(model_path: Path) -> bool:
+    """Whether the export is the compat target's graph (IR 10 / opset 20, onnxruntime's contrib ops)."""
+    from exporter.runtime.session import read_metadata
+
+    return read_metadata(model_path).get(META_TARGET.removeprefix(META_PREFIX)) == COMPAT.name
+
+
 def validate_export(
     export_dir: Path,
     reference: str | None = None,
@@ -286,7 +294,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
 
     def probe():
         t0 = time.perf_counter()
-        gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path)))
+        gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path),
+                                  compat=_compat(model_path)))
         if cfg.get("moe"):
             gates.append(expert_gate(ep, activations, dtype, cfg["moe"]))
         timings["runtime_probe"] = time.perf_counter() - t0

@@ -35,6 +35,8 @@ class QuantOptions(BaseModel):
         default_factory=list, max_length=4, description="roles left unquantized")
     accuracy_level: Literal[0, 1, 2, 3, 4] | None = Field(
         None, description="MatMulNBits accuracy level on cpu (0: fp32 activations, 4: int8); default by EP")
+    method: Literal["rtn", "hqq"] = Field(
+        "rtn", description="rtn: round to nearest; hqq: onnxruntime's HQQ for int4 (needs symmetric false)")
 
 
 class ExportCreate(BaseModel):
@@ -58,6 +60,11 @@ class ExportCreate(BaseModel):
     max_seq_len: int | None = Field(None, gt=0, le=1 << 20, description="context length; required with static_cache")
     variant: Literal["attn_static", "gqa", "attn_dynamic"] | None = None
     quant: QuantOptions | None = Field(None, description="int4 / int8 only")
+    layout: Literal["farm", "hf"] = Field(
+        "farm", description="farm: model.onnx at the root, an onnxruntime-genai package; hf: a Hugging Face "
+        "repository (config.json, onnx/model*.onnx) for transformers.js and optimum, attn_dynamic only")
+    compat: bool = Field(False, description="the graph in IR 10 / opset 20 for older runtimes (transformers.js 3.x): "
+                         "attn_dynamic, fp32 / fp16 / int4 / int8, dense models")
     force: bool = Field(False, description="export again even if an identical export exists")
 
     @model_validator(mode="after")
@@ -72,7 +79,8 @@ class ExportCreate(BaseModel):
     def to_request(self) -> ExportRequest:
         return ExportRequest(model=self.model, dtype=self.dtype, ep=self.ep, static_cache=self.static_cache,
                              max_seq_len=self.max_seq_len, variant=self.variant,
-                             quant=self.quant.model_dump() if self.quant else None)
+                             quant=self.quant.model_dump() if self.quant else None, layout=self.layout,
+                             compat=self.compat)
 
 
 class Links(BaseModel):
@@ -106,6 +114,8 @@ class ExportOut(BaseModel):
     ep: str
     static_cache: bool
     max_seq_len: int | None
+    layout: str = Field("farm", description="how the published files are laid out: farm or hf")
+    compat: bool = Field(False, description="IR 10 / opset 20 graph for older runtimes")
     ort_version: str
     reason: str
     predecessor_id: str | None

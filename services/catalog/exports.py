@@ -53,7 +53,8 @@ def transition(
 
 def request_of(export: Export) -> ExportRequest:
     return ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
-                         max_seq_len=export.max_seq_len, variant=export.variant, quant=export.quant)
+                         max_seq_len=export.max_seq_len, variant=export.variant, quant=export.quant,
+                         layout=export.layout or "farm", compat=bool(export.compat))
 
 
 def runtime_fields(export: Export, ort_version: str) -> dict:

@@ -115,6 +115,9 @@ class Export(Base):
     max_seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     variant: Mapped[str] = mapped_column(String(20), index=True)
     quant: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # int4 / int8: QuantSpec options
+    # The published files' layout (farm | hf) and the older-runtime graph target: builds of their own.
+    layout: Mapped[str] = mapped_column(String(8), default="farm", server_default="farm")
+    compat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The worker class the job is sent to (services.placement; NULL on older rows: its EP's default)
     # and the resource estimate that chose it.
     queue: Mapped[str | None] = mapped_column(String(40), nullable=True)

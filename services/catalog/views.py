@@ -11,6 +11,7 @@ from services.catalog.models import Export, ExportStatus
 def _summary(export: Export) -> dict:
     return {
         "id": export.id, "variant": export.variant, "dtype": export.dtype, "quant": export.quant, "ep": export.ep,
+        "layout": export.layout, "compat": export.compat,
         "max_seq_len": export.max_seq_len, "revision": export.revision, "ort_version": export.ort_version,
         "finished_at": export.finished_at, "storage_prefix": export.storage_prefix, "figures": export.figures or {},
     }
@@ -32,14 +33,19 @@ def quant_tag(quant: dict | None) -> str:
     return tag + ("-keep-" + "-".join(spec.keep) if spec.keep else "")
 
 
+def build_tag(layout: str | None, compat: bool | None) -> str:
+    """'-hf' / '-compat' for the builds that are not the default farm layout on the newest opset."""
+    return ("-hf" if layout == "hf" else "") + ("-compat" if compat else "")
+
+
 def latest_ready(session: Session, model: str | None = None) -> dict[str, dict[str, dict]]:
-    """{model: {"<variant>-<dtype>-<ep>[-ms<n>]": summary of its newest ready export}}."""
+    """{model: {"<variant>-<dtype>-<ep>[-ms<n>][-hf][-compat]": summary of its newest ready export}}."""
     query = select(Export).where(Export.status == ExportStatus.READY)
     if model is not None:
         query = query.where(Export.model == model)
     views: dict[str, dict[str, dict]] = {}
     for export in session.scalars(query.order_by(Export.finished_at.asc())):
         slot = f"{export.variant}-{export.dtype}{quant_tag(export.quant)}-{export.ep}" + (
-            f"-ms{export.max_seq_len}" if export.max_seq_len else "")
+            f"-ms{export.max_seq_len}" if export.max_seq_len else "") + build_tag(export.layout, export.compat)
         views.setdefault(export.model, {})[slot] = _summary(export)  # later rows replace older ones
     return views

@@ -5,6 +5,9 @@
   reads the whole cache with ``is_causal=1`` and ``nonpad_kv_seqlen`` = tokens cached *after* the
   scatter. No mask input, no control flow, so the decode step is CUDA-graph capturable.
 - gqa: com.microsoft GroupQueryAttention on packed QKV, rotary inside the op.
+- attn_dynamic for the compat target (graph/target.py): the same inputs and caches, the caches
+  concatenated in the graph, K/V repeated to the query heads and com.microsoft MultiHeadAttention with
+  the mask as an additive attention_bias (MatMul / Softmax where scores are soft-capped).
 
 Sliding-window layers (mistral, gemma2/3): attn_dynamic narrows its explicit mask to the window;
 attn_static gives Attention an in-graph window mask built from ``position_ids`` instead of
@@ -120,6 +123,46 @@ def dynamic_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
                       num_outputs=3)
 
 
+def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
+    """attn_dynamic in ops older onnxruntime has: present = past + this step's K/V (BNSH, the caches
+    attn_dynamic always had), repeated to the query heads, then com.microsoft MultiHeadAttention with
+    ``step.attn_mask`` as its additive attention_bias [batch, 1, seq, total]; -> (y, present k, v).
+
+    MultiHeadAttention takes neither fewer K/V heads than query heads nor soft-capping: grouped-query
+    models repeat K/V here (as transformers' repeat_kv does), and soft-capped scores (gemma2) go
+    through MatMul / Softmax instead."""
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def heads_first(x, n):  # [batch, seq, n*d] -> [batch, n, seq, d]
+        return b.op("Transpose", [b.op("Reshape", [x, b.ints(0, 0, n, d)])], {"perm": [0, 2, 1, 3]})
+
+    present_key = b.op("Concat", [past_key, heads_first(k, kv_heads)], {"axis": 2})
+    present_value = b.op("Concat", [past_value, heads_first(v, kv_heads)], {"axis": 2})
+    key, value = present_key, present_value
+    if heads != kv_heads:  # [batch, kv, total, d] -> [batch, kv, group, total, d] -> [batch, heads, total, d]
+        group = b.ints(1, 1, heads // kv_heads, 1, 1)
+        key, value = (b.op("Reshape", [b.op("Expand", [b.op("Unsqueeze", [t, b.ints(2)]), group]),
+                                       b.ints(0, heads, -1, d)]) for t in (key, value))
+    scale = cfg.attention_scale if cfg.attention_scale is not None else d ** -0.5
+    if not cfg.attention_softcap:
+        y = b.op("MultiHeadAttention", [q, key, value, None, None, step.attn_mask],
+                 {"num_heads": heads, "scale": float(scale)}, domain="com.microsoft")
+        return y, present_key, present_value
+    scores = b.op("Mul", [b.op("MatMul", [heads_first(q, heads), b.op("Transpose", [key], {"perm": [0, 1, 3, 2]})]),
+                          b.scalar(scale)])
+    f32, bias = ir.DataType.FLOAT, step.attn_mask
+    if b.dtype != f32:  # soft-cap and softmax in fp32, as transformers' eager attention does
+        scores, bias = (b.op("Cast", [t], {"to": f32}) for t in (scores, bias))
+    cap = cfg.attention_softcap
+    cap = b.op("Cast", [b.scalar(cap)], {"to": f32}) if b.dtype != f32 else b.scalar(cap)
+    scores = b.op("Add", [b.op("Mul", [b.op("Tanh", [b.op("Div", [scores, cap])]), cap]), bias])
+    probs = b.op("Softmax", [scores], {"axis": -1})
+    if b.dtype != f32:
+        probs = b.op("Cast", [probs], {"to": b.dtype})
+    y = b.op("Transpose", [b.op("MatMul", [probs, value])], {"perm": [0, 2, 1, 3]})
+    return b.op("Reshape", [y, b.ints(0, 0, heads * d)]), present_key, present_value
+
+
 def static_core(b, q, k, v, cfg, step: StepInputs, key_cache, value_cache):
     """TensorScatter this step's rows into [batch, max_seq_len, kv_heads*head_dim] caches at
     write_indices, then Attention over the whole cache with is_causal=1 and nonpad_kv_seqlen (the
@@ -152,6 +195,12 @@ def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, 
 def attention_dynamic(b, x, w, cfg, step: StepInputs, past_key, past_value):
     q, k, v = _qkv(b, x, w, cfg, step.rotary)
     y, present_key, present_value = dynamic_core(b, q, k, v, cfg, step, past_key, past_value)
+    return linear(b, y, w.o, w.o_bias), present_key, present_value
+
+
+def attention_compat(b, x, w, cfg, step: StepInputs, past_key, past_value):
+    q, k, v = _qkv(b, x, w, cfg, step.rotary)
+    y, present_key, present_value = compat_core(b, q, k, v, cfg, step, past_key, past_value)
     return linear(b, y, w.o, w.o_bias), present_key, present_value
 
 

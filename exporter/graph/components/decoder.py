@@ -9,6 +9,7 @@ from exporter.graph.architectures.base import POST_NORM, SANDWICH, Architecture
 from exporter.graph.components.attention import (
     AttentionWeights,
     StepInputs,
+    attention_compat,
     attention_dynamic,
     attention_gqa,
     attention_static,
@@ -97,7 +98,8 @@ def decoder_layer(
     """
     names = arch.names(i)
     eps = cfg.rms_norm_eps
-    attn_out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
+    attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
+    attn_out, key_out, value_out = attend(b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
     if arch.norm_layout == SANDWICH:
         attn_out = norm(b, arch, attn_out, names["post_attention_norm"], eps)
         h, x = residual_norm(b, arch, x, attn_out, names["pre_feedforward_norm"], eps)

@@ -8,17 +8,20 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape
 
+from exporter.graph.target import CURRENT, Target
 from exporter.packaging.checkpoint import Checkpoint, CheckpointTensor, WeightPart
 
 
 class GraphBuilder:
     """Collects nodes and initializers; weights are lazy ``CheckpointTensor``s, never read here."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType, rope_cache: Path | None = None):
+    def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType, rope_cache: Path | None = None,
+                 target: Target = CURRENT):
         self.tape = tape.Tape()
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.rope_cache = rope_cache  # where rope tables are kept between exports (None: computed)
+        self.target = target  # which ops the components emit (graph/target.py)
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 

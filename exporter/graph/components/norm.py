@@ -1,5 +1,6 @@
-"""RMSNorm as the opset-23 RMSNormalization op (fp32 statistics, like transformers); LayerNorm with a
-bias (phimoe) as LayerNormalization, its residual form as com.microsoft SkipLayerNormalization."""
+"""RMSNorm as the opset-23 RMSNormalization op (fp32 statistics, like transformers), or for the compat
+target onnxruntime's SimplifiedLayerNormalization; LayerNorm with a bias (phimoe) as LayerNormalization,
+its residual form as com.microsoft SkipLayerNormalization."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ def rms_norm(b: GraphBuilder, x: ir.Value, weight: ir.Value, eps: float, bias: i
     # stash_type=1 keeps mean/rsqrt in fp32 for fp16/bf16 inputs, as the reference does.
     if bias is not None:
         return b.op("LayerNormalization", [x, weight, bias], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
-    return b.op("RMSNormalization", [x, weight], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
+    # Older onnxruntime has no RMSNormalization; its own op computes the same (and is what it fuses RMSNorm into).
+    op = "SimplifiedLayerNormalization" if b.target.contrib_ops else "RMSNormalization"
+    return b.op(op, [x, weight], {"axis": -1, "epsilon": float(eps), "stash_type": 1})
 
 
 def residual_rms_norm(

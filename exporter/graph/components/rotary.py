@@ -1,4 +1,5 @@
-"""Rotary position embedding: baked cos/sin tables and the opset-23 RotaryEmbedding op."""
+"""Rotary position embedding: baked cos/sin tables and the opset-23 RotaryEmbedding op (or, for the
+compat target, com.microsoft's RotaryEmbedding: the same rotation, position_ids second)."""
 
 from __future__ import annotations
 
@@ -44,4 +45,6 @@ def apply_rotary(b: GraphBuilder, x: ir.Value, rotary: Rotary, num_heads: int) -
     attrs = {"interleaved": 0, "num_heads": num_heads}
     if rotary.rotary_dim != rotary.head_dim:
         attrs["rotary_embedding_dim"] = rotary.rotary_dim
+    if b.target.contrib_ops:
+        return b.op("RotaryEmbedding", [x, rotary.position_ids, rotary.cos, rotary.sin], attrs, domain="com.microsoft")
     return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin, rotary.position_ids], attrs)

@@ -6,6 +6,14 @@ called on one bounded block of output columns at a time: MatMulNBits quantizes a
 column, so the columns of ``W_T`` (the rows of the checkpoint's ``[out, in]`` weight) quantize
 independently and the tensor never has to be whole in memory. Packed Q/K/V and gate/up stay one
 node each: the pass runs after the concat and transpose folds and sees one initializer per MatMul.
+
+``method`` "hqq" replaces round to nearest for the 4-bit weights with onnxruntime's Half-Quadratic
+Quantization (``HQQWeightOnlyQuantizer.quantize_internal``, torch), called on the same bounded blocks.
+Its zero points are floats, one per block in the scales' dtype, as onnxruntime's own HQQ path gives
+them to MatMulNBits: rounded to uint8 they land back on round to nearest's grid (measured: the same
+reconstruction error as asymmetric RTN), so they are not rounded. The price is onnxruntime's CPU
+kernel, which has no fast path for float zero points, and GatherBlockQuantized, which takes none (a
+tied embedding then stays float unless the LM head is 8-bit, which stays round to nearest).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from exporter.errors import ExportError
+from exporter.request import QUANT_METHODS
 from exporter.packaging.checkpoint import CheckpointTensor
 from exporter.graph.passes.dtype import make_initializer
 
@@ -25,6 +34,13 @@ MS_DOMAIN = "com.microsoft"
 # Block sizes onnxruntime's blockwise quantizer (MLAS) takes.
 ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's weight, and its index
+# What each of QUANT_METHODS does. HQQ quantizes 4-bit weights only: at 8 bits round to nearest is
+# already within 0.01 nats of KL (benchmarks/results/quant_quality.json) and keeps integer zero points.
+METHOD_DESCRIPTIONS = {
+    "rtn": "onnxruntime block quantizer (quantize_matmul_4bits / _8bits), round to nearest",
+    "hqq": "onnxruntime HQQ (HQQWeightOnlyQuantizer.quantize_internal: half-quadratic zero-point optimization, "
+           "float zero points) for 4-bit weights; 8-bit ones round to nearest",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +48,24 @@ class QuantScheme:
     bits: int
     block_size: int
     symmetric: bool
+    method: str = "rtn"  # QUANT_METHODS
+
+    @classmethod
+    def of(cls, summary: dict) -> QuantScheme:
+        """The scheme a quantized initializer's manifest summary (``QuantizedPart.source_summary``) names."""
+        return cls(summary["bits"], summary["block_size"], summary["symmetric"], summary.get("method", "rtn"))
+
+    @property
+    def float_zero_points(self) -> bool:
+        """HQQ's zero points: one float per block in the scales' dtype, unpacked (MatMulNBits' T1)."""
+        return self.method == "hqq"
 
     def layout(self, k: int) -> tuple[int, int, int]:
-        """(k_blocks, blob bytes per block, zero-point bytes per column)."""
+        """(k_blocks, blob bytes per block, zero-point entries per column: packed bytes, or one float
+        per block)."""
         k_blocks = -(-k // self.block_size)
         per_byte = 8 // self.bits
-        return k_blocks, self.block_size // per_byte, -(-k_blocks // per_byte)
+        return k_blocks, self.block_size // per_byte, k_blocks if self.float_zero_points else -(-k_blocks // per_byte)
 
     def default_zero_point(self) -> int:
         return 1 << (self.bits - 1)
@@ -45,9 +73,12 @@ class QuantScheme:
 
 def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """onnxruntime's block quantizer on one ``[K, n]`` block: packed ``[n, k_blocks, blob]``,
-    scales ``[n, k_blocks]`` (the block's dtype), zero points ``[n, zp bytes]``."""
+    scales ``[n, k_blocks]`` (the block's dtype), zero points ``[n, zp bytes]`` (HQQ: ``[n, k_blocks]``
+    floats)."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
+    if scheme.method == "hqq":
+        return quantize_hqq(np.ascontiguousarray(weight_kn.T), scheme.bits, scheme.block_size)
     k, n = weight_kn.shape
     k_blocks, blob, zp_bytes = scheme.layout(k)
     if weight_kn.dtype.name == "bfloat16" or scheme.block_size not in ORT_BLOCK_SIZES:
@@ -113,6 +144,30 @@ def quantize_rows(rows: np.ndarray, bits: int, block_size: int, symmetric: bool)
     return packed.reshape(n, k_blocks, -1), scale, zero_points
 
 
+def quantize_hqq(rows: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """onnxruntime's HQQ on ``rows`` (``[n, K]``, fp32, fp16 or bf16): packed ``[n, k_blocks, blob]``,
+    scales and float zero points ``[n, k_blocks]`` in the rows' dtype, MatMulNBits' layout.
+
+    ``HQQWeightOnlyQuantizer.quantize_internal`` as onnxruntime's HQQ path calls it for a MatMul (axis
+    1, zero rounded before the optimization, K zero-padded to whole blocks), in fp32; its codes are
+    packed as its ``pack_on_row_fast_248bit`` packs them (low nibble first). Its optimizer stops when
+    the mean error over what it is given stops falling, so the codes depend on the rows given
+    together: the export gives one checkpoint block of rows (``BLOCK_BYTES``) at a time."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    n, k = rows.shape
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits))
+    with torch.no_grad():
+        codes, scales, zeros = quantizer.quantize_internal(torch.from_numpy(np.array(rows, np.float32)),
+                                                           bits=bits, group_size=block_size)
+    q = codes.numpy().astype(np.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)) if bits == 4 else q
+    k_blocks = q.shape[1] // block_size
+    return (packed.reshape(n, k_blocks, -1), scales.numpy().reshape(n, k_blocks).astype(rows.dtype),
+            zeros.numpy().reshape(n, k_blocks).astype(rows.dtype))
+
+
 def _round_half_away(x: np.ndarray) -> np.ndarray:
     """C's roundf on float32, exactly: numpy's rint rounds ties to even, so the (rare) ties are
     moved away from zero afterwards (x - rint(x) is exact in float32)."""
@@ -134,6 +189,8 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray |
         q = packed.reshape(n, k_blocks, scheme.block_size)
     if zero_points is None:
         zp = np.full((n, k_blocks), scheme.default_zero_point(), np.float32)
+    elif zero_points.dtype != np.uint8:  # HQQ's float zero points, one per block
+        zp = zero_points.reshape(n, k_blocks).astype(np.float32)
     elif scheme.bits == 4:
         zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :k_blocks].astype(np.float32)
     else:
@@ -171,7 +228,7 @@ class _Quantization:
                 return self._small
             k_blocks, _, zp_bytes = self.scheme.layout(self.k)
             scales = np.empty((self.n, k_blocks), self.source.dtype.numpy())
-            zero_points = np.empty((self.n, zp_bytes), np.uint8)
+            zero_points = np.empty((self.n, zp_bytes), scales.dtype if self.scheme.float_zero_points else np.uint8)
             for offset, packed, s, zp in self.blocks():
                 if packed_file is not None:
                     packed_file.write(packed.tobytes())
@@ -195,7 +252,8 @@ class QuantizedPart(ir.LazyTensor):
                       "zero_points": (*rows, *(() if quantization.per_row else (zp_bytes,)))}
         else:
             shapes = {"packed": (n, k_blocks, blob), "scales": (n * k_blocks,), "zero_points": (n * zp_bytes,)}
-        dtype = quantization.source.dtype if role == "scales" else ir.DataType.UINT8
+        floats = role == "scales" or (role == "zero_points" and quantization.scheme.float_zero_points)
+        dtype = quantization.source.dtype if floats else ir.DataType.UINT8
         shape = shapes[role]
         super().__init__(self._materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
 
@@ -219,6 +277,8 @@ class QuantizedPart(ir.LazyTensor):
         summary = {"quantization": {"role": self.role, "bits": q.scheme.bits, "block_size": q.scheme.block_size,
                                     "symmetric": q.scheme.symmetric, "K": q.k, "N": q.n,
                                     "of": q.source.name}}
+        if q.scheme.method != "rtn":  # absent for round to nearest: earlier manifests read the same
+            summary["quantization"]["method"] = q.scheme.method
         if self.role == "packed":
             summary.update(q.source.source_summary())
         else:
@@ -256,12 +316,16 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
     """Every ``MatMul`` on a pre-transposed checkpoint weight becomes ``MatMulNBits`` unless the
     policy keeps its role; ``decisions`` records what happened to each weight (for the manifest).
     ``accuracy_level``: one for every node, or one per weight width (an int8 LM head of an int4 export
-    gets the 8-bit one)."""
+    gets the 8-bit one). ``method``: QUANT_METHODS, for the 4-bit weights (8-bit ones round to nearest)."""
 
     def __init__(self, bits: int, block_size: int, symmetric: bool, *, num_layers: int, logits: str,
-                 lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int | dict[int, int] = 0):
+                 lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int | dict[int, int] = 0,
+                 method: str = "rtn"):
         super().__init__()
-        self.bits, self.block_size, self.symmetric = bits, block_size, symmetric
+        if method not in QUANT_METHODS or (method == "hqq" and symmetric):
+            raise ExportError(f"quant method must be one of {', '.join(QUANT_METHODS)} (hqq with symmetric false), "
+                              f"got {method!r} (symmetric {symmetric})")
+        self.bits, self.block_size, self.symmetric, self.method = bits, block_size, symmetric, method
         self.num_layers, self.logits = num_layers, logits
         self.lm_head_bits, self.keep, self.accuracy_level = lm_head_bits, set(keep), accuracy_level
         self.decisions: dict[str, dict] = {}
@@ -313,9 +377,10 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
                 self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
                 continue
             bits = self.lm_head_bits if ("lm_head" in roles and self.lm_head_bits) else self.bits
-            scheme = QuantScheme(bits, self.block_size, self.symmetric)
+            method = self.method if bits == 4 else "rtn"
+            scheme = QuantScheme(bits, self.block_size, self.symmetric, method)
             quantization = _Quantization(source, scheme)
-            stem = f"{weight.name}.q{bits}b{self.block_size}{'s' if self.symmetric else 'a'}"
+            stem = f"{weight.name}.q{bits}b{self.block_size}{'s' if self.symmetric else 'a'}{'h' if method == 'hqq' else ''}"
             inputs = [node.inputs[0]]
             for role in ("packed", "scales") + (() if self.symmetric else ("zero_points",)):
                 name = f"{stem}.{role}"
@@ -330,7 +395,8 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             _replace_node(graph, node, new)
             self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": self.block_size,
                                            "symmetric": self.symmetric, "roles": sorted(roles),
-                                           "initializer": f"{stem}.packed"}
+                                           "initializer": f"{stem}.packed",
+                                           **({"method": method} if self.method != "rtn" else {})}
             changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -346,8 +412,9 @@ class GatherTiedEmbeddingPass(ir.passes.InPlacePass):
     ``com.microsoft::GatherBlockQuantized`` over the head's packed codes and scales, viewed as ``[vocab,
     hidden * bits / 8]`` / ``[vocab, blocks]`` through Reshape nodes: one copy of the bytes on disk, and
     the embedding dequantizes exactly the values the head multiplies by. Skipped where K is not a
-    whole number of blocks (the packed rows are padded) or the head is not quantized (kept, or
-    ``keep`` names ``embedding``). The genai builder does the same for its int4 CPU exports."""
+    whole number of blocks (the packed rows are padded), the head is not quantized (kept, or
+    ``keep`` names ``embedding``), or its zero points are floats (HQQ; GatherBlockQuantized takes uint8
+    ones only). The genai builder does the same for its int4 CPU exports."""
 
     def __init__(self, quantize: "QuantizeMatMulPass"):
         super().__init__()
@@ -371,6 +438,9 @@ class GatherTiedEmbeddingPass(ir.passes.InPlacePass):
             packed = graph.initializers[f"{stem}.packed"]
             quantization = packed.const_value.quantization
             scheme, k, n = quantization.scheme, quantization.k, quantization.n
+            if scheme.float_zero_points:
+                decision["embedding"] = "float: GatherBlockQuantized takes no float zero points (hqq)"
+                continue
             if k % scheme.block_size:
                 continue
             k_blocks, _, zp_bytes = scheme.layout(k)

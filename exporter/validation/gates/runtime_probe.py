@@ -22,10 +22,11 @@ import numpy as np
 import onnx_ir as ir
 
 from exporter.contract import DTYPES
-from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_core, static_core
+from exporter.graph.components.attention import StepInputs, compat_core, dynamic_core, gqa_core, static_core
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.rotary import Rotary
-from exporter.graph.task import causal_padding_mask, gqa_lengths
+from exporter.graph.target import COMPAT, CURRENT
+from exporter.graph.task import attention_bias, causal_padding_mask, gqa_lengths
 from exporter.request import Variant
 from exporter.runtime.session import PROVIDER_NAMES, run_bound
 from exporter.validation.gates import GateResult
@@ -63,12 +64,15 @@ def _input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
     return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
 
 
-def probe_graph(variant: Variant, dtype: str, packed_qkv: bool = False) -> tuple[ir.Model, dict[str, np.ndarray]]:
+def probe_graph(variant: Variant, dtype: str, packed_qkv: bool = False,
+                compat: bool = False) -> tuple[ir.Model, dict[str, np.ndarray]]:
     """The probe model for ``variant`` in ``dtype`` and its feeds (one decode step after two tokens);
-    ``packed_qkv``: GroupQueryAttention fed one packed QKV input, as exports without q/k norm are."""
+    ``packed_qkv``: GroupQueryAttention fed one packed QKV input, as exports without q/k norm are;
+    ``compat``: attn_dynamic as the compat target builds it (graph/target.py)."""
     variant, entry = Variant(variant), DTYPES[dtype]
     h, kv, d = SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
-    b = GraphBuilder(None, entry.ir)
+    target = COMPAT if compat else CURRENT
+    b = GraphBuilder(None, entry.ir, target=target)
     i64 = ir.DataType.INT64
     q, k, v = _input("q", entry.ir, [1, 1, h * d]), _input("k", entry.ir, [1, 1, kv * d]), _input("v", entry.ir, [1, 1, kv * d])
     zeros = lambda *shape: np.zeros(shape, entry.numpy)  # noqa: E731
@@ -105,23 +109,25 @@ def probe_graph(variant: Variant, dtype: str, packed_qkv: bool = False) -> tuple
         else:
             input_ids = _input("input_ids", i64, [1, 1])
             step.attn_mask = causal_padding_mask(b, input_ids, mask)
-            y, _, _ = dynamic_core(b, q, k, v, SHAPE, step, *past)
+            if compat:
+                step.attn_mask = attention_bias(b, step.attn_mask, h)
+            y, _, _ = (compat_core if compat else dynamic_core)(b, q, k, v, SHAPE, step, *past)
             inputs = [q, k, v, *past, mask, input_ids]
             feeds["input_ids"] = np.zeros((1, 1), np.int64)
     y.name, y.type, y.shape = "y", ir.TensorType(entry.ir), ir.Shape([1, 1, h * d])
     graph = ir.Graph(inputs, [y], nodes=b.tape.nodes, initializers=b.tape.initializers,
-                     opset_imports={"": 24, "com.microsoft": 1}, name=f"probe_{variant.value}")
-    return ir.Model(graph, ir_version=11), feeds
+                     opset_imports={"": target.opset, "com.microsoft": 1}, name=f"probe_{variant.value}")
+    return ir.Model(graph, ir_version=target.ir_version), feeds
 
 
-def probe(variant: Variant, ep: str, dtype: str, packed_qkv: bool = False) -> tuple[ProbeOutcome, str]:
+def probe(variant: Variant, ep: str, dtype: str, packed_qkv: bool = False, compat: bool = False) -> tuple[ProbeOutcome, str]:
     """Classify ``ep`` for ``variant``'s attention pattern in ``dtype``, with a sentence saying why."""
     import onnxruntime as ort
 
     provider = PROVIDER_NAMES[ep]
     if provider not in ort.get_available_providers():
         return ProbeOutcome.MISSING, f"{provider} is not in this onnxruntime ({ort.__version__}) build"
-    model, feeds = probe_graph(variant, dtype, packed_qkv)
+    model, feeds = probe_graph(variant, dtype, packed_qkv, compat)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if ep != "cpu":
@@ -147,11 +153,11 @@ def classify_probe_output(got: np.ndarray) -> tuple[ProbeOutcome, str]:
     return ProbeOutcome.WRONG_RESULT, f"expected {EXPECTED}, got {float(got.flat[0]):.4g} ({what})"
 
 
-def runtime_gate(variant: str, ep: str, dtype: str, packed_qkv: bool = False) -> GateResult:
-    """The probe of the export's own attention pattern as a gate, for every variant."""
-    outcome, message = probe(Variant(variant), ep, dtype, packed_qkv)
+def runtime_gate(variant: str, ep: str, dtype: str, packed_qkv: bool = False, compat: bool = False) -> GateResult:
+    """The probe of the export's own attention pattern as a gate, for every variant (and the compat target)."""
+    outcome, message = probe(Variant(variant), ep, dtype, packed_qkv, compat)
     return GateResult(
-        gate="runtime", check=f"{variant} attention known answer on {ep} ({dtype})",
+        gate="runtime", check=f"{variant}{' (compat)' if compat else ''} attention known answer on {ep} ({dtype})",
         passed=outcome is ProbeOutcome.SUPPORTED, measured=outcome.value, threshold=ProbeOutcome.SUPPORTED.value,
         message=message,
     )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 from pathlib import Path
 
 import onnx
 
-from exporter.contract import input_for_output
+from exporter.contract import META_TARGET, input_for_output
+from exporter.graph.target import COMPAT, ORT_DEFAULT_DOMAIN_OPS
 from exporter.validation.gates import GateResult
 
 CONTROL_FLOW = {"If", "Loop", "Scan"}
@@ -32,14 +34,59 @@ def _node_label(path: str, node) -> str:
     return f"{path}{node.name or '<unnamed>'} ({node.op_type})"
 
 
+def _ort_schema(name: str) -> onnx.defs.OpSchema:
+    """onnxruntime's default-domain ``name`` as onnxruntime declares it (only SimplifiedLayerNormalization:
+    its RMSNorm, X of T and scale of V -> Y of V, optional inv_std_var of U)."""
+    schema, fp, attr = onnx.defs.OpSchema, onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.Attribute
+    floats = ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"]
+    optional = schema.FormalParameterOption.Optional
+    return schema(
+        name, "", 1, doc="onnxruntime's own default-domain op",
+        inputs=[fp("X", "T"), fp("scale", "V")], outputs=[fp("Y", "V"), fp("inv_std_var", "U", param_option=optional)],
+        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], ""), ("V", floats, "")],
+        attributes=[attr("axis", schema.AttrType.INT, ""), attr("epsilon", schema.AttrType.FLOAT, ""),
+                    attr("stash_type", schema.AttrType.INT, "")])
+
+
+@contextlib.contextmanager
+def _ort_default_domain_ops(compat: bool):
+    """onnx's checker knows only onnx's schemas and refuses a default-domain op it has none for; a compat
+    graph's SimplifiedLayerNormalization is onnxruntime's own, so its schema is lent to the checker for
+    the check (and taken back: any other model still has it refused)."""
+    lent = [name for name in (ORT_DEFAULT_DOMAIN_OPS if compat else ()) if not onnx.defs.has(name, "")]
+    for name in lent:
+        onnx.defs.register_schema(_ort_schema(name))
+    try:
+        yield
+    finally:
+        for name in lent:
+            onnx.defs.deregister_schema(name, 1, "")
+
+
+def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
+    """A compat graph loads in older onnxruntime: IR <= 10, default opset <= 21, and every default-domain
+    op exists at that opset (onnx's schema history; onnxruntime's own ops by name)."""
+    opset = {o.domain or "": o.version for o in model.opset_import}.get("", 0)
+    newer = sorted({n.op_type for _, n in nodes if n.domain in ("", "ai.onnx") and n.op_type not in ORT_DEFAULT_DOMAIN_OPS
+                    and not onnx.defs.has(n.op_type, opset, "")})
+    measured = {"ir_version": model.ir_version, "opset": opset}
+    ok = model.ir_version <= COMPAT.ir_version and opset <= 21 and not newer
+    return GateResult(
+        "structure", "compat: IR <= 10, default opset <= 21, no newer op", ok, measured,
+        {"ir_version": COMPAT.ir_version, "opset": 21},
+        "" if ok else f"IR {model.ir_version}, opset {opset}" + (f"; newer than the opset: {', '.join(newer)}" if newer else ""))
+
+
 def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int) -> list[GateResult]:
     results = []
+    model = onnx.load(str(model_path), load_external_data=False)
+    compat = {p.key: p.value for p in model.metadata_props}.get(META_TARGET) == COMPAT.name
     try:
-        onnx.checker.check_model(str(model_path))
+        with _ort_default_domain_ops(compat):
+            onnx.checker.check_model(str(model_path))
         results.append(GateResult("structure", "onnx checker (with external data)", True, "ok", "ok"))
     except Exception as err:
         results.append(GateResult("structure", "onnx checker (with external data)", False, "error", "ok", str(err)[:500]))
-    model = onnx.load(str(model_path), load_external_data=False)
     graph = model.graph
     nodes = list(_all_nodes(graph))
     census = collections.Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for _, n in nodes)
@@ -50,6 +97,10 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int)
         "attn_dynamic": {"Attention": num_layers},
     }[variant]
     found = {op: census.get(op, 0) for op in expected}
+    if compat:  # a layer attends through MultiHeadAttention, or (soft-capped scores) through MatMul / Softmax
+        label = "com.microsoft::MultiHeadAttention or Softmax"
+        expected = {label: num_layers}
+        found = {label: census.get("com.microsoft::MultiHeadAttention", 0) + census.get("Softmax", 0)}
     results.append(GateResult(
         "structure", "attention op census", found == expected, found, expected,
         "" if found == expected else f"expected {expected}, found {found}", details=dict(sorted(census.items())),
@@ -92,6 +143,9 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int)
     results.append(GateResult(
         "structure", "unused initializers", not unused, len(unused), 0, ("unused: " + ", ".join(unused[:10])) if unused else "",
     ))
+
+    if compat:
+        results.append(_compat_gate(model, nodes))
 
     needs_24 = [
         _node_label(p, n) for p, n in nodes
