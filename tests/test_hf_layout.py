@@ -1,7 +1,8 @@
 """The hf layout (exporter/packaging/hf_layout.py) run by its real consumers: exports of every dense
 architecture, laid out as a Hugging Face model repository, generate transformers' greedy tokens in
 transformers.js 4 under Node (onnxruntime-node) and in optimum's ORTModelForCausalLM (its own virtual
-environment: it pins transformers < 4.58), for a left-padded batch of two rows."""
+environment: it pins transformers < 4.58), for batch 1 and a left-padded batch of two rows. Each client
+runs once per model (Node) or once for all of them (optimum: importing it costs more than generating)."""
 
 from __future__ import annotations
 
@@ -91,13 +92,14 @@ def laid_out(exported, checkpoint, workdir):
 
 @pytest.fixture(scope="session")
 def optimum_tokens(optimum, laid_out) -> dict[tuple[str, str], list[list[int]]]:
-    """{(arch, dtype): sequences} from one optimum process over every repository its tests check."""
+    """{(arch, dtype, rows): sequences} from one optimum process over every repository its tests check:
+    the left-padded batch of two for each, and batch 1 for the fp32 ones."""
     python, script = optimum
-    wanted = [(arch, "fp32") for arch in DENSE] + [(arch, "fp16") for arch in FP16]
+    wanted = [(arch, "fp32", rows) for arch in DENSE for rows in (2, 1)] + [(arch, "fp16", 2) for arch in FP16]
     args = []
-    for arch, dtype in wanted:
+    for arch, dtype, rows in wanted:
         layout = laid_out(arch, dtype)
-        args += [str(layout), str(write_request(layout, *prompts(arch)))]
+        args += [str(layout), str(write_request(layout, *(prompts(arch) if rows == 2 else batch_of_one(arch))))]
     proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -114,7 +116,7 @@ def prompts(arch: str) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def write_request(layout: Path, ids, mask) -> Path:
-    request = layout.parent / f"{layout.name}-request.json"
+    request = layout.parent / f"{layout.name}-request-{len(ids)}.json"
     request.write_text(json.dumps({"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW_TOKENS}))
     return request
 
@@ -129,6 +131,23 @@ def client_generate(command: list[str], layout: Path, ids, mask) -> list[list[in
 
 def js_generate(script: Path, layout: Path, dtype: str, ids, mask) -> list[list[int]]:
     return client_generate(["node", str(script), str(layout), dtype], layout, ids, mask)
+
+
+def js_generate_batches(script: Path, layout: Path, dtype: str, batches) -> list[list[list[int]]]:
+    """One Node process, one loaded model, a generate call per (ids, mask) batch."""
+    requests = [str(write_request(layout, ids, mask)) for ids, mask in batches]
+    proc = subprocess.run(["node", str(script), str(layout), dtype, *requests], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line)["sequences"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(batches), proc.stdout[-2000:]
+    return lines
+
+
+def batch_of_one(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The batch's unpadded row alone: batch 1, the shape a single-prompt user sends."""
+    ids, mask = prompts(arch)
+    return ids[1:], mask[1:]
 
 
 @functools.cache
@@ -159,14 +178,14 @@ def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_i
     assert copied.stat().st_nlink == (export_dir / "model.onnx.data").stat().st_nlink == 1
     config = json.loads((layout / "config.json").read_text())
     assert config["transformers.js_config"]["use_external_data_format"] == {"model.onnx": 1}
-    ids, mask = prompts(arch)
-    got = js_generate(transformersjs, layout, "fp32", ids, mask)
-    check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
+    batches = [prompts(arch), batch_of_one(arch)]
+    for (ids, mask), got in zip(batches, js_generate_batches(transformersjs, layout, "fp32", batches)):
+        check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_an_int4_export_runs_as_transformersjs_q4_with_its_dequantized_weights_tokens(
-        arch, checkpoint, transformersjs, tmp_path):
+def test_an_int4_export_runs_in_both_clients_with_its_dequantized_weights_tokens(
+        arch, checkpoint, transformersjs, optimum, tmp_path):
     source = checkpoint(arch)
     request = ExportRequest(model=str(source), dtype="int4", ep="cpu", variant="attn_dynamic", max_seq_len=64,
                             quant={"accuracy_level": 0})  # fp32 activations: exact to the dequantized weights
@@ -177,8 +196,10 @@ def test_an_int4_export_runs_as_transformersjs_q4_with_its_dequantized_weights_t
     assert json.loads((layout / "config.json").read_text())["transformers.js_config"]["dtype"] == "q4"
     reference, _ = dequantized_checkpoint(source, export_dir, tmp_path / "dequantized")
     ids, mask = prompts(arch)
-    got = js_generate(transformersjs, layout, "q4", ids, mask)
-    check_rows(got, hf_generate(reference, json.dumps(ids), json.dumps(mask)), ids)
+    want = hf_generate(reference, json.dumps(ids), json.dumps(mask))
+    check_rows(js_generate(transformersjs, layout, "q4", ids, mask), want, ids)
+    python, script = optimum
+    check_rows(client_generate([str(python), str(script), str(layout)], layout, ids, mask), want, ids, "optimum")
 
 
 def test_the_hf_layout_refuses_what_its_consumers_cannot_run(exported, checkpoint, tmp_path):
@@ -236,9 +257,9 @@ def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, trans
 @pytest.mark.parametrize("arch", DENSE)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_optimum(
         arch, checkpoint, optimum_tokens):
-    ids, mask = prompts(arch)
-    check_rows(optimum_tokens[arch, "fp32"], hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids,
-               "optimum")
+    for rows, (ids, mask) in ((2, prompts(arch)), (1, batch_of_one(arch))):
+        check_rows(optimum_tokens[arch, "fp32", rows], hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)),
+                   ids, "optimum")
 
 
 @pytest.mark.parametrize("arch", FP16)
@@ -251,7 +272,7 @@ def test_an_fp16_export_in_the_hf_layout_generates_transformers_fp32_tokens_in_b
     ids, mask = prompts(arch)
     want = hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask))
     check_rows(js_generate(transformersjs, layout, "fp16", ids, mask), want, ids)
-    check_rows(optimum_tokens[arch, "fp16"], want, ids, "optimum")
+    check_rows(optimum_tokens[arch, "fp16", 2], want, ids, "optimum")
 
 
 def test_a_worker_links_the_weights_instead_of_copying_them(exported, checkpoint, tmp_path):
