@@ -241,6 +241,11 @@ class ExportRequest:
                 "GroupQueryAttention has no bf16 kernel on the CPU execution provider: "
                 "use dtype fp16/fp32 for cpu, or ep cuda for bf16"
             )
+        chosen = self.quant.activations if self.quant else None
+        if chosen == "bf16" and (self.layout == "hf" or self.compat):
+            raise ExportError(
+                f"quant activations bf16 cannot be {'laid out for transformers.js' if self.layout == 'hf' else 'run by older onnxruntime (compat)'}"
+                ": neither has bf16 kernels for these graphs; set quant activations fp16 (model_q4f16.onnx)")
         if self.layout == "hf":
             from exporter.packaging.hf_layout import check_request
 
@@ -276,6 +281,12 @@ class ExportRequest:
         if self.dtype.quantized and self.ep is EP.CUDA and chosen is None:
             return activation_dtype(self.dtype, self.ep, None, trained_in_bf16(checkpoint_dir))
         return self.activations
+
+
+def build_tag(layout: str | None, compat: bool | None) -> str:
+    """'-hf' / '-compat' for the builds that are not the farm layout on the current target: the suffix
+    of their catalog slot and of their object prefix."""
+    return ("-hf" if layout == "hf" else "") + ("-compat" if compat else "")
 
 
 def cache_key(request: ExportRequest, revision: str, exporter_version: str, ort_version: str) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from exporter.errors import ExportError
 from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.pipeline import load_manifest
+from exporter.request import build_tag
 from services.storage import ArtifactStore, Guard, ObjectInfo, Precondition, PreconditionFailed, StorageError, check_key
 
 STATUSES = ("ready", "quarantined", "unvalidated")
@@ -80,10 +81,7 @@ def export_prefix(manifest: dict) -> str:
     build = f"{manifest['variant']}-{request['dtype']}-{request['ep']}"
     if request.get("max_seq_len") is not None:
         build += f"-ms{request['max_seq_len']}"
-    if (manifest.get("layout") or {}).get("kind") == "hf":
-        build += "-hf"
-    if request.get("compat"):
-        build += "-compat"
+    build += build_tag((manifest.get("layout") or {}).get("kind"), request.get("compat"))
     segments = [
         *_model_segments(manifest),
         _key_segment(manifest["source"]["revision"], "revision"),

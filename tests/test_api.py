@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -9,7 +12,7 @@ from services.api.app import create_app
 from services.auth import create_token
 from services.catalog.database import session_scope, upgrade_schema
 from exporter import __version__
-from exporter.request import ExportRequest, cache_key
+from exporter.request import ExportRequest
 from services.settings import Settings
 
 ADMIN = "admin-token-for-tests-0123456789"
@@ -60,10 +63,12 @@ def test_an_hf_layout_or_compat_request_is_a_build_of_its_own_and_the_farm_keys_
     assert (hf["layout"], hf["variant"]) == ("hf", "attn_dynamic")  # the variant both hf consumers drive
     assert compat["compat"] is True
     assert len({farm["cache_key"], hf["cache_key"], compat["cache_key"]}) == 3
-    # A farm request's identity is what it was before layouts existed: earlier exports keep their keys.
-    request = ExportRequest(model="tiny-qwen3", dtype="fp16", ep="cpu", variant="attn_dynamic")
-    assert "layout" not in request.to_dict() and "compat" not in request.to_dict()
-    assert cache_key(request, farm["revision"], __version__, farm["ort_version"]) == farm["cache_key"]
+    # A farm request's identity is what it was before layouts existed (the payload spelled out as
+    # exporter/request.py's cache_key built it then): earlier exports keep their keys.
+    before = {"request": {"model": "tiny-qwen3", "dtype": "fp16", "ep": "cpu", "static_cache": False,
+                          "max_seq_len": None, "variant": "attn_dynamic"},
+              "revision": farm["revision"], "exporter": __version__, "onnxruntime": farm["ort_version"]}
+    assert hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest() == farm["cache_key"]
 
 
 @pytest.mark.parametrize(
@@ -82,6 +87,7 @@ def test_an_hf_layout_or_compat_request_is_a_build_of_its_own_and_the_farm_keys_
         ({"model": "tiny-qwen3", "layout": "hf", "static_cache": True, "max_seq_len": 64}, ["no hf layout", "attn_static"]),
         ({"model": "tiny-qwen3", "layout": "hf", "dtype": "bf16", "ep": "cuda"}, ["no file name for bf16"]),
         ({"model": "tiny-qwen3", "layout": "onnx"}, ["layout", "farm", "hf"]),
+        ({"model": "tiny-qwen3", "compat": True, "variant": "gqa"}, ["gqa", "compat", "attn_dynamic"]),
         ({"dtype": "fp16"}, ["model", "required"]),
     ],
 )

@@ -262,3 +262,22 @@ def test_partial_rotary_reaches_the_contrib_op_as_rotary_embedding_dim(transform
     layout = tmp_path / "repo"
     write_hf_layout(export_dir, layout, source)
     check_js3_tokens(js3_generate(transformersjs3, layout, ids, mask), source, ids, mask)
+
+
+@pytest.mark.parametrize("options, words", [({"compat": True}, "older onnxruntime"), ({"layout": "hf"}, "transformers.js")])
+def test_chosen_bf16_activations_are_refused_before_any_work_for_compat_and_the_hf_layout(options, words):
+    request = ExportRequest(model="tiny", dtype="int4", ep="cuda", quant={"activations": "bf16"}, **options)
+    with pytest.raises(ExportError, match=f"bf16 cannot be .*{words}.*set quant activations fp16"):
+        request.resolved_variant()
+
+
+def test_transformersjs3_runs_an_int4_compat_export_as_q4_to_its_dequantized_weights_tokens(
+        compat_exported, checkpoint, transformersjs3, tmp_path):
+    """What the README tells transformers.js 3 users to run besides fp32: q4 (MatMulNBits, fp32
+    activations at accuracy level 0, so exact to the export's own dequantized weights)."""
+    export_dir = compat_exported("qwen3", "int4")
+    layout = tmp_path / "repo"
+    assert write_hf_layout(export_dir, layout, checkpoint("qwen3"))["layout"]["model_file"] == "onnx/model_q4.onnx"
+    reference, _ = dequantized_checkpoint(checkpoint("qwen3"), export_dir, tmp_path / "dequantized")
+    ids, mask = left_padded("qwen3")
+    check_js3_tokens(js3_generate(transformersjs3, layout, ids, mask, "q4"), reference, ids, mask)

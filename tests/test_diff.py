@@ -61,6 +61,21 @@ def test_identical_exports_have_no_regression_and_zero_deltas(measured, tmp_path
     json.dumps(diff.to_dict())  # JSON-safe
 
 
+def test_an_hf_layout_predecessor_diffs_file_for_file_with_a_farm_export_of_its_build(measured, checkpoint, tmp_path):
+    """A re-export of an hf-layout export is diffed (at the worker's diff stage) while still in the farm
+    layout, against its predecessor's published hf manifest: the graph and weights are compared as
+    the same files, not as one removed and one added."""
+    from exporter.packaging.hf_layout import write_hf_layout
+
+    old = measured("attn_dynamic")
+    laid_out = tmp_path / "hf"
+    write_hf_layout(old, laid_out, checkpoint("llama"))
+    diff = diff_exports(ExportArtifacts.from_dir(laid_out), ExportArtifacts.from_dir(old))
+    assert diff.sizes["files"]["model.onnx.data"]["delta"] == 0 and diff.sizes["files"]["model.onnx"]["delta"] is not None
+    assert not any(name.startswith("onnx/") for name in diff.sizes["files"])
+    assert diff.sizes["model_files"]["delta"] != diff.sizes["model_files"]["new"]  # both sides counted
+
+
 def test_parity_gate_newly_failing_and_new_mismatches_are_regressions(measured, tmp_path):
     old = measured("attn_static")
     new = _copy(old, tmp_path / "broken")

@@ -316,3 +316,33 @@ def test_file_names_follow_transformersjs_dtypes_and_a_failed_layout_leaves_noth
     with pytest.raises(ExportError, match="keeps weights in 'weights.bin'"):
         write_hf_layout(broken, tmp_path / "out", checkpoint("llama"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_the_worker_layout_stage_redoes_itself_over_what_a_killed_attempt_left(exported, checkpoint, tmp_path):
+    """workers/job.py's layout stage as an attempt that resumes on the same worker runs it: over a
+    half-written folder and an unrecorded finished one a killed attempt left, it lays the farm export
+    out again, weights hard-linked, and never changes the farm folder; run twice, it ends the same."""
+    from exporter.packaging.resolve import resolve_source
+    from workers.job import Job, JobRecord, layout
+
+    work = tmp_path / "work"
+    farm = shutil.copytree(exported("qwen2", "attn_dynamic"), work / "export")
+    before = {p.name: p.read_bytes() for p in farm.iterdir() if p.is_file()}
+    manifest = json.loads((farm / "manifest.json").read_text())
+    source = resolve_source(str(checkpoint("qwen2"))).to_dict()
+    job = Job(settings=None, lease=None, keeper=None, store=None, work=work)
+    (work / ".export-hf.hf-partial-0123abcd" / "onnx").mkdir(parents=True)  # killed while writing
+    (work / "export-hf").mkdir()
+    (work / "export-hf" / "stale").write_text("a finished layout whose stage was not recorded")
+    for _ in range(2):  # the second run: killed after laying out, before the record was saved
+        # the record as record.json holds it: saved after bench / diff, so with the farm manifest
+        record = JobRecord("e1", {**manifest["request"], "layout": "hf"}, "r", None, {}, source=source,
+                           manifest=json.loads(json.dumps(manifest)), done=["resolve", "build", "validate", "bench", "diff"])
+        layout(job, record)
+        assert job.publish_dir(record) == work / "export-hf"
+        assert sorted(p.name for p in work.iterdir()) == ["export", "export-hf"]
+        assert record.manifest["layout"]["kind"] == "hf" and not (work / "export-hf" / "stale").exists()
+        data = work / "export-hf" / record.manifest["layout"]["data_file"]
+        assert data.stat().st_ino == (farm / "model.onnx.data").stat().st_ino and data.stat().st_nlink == 2
+        assert {p.name: p.read_bytes() for p in farm.iterdir() if p.is_file() and p.name != "manifest.json"} == \
+            {n: b for n, b in before.items() if n != "manifest.json"}

@@ -150,7 +150,7 @@ def test_the_weight_gate_judges_hqq_blocks_against_round_to_nearest_and_names_a_
     """HQQ's codes cannot be reproduced by quantizing again (they depend on which rows were optimized
     together) and its zero-point shift may clip a block's extremes by more than a step: the gate holds
     each weight's L2 error to round to nearest's on the same rows. A block of zeroed codes breaks that."""
-    from exporter.validation.gates.weights import HQQ_L2_VS_RTN
+    from exporter.validation.gates.weights import HQQ_L2_VS_RTN, HQQ_STEP_BOUND
     from exporter.validation.validate import validate_export
     from tests.test_quantize import _external
 
@@ -158,8 +158,9 @@ def test_the_weight_gate_judges_hqq_blocks_against_round_to_nearest_and_names_a_
     report = validate_export(out)
     gate = next(g for g in report.gates if g.gate == "weights" and "by value" in g.check)
     assert gate.passed, gate.message
-    ratios = [s["l2_vs_rtn"] for s in gate.details["worst"] if s["l2_vs_rtn"] is not None]
-    assert ratios and max(ratios) <= HQQ_L2_VS_RTN
+    hqq = [s for s in gate.details["worst"] if s["l2_vs_rtn"] is not None]
+    assert hqq and max(s["l2_vs_rtn"] for s in hqq) <= HQQ_L2_VS_RTN
+    assert max(s["step_ratio"] for s in hqq) <= HQQ_STEP_BOUND
 
     name = "model.layers.1.mlp.down_proj.weight.T.q4b32ah.packed"
     offset, _ = _external(out / "model.onnx", name)
@@ -168,3 +169,31 @@ def test_the_weight_gate_judges_hqq_blocks_against_round_to_nearest_and_names_a_
         f.write(bytes(16))
     failed = [g for g in validate_export(out).failed if g.gate == "weights"]
     assert failed and name in failed[0].message and "x round to nearest's" in failed[0].message
+
+
+def test_the_weight_gate_refuses_an_hqq_scale_five_times_too_big_on_a_wide_weight(checkpoint, tmp_path):
+    """One block among many: the chunk's L2 hardly moves, the element bound in the block's steps does."""
+    from exporter.validation.gates.weights import HQQ_STEP_BOUND
+    from exporter.validation.validate import validate_export
+    from tests.test_quantize import _edit_external
+
+    out = _export(checkpoint("llama"), tmp_path / "q", HQQ)
+    name = "model.layers.0.mlp.gate_up_proj.weight.T.q4b32ah.scales"
+
+    def scale_one(scales):
+        scales[3] *= 5
+        return scales
+
+    _edit_external(out, name, np.float32, scale_one)
+    failed = [g for g in validate_export(out).failed if g.gate == "weights"]
+    assert failed and "gate_up_proj.weight.T.q4b32ah.packed" in failed[0].message
+    [bad] = [s for s in failed[0].details["worst"] if not s["passed"]]
+    assert bad["step_ratio"] > HQQ_STEP_BOUND  # the element bound is what catches it
+
+
+def test_the_catalog_keeps_an_hqq_build_apart_from_round_to_nearest():
+    from services.catalog.views import quant_tag
+
+    rtn, hqq = {"symmetric": False}, {"symmetric": False, "method": "hqq"}
+    assert quant_tag(rtn) != quant_tag(hqq) and quant_tag(hqq).endswith("-hqq")
+    assert quant_tag({"method": "rtn"}) == quant_tag({}) == ""  # the defaults name no tag

@@ -209,7 +209,8 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
         "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,
         "from_export": {"export_id": manifest.get("export_id"),
                         "files": {n: manifest["files"][n] for n in (MODEL_FILE, DATA_FILE)}},
-        "consumers": ["transformers.js >= 4 on onnxruntime-node", "optimum ORTModelForCausalLM"],
+        "consumers": ["transformers.js >= 4 on onnxruntime-node / -web", "optimum ORTModelForCausalLM"]
+                     + (["transformers.js 3 (onnxruntime 1.21)"] if manifest["request"].get("compat") else []),
     }
     layout_manifest["genai"] = {"package": False, "reason": "the hf layout is not an onnxruntime-genai package (no "
                                 "genai_config.json); export with the farm layout for onnxruntime-genai"}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from exporter.errors import ExportError
 
-from exporter.contract import BENCH_FILE, DIFF_JSON, DIFF_MD, MANIFEST_FILE, MODEL_FILES  # noqa: E402
+from exporter.contract import BENCH_FILE, DATA_FILE, DIFF_JSON, DIFF_MD, MANIFEST_FILE, MODEL_FILE, MODEL_FILES  # noqa: E402
 from exporter.contract import REPORT_JSON as REPORT_FILE  # noqa: E402
 
 
@@ -241,6 +241,17 @@ def _kernel_changes(old: dict | None, new: dict | None) -> list[dict]:
     return changes
 
 
+def _farm_names(manifest: Mapping) -> dict:
+    """A manifest's files under the farm layout's names: an hf-layout export's graph and weights
+    (``onnx/model*.onnx``, ``*_data``) are its farm export's, so a re-export diffs file for file."""
+    files = dict(manifest.get("files") or {})
+    layout = manifest.get("layout") or {}
+    for farm, laid in ((MODEL_FILE, layout.get("model_file")), (DATA_FILE, layout.get("data_file"))):
+        if laid in files:
+            files[farm] = files.pop(laid)
+    return files
+
+
 def diff_exports(old: ExportArtifacts, new: ExportArtifacts, thresholds: Thresholds | None = None) -> ExportDiff:
     """Compare ``new`` against ``old`` (the baseline); ``regressions`` says what got worse and by how much."""
     t = thresholds or Thresholds()
@@ -275,7 +286,7 @@ def diff_exports(old: ExportArtifacts, new: ExportArtifacts, thresholds: Thresho
         regressions.append(f"graph I/O changed within {idn['variant']}: {_io_summary(io)}")
 
     # sizes
-    fo, fn = mo.get("files") or {}, mn.get("files") or {}
+    fo, fn = _farm_names(mo), _farm_names(mn)
     files = {name: _change((fo.get(name) or {}).get("size"), (fn.get(name) or {}).get("size"))
              for name in sorted(fo.keys() | fn.keys())}
     sizes = {

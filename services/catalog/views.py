@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from exporter.request import build_tag
 from services.catalog.models import Export, ExportStatus
 
 
@@ -30,12 +31,8 @@ def quant_tag(quant: dict | None) -> str:
     tag += f"-lm{spec.lm_head_bits}" if spec.lm_head_bits else ""
     tag += f"-acc{spec.accuracy_level}" if spec.accuracy_level is not None else ""
     tag += f"-{spec.activations}" if spec.activations else ""
+    tag += f"-{spec.method}" if spec.method != "rtn" else ""
     return tag + ("-keep-" + "-".join(spec.keep) if spec.keep else "")
-
-
-def build_tag(layout: str | None, compat: bool | None) -> str:
-    """'-hf' / '-compat' for the builds that are not the default farm layout on the newest opset."""
-    return ("-hf" if layout == "hf" else "") + ("-compat" if compat else "")
 
 
 def latest_ready(session: Session, model: str | None = None) -> dict[str, dict[str, dict]]:

@@ -126,7 +126,8 @@ def dynamic_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
 def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
     """attn_dynamic in ops older onnxruntime has: present = past + this step's K/V (BNSH, the caches
     attn_dynamic always had), repeated to the query heads, then com.microsoft MultiHeadAttention with
-    ``step.attn_mask`` as its additive attention_bias [batch, 1, seq, total]; -> (y, present k, v).
+    ``step.attn_mask`` as its additive attention_bias, expanded to [batch, heads, seq, total] (onnxruntime
+    1.21's CPU kernel reads a head-broadcast bias wrong after the first row); -> (y, present k, v).
 
     MultiHeadAttention takes neither fewer K/V heads than query heads nor soft-capping: grouped-query
     models repeat K/V here (as transformers' repeat_kv does), and soft-capped scores (gemma2) go
