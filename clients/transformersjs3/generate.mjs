@@ -1,26 +1,7 @@
 // Greedy generation from an hf-layout export with transformers.js 3.x (onnxruntime-node 1.21), as a user would call it:
-//   node generate.mjs MODEL_DIR DTYPE REQUEST.json
-// REQUEST.json: {"input_ids": [[...], ...], "attention_mask": [[...], ...], "max_new_tokens": N}
-// (rows left-padded as transformers' tokenizer pads for generation). Prints {"sequences": [[...], ...]}.
-import { readFileSync } from "node:fs";
-import path from "node:path";
-import { AutoModelForCausalLM, Tensor, env } from "@huggingface/transformers";
+//   node generate.mjs MODEL_DIR DTYPE REQUEST.json [REQUEST.json ...]
+// The same command as ../transformersjs/generate.mjs; only the transformers.js it imports (this folder's) differs.
+import * as transformers from "@huggingface/transformers";
+import { generateFromArgs } from "../transformersjs/greedy.mjs";
 
-const [modelDir, dtype, requestPath] = process.argv.slice(2);
-const request = JSON.parse(readFileSync(requestPath, "utf8"));
-env.allowRemoteModels = false;
-env.localModelPath = path.dirname(path.resolve(modelDir)) + "/";
-const model = await AutoModelForCausalLM.from_pretrained(path.basename(path.resolve(modelDir)), { dtype });
-const rows = request.input_ids.length, width = request.input_ids[0].length;
-const int64 = (matrix) => new Tensor("int64", BigInt64Array.from(matrix.flat().map(BigInt)), [rows, width]);
-const output = await model.generate({
-  input_ids: int64(request.input_ids),
-  attention_mask: int64(request.attention_mask),
-  max_new_tokens: request.max_new_tokens,
-  min_new_tokens: request.max_new_tokens,
-  do_sample: false,
-});
-const [, length] = output.dims;
-const flat = Array.from(output.data, Number);
-const sequences = Array.from({ length: rows }, (_, r) => flat.slice(r * length, (r + 1) * length));
-console.log(JSON.stringify({ sequences }));
+await generateFromArgs(transformers, process.argv.slice(2));

@@ -8,6 +8,7 @@
 // inside it) and onnxruntime-web's WASM build (.wasm + its .mjs loader) from the client's node_modules, pinned by
 // package-lock.json to the version the bundle was built against (the page reports it; the test checks it).
 import { AutoModelForCausalLM, Tensor, env } from "../node_modules/@huggingface/transformers/dist/transformers.js";
+import { greedy } from "../greedy.mjs";
 
 const ORT_DIST = new URL("../node_modules/onnxruntime-web/dist/", import.meta.url);
 
@@ -36,18 +37,7 @@ async function generate() {
 
   const model = await AutoModelForCausalLM.from_pretrained(modelPath.slice(modelPath.lastIndexOf("/") + 1),
                                                            { dtype: "fp32", device: "wasm" });
-  const rows = request.input_ids.length, width = request.input_ids[0].length;
-  const int64 = (matrix) => new Tensor("int64", BigInt64Array.from(matrix.flat().map(BigInt)), [rows, width]);
-  const output = await model.generate({
-    input_ids: int64(request.input_ids),
-    attention_mask: int64(request.attention_mask),
-    max_new_tokens: request.max_new_tokens,
-    min_new_tokens: request.max_new_tokens,
-    do_sample: false,
-  });
-  const [, length] = output.dims;
-  const flat = Array.from(output.data, Number);
-  const sequences = Array.from({ length: rows }, (_, r) => flat.slice(r * length, (r + 1) * length));
+  const sequences = await greedy(model, Tensor, request);
   return { sequences, ort_web: env.backends.onnx.versions.web };
 }
 
