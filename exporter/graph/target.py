@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from exporter.contract import META_PREFIX, META_TARGET
 from exporter.errors import ExportError
 
 
@@ -33,12 +34,19 @@ class Target:
 
 CURRENT = Target("current", ir_version=11, opset=24, contrib_ops=False)
 COMPAT = Target("compat", ir_version=10, opset=20, contrib_ops=True)
+# The newest default-domain opset the runtimes compat is for take (onnxruntime 1.21); the structure gate's bound.
+COMPAT_MAX_OPSET = 21
 # Default-domain ops onnxruntime registers itself (checkers that know only onnx's schemas must be told).
 ORT_DEFAULT_DOMAIN_OPS = ("SimplifiedLayerNormalization",)
 
 
 def target_for(compat: bool) -> Target:
     return COMPAT if compat else CURRENT
+
+
+def is_compat(metadata: dict) -> bool:
+    """Whether an export's metadata (exporter.runtime.session.read_metadata's) marks the compat target."""
+    return metadata.get(META_TARGET.removeprefix(META_PREFIX)) == COMPAT.name
 
 
 def check_compat(variant: str, dtype: str, ep: str) -> None:

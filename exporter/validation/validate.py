@@ -30,8 +30,8 @@ from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
 from exporter.packaging.resolve import resolve_source
-from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, META_PREFIX, META_TARGET, MODEL_FILE, REPORT_JSON, REPORT_MD
-from exporter.graph.target import COMPAT
+from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
+from exporter.graph.target import is_compat
 
 PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
 
@@ -180,12 +180,6 @@ def _packed_gqa(model_path: Path) -> bool:
     return gqa is not None and (len(gqa.input) < 2 or not gqa.input[1])
 
 
-def _compat(model_path: Path) -> bool:
-    """Whether the export is the compat target's graph (IR 10 / opset 20, onnxruntime's contrib ops)."""
-    from exporter.runtime.session import read_metadata
-
-    return read_metadata(model_path).get(META_TARGET.removeprefix(META_PREFIX)) == COMPAT.name
-
 
 def validate_export(
     export_dir: Path,
@@ -228,7 +222,8 @@ def validate_export(
     gates: list[GateResult] = []
 
     t0 = time.perf_counter()
-    gates += structure_gates(model_path, variant, activations, cfg["num_layers"])
+    compat = is_compat(meta)
+    gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat)
     timings["structure"] = time.perf_counter() - t0
     checkpoints.checkpoint()
 
@@ -245,7 +240,7 @@ def validate_export(
         own: dict | None = {} if will_check_genai(manifest) else None
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
-                                         shared_references, runtime, timings, own)
+                                         shared_references, runtime, timings, own, compat)
         checkpoints.checkpoint()
         t0 = time.perf_counter()
         own = own or {}
@@ -285,17 +280,18 @@ def _timed(function, *args):
 
 
 def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source, lm_factory, peer,
-                   steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings, own):
+                   steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings, own,
+                   compat):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
     quantized exports, the quality gate); appends to ``gates``, returns (parity, quality). ``own``
     (unless None) gets the export's own greedy tokens on the real-text prompt (else the first), for
-    the genai gate."""
+    the genai gate; ``compat``: the probe builds the compat target's attention."""
     from exporter.validation import reference
 
     def probe():
         t0 = time.perf_counter()
         gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path),
-                                  compat=_compat(model_path)))
+                                  compat=compat))
         if cfg.get("moe"):
             gates.append(expert_gate(ep, activations, dtype, cfg["moe"]))
         timings["runtime_probe"] = time.perf_counter() - t0

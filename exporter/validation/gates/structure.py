@@ -8,8 +8,8 @@ from pathlib import Path
 
 import onnx
 
-from exporter.contract import META_TARGET, input_for_output
-from exporter.graph.target import COMPAT, ORT_DEFAULT_DOMAIN_OPS
+from exporter.contract import input_for_output
+from exporter.graph.target import COMPAT, COMPAT_MAX_OPSET, ORT_DEFAULT_DOMAIN_OPS
 from exporter.validation.gates import GateResult
 
 CONTROL_FLOW = {"If", "Loop", "Scan"}
@@ -70,17 +70,18 @@ def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
     newer = sorted({n.op_type for _, n in nodes if n.domain in ("", "ai.onnx") and n.op_type not in ORT_DEFAULT_DOMAIN_OPS
                     and not onnx.defs.has(n.op_type, opset, "")})
     measured = {"ir_version": model.ir_version, "opset": opset}
-    ok = model.ir_version <= COMPAT.ir_version and opset <= 21 and not newer
+    ok = model.ir_version <= COMPAT.ir_version and opset <= COMPAT_MAX_OPSET and not newer
     return GateResult(
-        "structure", "compat: IR <= 10, default opset <= 21, no newer op", ok, measured,
-        {"ir_version": COMPAT.ir_version, "opset": 21},
+        "structure", f"compat: IR <= {COMPAT.ir_version}, default opset <= {COMPAT_MAX_OPSET}, no newer op", ok, measured,
+        {"ir_version": COMPAT.ir_version, "opset": COMPAT_MAX_OPSET},
         "" if ok else f"IR {model.ir_version}, opset {opset}" + (f"; newer than the opset: {', '.join(newer)}" if newer else ""))
 
 
-def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int) -> list[GateResult]:
+def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
+                    compat: bool = False) -> list[GateResult]:
+    """``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata)."""
     results = []
     model = onnx.load(str(model_path), load_external_data=False)
-    compat = {p.key: p.value for p in model.metadata_props}.get(META_TARGET) == COMPAT.name
     try:
         with _ort_default_domain_ops(compat):
             onnx.checker.check_model(str(model_path))
