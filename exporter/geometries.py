@@ -1,7 +1,7 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
 Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
-gpt-oss-20b and Mixtral-8x7B, as their published config.json give them.
+gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them.
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -66,6 +66,22 @@ GEOMETRIES: dict[str, dict] = {
                                                   "original_max_position_embeddings": 4096},
         "attention_bias": True, "swiglu_limit": 7.0, "tie_word_embeddings": False, "hidden_act": "silu",
         "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+    },
+    # Phi-3.5-MoE-instruct: 16 experts of 6400 (2 a token, phimoe's sparsemixer) on 32 layers, biased
+    # LayerNorms, attention and LM head; longrope with its published mscales (the 64 short / long factors
+    # here are stand-ins of the right shape: they change the rotary tables' values, not the work).
+    "phi-3.5-moe": {
+        "architectures": ["PhiMoEForCausalLM"], "model_type": "phimoe", "vocab_size": 32064, "hidden_size": 4096,
+        "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 16, "num_experts_per_tok": 2, "router_jitter_noise": 0.01, "input_jitter_noise": 0.01,
+        "attention_bias": True, "lm_head_bias": True, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": 131072,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4096,
+                            "short_factor": [round(1.0 + 0.02 * i, 4) for i in range(64)],
+                            "long_factor": [round(1.0 + 0.5 * i, 4) for i in range(64)],
+                            "short_mscale": 1.243163121016122, "long_mscale": 1.243163121016122},
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 32000,
+        "torch_dtype": "bfloat16",
     },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
