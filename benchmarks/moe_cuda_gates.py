@@ -36,7 +36,16 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/moe-gates"))
     parser.add_argument("--ep", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--families", default="")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                        help="a config.json value of the tiny checkpoints, e.g. router_jitter_noise=0.01 (phimoe at "
+                             "the threshold of CUDA's own sparse mixer)")
     args = parser.parse_args()
+    overrides = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--override wants KEY=JSON, got {item!r}")
+        overrides[key] = json.loads(value)
 
     import onnxruntime as ort
     import torch
@@ -56,12 +65,13 @@ def main() -> int:
               "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__, "python": platform.python_version()},
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
-              "rows": []}
+              "overrides": overrides, "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for arch in families:
         # CUDA's QMoE wants hidden and expert widths in multiples of 64: the tiny experts get 64.
         width = {"moe_intermediate_size": 64} if arch in ("qwen2_moe", "qwen3_moe") else {"intermediate_size": 64}
-        source = make_tiny_checkpoint(arch, args.work / "ckpt" / arch, **(width if args.ep == "cuda" else {}))
+        source = make_tiny_checkpoint(arch, args.work / "ckpt" / arch, **(width if args.ep == "cuda" else {}),
+                                      **overrides)
         for dtype, variant in cases:
             if arch == "gpt_oss" and variant != "gqa":
                 continue  # attention sinks: GroupQueryAttention only (refused otherwise, tested on the CPU)

@@ -81,6 +81,22 @@ def build_checkpoint(name: str, layers: int, directory: Path) -> dict:
     return {"layers": layers, "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
 
 
+def graph_routing_twin(checkpoint: Path, twin: Path) -> Path:
+    """The same phimoe checkpoint (weights hard-linked) with router_jitter_noise moved off the CUDA sparse
+    mixer's constant by one part in a million: exported for cuda it keeps the sparsemixer in the graph, and
+    routes every token the same but at a threshold's exact edge."""
+    twin.mkdir()
+    for f in checkpoint.iterdir():
+        if f.is_file() and f.name != "config.json":
+            os.link(f, twin / f.name)
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") != "phimoe":
+        raise ValueError("--graph-routing-twin is for phimoe geometries")
+    config["router_jitter_noise"] = float(config.get("router_jitter_noise", 0.01)) * (1 + 1e-6)
+    (twin / "config.json").write_text(json.dumps(config, indent=2))
+    return twin
+
+
 def export_ours(checkpoint: Path, out: Path, dtype: str, max_seq_len: int) -> tuple[Path, str]:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
@@ -227,6 +243,10 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="after the timed rounds, one profiled generation per export at the first batch and "
                              "context (onnxruntime's profiler through genai_config session_options)")
+    parser.add_argument("--graph-routing-twin", action="store_true",
+                        help="phimoe: also export the float dtypes with the sparsemixer in the graph (a twin checkpoint "
+                             "whose router_jitter_noise is 0.01 x (1 + 1e-6), off the CUDA sparse mixer's constant), "
+                             "to time the op's own sparse mixer against the graph's in the same run")
     parser.add_argument("--merge", type=Path, default=None,
                         help="an earlier run's JSON of the same model: its depths join this one's extrapolation")
     args = parser.parse_args()
@@ -291,6 +311,11 @@ def main() -> int:
         rec.save()
         plan = [(f"ours {d} (fused {'QMoE' if d in ('int4', 'int8') else 'MoE'})", export_ours, d, (max_seq_len,))
                 for d in dtypes]
+        twin = None
+        if args.graph_routing_twin:
+            twin = graph_routing_twin(checkpoint, work / "checkpoint-graph-routing")
+            plan += [(f"ours {d} (sparsemixer in the graph)", export_ours, d, (max_seq_len,)) for d in dtypes
+                     if d not in ("int4", "int8")]
         for peer in peers:
             for d in dtypes:
                 if peer == "mobius" and d in ("int4", "int8"):
@@ -303,7 +328,11 @@ def main() -> int:
             log(f"export {name}")
             start = time.perf_counter()
             try:
-                directory, command = fn(checkpoint, work / name.split(" (")[0].replace(" ", "-"), dtype, *extra)
+                source = twin if "in the graph" in name else checkpoint
+                target = work / name.split(" (")[0].replace(" ", "-")
+                if "in the graph" in name:
+                    target = target.with_name(target.name + "-graph-routing")
+                directory, command = fn(source, target, dtype, *extra)
             except Exception as err:
                 rec.error(f"export {name} L{depth}", err)
                 continue

@@ -13,6 +13,7 @@ import onnx
 import pytest
 import torch
 
+from exporter.contract import META_CONFIG
 from exporter.errors import ExportError
 from exporter.graph.architectures import ARCHITECTURES as REGISTRY
 from exporter.graph.config import load_model_config
@@ -259,6 +260,68 @@ def test_phimoe_s_sparsemixer_is_what_routes_and_longrope_switches_like_transfor
     naive = export_model(request, tmp_path / "naive", validate=False).out_dir
     result = run_parity(Decoder(naive), ref, near_tie_margin=0.0)
     assert result.prefill_max_abs_error > 1e-2 * result.logit_range
+
+
+def _fused_mixers(export_dir) -> list[onnx.NodeProto]:
+    return [n for n in _nodes(export_dir) if n.op_type in ("MoE", "QMoE")
+            and any(a.name == "use_sparse_mixer" and a.i == 1 for a in n.attribute)]
+
+
+def test_phimoe_for_cuda_routes_with_the_op_s_own_sparse_mixer_where_its_kernel_computes_the_model_s(checkpoint,
+                                                                                                     tmp_path):
+    """For CUDA, a float phimoe whose threshold is the kernel's (0.01) over 8 experts routes inside the
+    op (use_sparse_mixer=1, unnormalized, no routing nodes), and such an export refuses validation on
+    the CPU, whose kernels ignore the attribute. Quantized experts (QMoE ignores it on CUDA too),
+    another threshold, or a CPU export keep the sparsemixer in the graph; the quantize pass refuses to
+    turn a sparse-mixer MoE into a QMoE."""
+    from exporter.validation.gates.runtime_probe import expert_probe_graph
+
+    wide = dict(hidden_size=64, intermediate_size=64)
+    exact = checkpoint("phimoe", router_jitter_noise=0.01, **wide)
+    for dtype in ("fp16", "bf16"):
+        request = ExportRequest(model=str(exact), dtype=dtype, ep="cuda", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+        out = export_model(request, tmp_path / f"cuda-{dtype}", validate=False).out_dir
+        fused = _fused_mixers(out)
+        assert [n.op_type for n in fused] == ["MoE"] * load_model_config(exact, REGISTRY).num_layers
+        for node in fused:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert (attrs["k"], attrs["normalize_routing_weights"]) == (2, 0)
+        assert not {"ArgMax", "GatherElements", "Softmax"} & {n.op_type for n in _nodes(out)}
+        meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}
+        assert json.loads(meta[META_CONFIG])["moe"]["routing"] == "cuda_sparse_mixer"
+        with pytest.raises(ExportError, match="CUDA sparse mixer, which the cpu kernels ignore.*--ep cuda"):
+            validate_export(out, ep="cpu")
+    for name, source, ep, dtype in (("int4", exact, "cuda", "int4"), ("threshold 0.1", checkpoint("phimoe", **wide),
+                                     "cuda", "fp16"), ("cpu", exact, "cpu", "fp16")):
+        request = ExportRequest(model=str(source), dtype=dtype, ep=ep, variant="gqa", max_seq_len=MAX_SEQ_LEN)
+        out = export_model(request, tmp_path / name.replace(" ", "-"), validate=False).out_dir
+        assert _fused_mixers(out) == [], name
+        assert "ArgMax" in {n.op_type for n in _nodes(out)}, name
+    with pytest.raises(ExportError, match="QMoE ignores use_sparse_mixer"):
+        expert_probe_graph("fp16", 4, 2, False, tmp_path, sparse_mixer=True)
+
+
+def test_the_sparse_mixer_known_answer_is_transformers_sparsemixer_and_not_softmax_top_2():
+    """The expert gate's sparse-mixer answer: its routing equals transformers' sparsemixer on random
+    rows (and on the probe's own), and the probe's answer is not what softmax top-2 would give."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from exporter.validation.gates import runtime_probe as probe
+
+    rows = np.random.default_rng(0).standard_normal((64, 8)) * np.array([[0.02], [1.0], [3.0], [0.5]]).repeat(16, 0)
+    rows[:16] += 1.0
+    rows = np.vstack([rows, [probe.MIXER_LOGITS]])
+    weights, experts = sparsemixer(torch.from_numpy(rows), jitter_eps=0.01, training=False, top_k=2)
+    for row, w, e in zip(rows, weights.numpy(), experts.numpy()):
+        chosen, ours = probe.sparse_mixer_weights(row, 0.01)
+        assert chosen == list(e)
+        np.testing.assert_allclose(ours, w, rtol=1e-12)
+    mixer = probe.expert_answer(2, False, sparse_mixer=True)
+    gates = np.array(probe.MIXER_GATES)
+    act = gates / (1 + np.exp(-gates))
+    p = np.exp(probe.MIXER_LOGITS) / np.exp(probe.MIXER_LOGITS).sum()
+    assert abs(mixer - (p[0] * act[0] + p[1] * act[1])) > 0.5
+    assert abs(mixer - (p[0] * act[0] + p[1] * act[1]) / (p[0] + p[1])) > 0.5
 
 
 def test_quantized_experts_for_cuda_need_the_widths_its_qmoe_kernels_take(checkpoint, tmp_path):

@@ -62,11 +62,13 @@ def _geometry(tmp_path, name, layers=None):
 
 
 def test_experts_dominate_an_moe_model_s_bytes(tmp_path):
-    """Qwen3-30B-A3B: 30.5B parameters, 29B of them in the 48 layers' 128 experts; Mixtral-8x7B 46.7B."""
+    """Qwen3-30B-A3B: 30.5B parameters, 29B of them in the 48 layers' 128 experts; Mixtral-8x7B 46.7B;
+    Phi-3.5-MoE 41.9B (the published sizes)."""
     from exporter.resources import Geometry
 
     assert abs(Geometry.of(_geometry(tmp_path, "qwen3-30b-a3b")).parameters / 1e9 - 30.5) < 0.2
     assert abs(Geometry.of(_geometry(tmp_path, "mixtral-8x7b")).parameters / 1e9 - 46.7) < 0.2
+    assert abs(Geometry.of(_geometry(tmp_path, "phi-3.5-moe")).parameters / 1e9 - 41.9) < 0.1
     fp16 = estimate_resources(_geometry(tmp_path, "qwen3-30b-a3b"), ExportRequest(model="m", dtype="fp16", ep="cuda"))
     int4 = estimate_resources(_geometry(tmp_path, "qwen3-30b-a3b"), ExportRequest(model="m", dtype="int4", ep="cuda"))
     assert 56 * GiB < fp16.export_bytes < 58 * GiB and int4.export_bytes < 0.3 * fp16.export_bytes

@@ -13,6 +13,7 @@ from exporter.graph.architectures import ARCHITECTURES
 from exporter.graph.architectures.base import Architecture
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.graph.components.graph import GraphBuilder
+from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
 from exporter.graph.config import ModelConfig, load_model_config
 from exporter.errors import ExportError
 from exporter.request import EP, DType, ExportRequest, Variant
@@ -178,7 +179,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     checkpoint = Checkpoint(source.path)
     check_shapes(cfg, arch, checkpoint)
     target = target_for(request.compat)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target)
+    fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
+    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer)
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
@@ -200,8 +202,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "sliding_window": cfg.sliding_window,
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
                     "activations": activations.value,
-                    **({"moe": {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
-                                "normalize": cfg.moe.op_normalize}} if cfg.moe else {}),
+                    **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),
                     **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }
             ),

@@ -216,6 +216,10 @@ def validate_export(
     variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
     activations = cfg.get("activations", dtype)  # quantized exports compute in fp16 / fp32
     ep = ep or meta["ep"]
+    if (cfg.get("moe") or {}).get("routing") == "cuda_sparse_mixer" and ep != "cuda":
+        raise ExportError(f"{export_dir} routes its experts with onnxruntime's CUDA sparse mixer, which the {ep} "
+                          "kernels ignore (they would route by plain softmax top-2): validate it with --ep cuda, "
+                          f"or export the model with --ep {ep}")
     reference = reference or manifest_reference(manifest, export_dir)
     ref_source = resolve_source(reference)
     timings: dict[str, float] = {}

@@ -16,12 +16,14 @@ class GraphBuilder:
     """Collects nodes and initializers; weights are lazy ``CheckpointTensor``s, never read here."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType, rope_cache: Path | None = None,
-                 target: Target = CURRENT):
+                 target: Target = CURRENT, fused_sparse_mixer: bool = False):
         self.tape = tape.Tape()
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.rope_cache = rope_cache  # where rope tables are kept between exports (None: computed)
         self.target = target  # which ops the components emit (graph/target.py)
+        # phimoe routed by the expert op's own sparse mixer (components/moe.py fused_sparse_mixer)
+        self.fused_sparse_mixer = fused_sparse_mixer
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 

@@ -7,7 +7,8 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
 - The op computes softmax over all experts, then the top k, renormalized iff
   ``normalize_routing_weights``: transformers' softmax -> top-k (-> renormalize) of every family here.
 - qwen2_moe's shared expert is a dense gated MLP beside the op, scaled by sigmoid(x . gate).
-- phimoe: its sparsemixer in the graph (``sparse_mixer``), the op given log weights.
+- phimoe: its sparsemixer. For CUDA, where the shape allows, the op's own (``use_sparse_mixer=1``: one
+  node); otherwise in the graph (``sparse_mixer``, ~30 small nodes), the op given log weights.
 - gpt-oss: a biased router (the op's softmax over all experts then renormalized top k is its softmax
   over the top-k logits), expert biases and the clamped SwiGLU as attributes.
 """
@@ -19,7 +20,7 @@ import onnx_ir as ir
 from exporter.graph.architectures.base import Architecture
 from exporter.graph.components.graph import GraphBuilder, linear, packed
 from exporter.graph.components.mlp import gated_mlp
-from exporter.graph.config import ModelConfig
+from exporter.graph.config import ModelConfig, MoeConfig
 
 MS_DOMAIN = "com.microsoft"
 
@@ -35,12 +36,39 @@ def expert_attributes(top_k: int, normalize: bool, alpha: float | None = None, l
     return attrs
 
 
+# onnxruntime's CUDA sparse mixer (contrib_ops/cuda/moe, sparse_mixer_top2): two experts, a kernel for
+# 8 and for 16 experts only, the threshold a constant 0.01 (Phi-3.5-MoE's router_jitter_noise). The
+# CPU kernels accept the attribute and ignore it, and so does CUDA's QMoE (known answer, onnxruntime-gpu
+# 1.31.1: plain softmax top 2; h200/moe_cuda_gates_phimoe_sparse_mixer.json), so it is for float
+# experts on CUDA only. Measured against transformers' sparsemixer on the H200, fp16, 16 experts: every
+# row right, including rows whose logits are all below -1 (h200/moe_sparse_mixer_cuda.json).
+CUDA_SPARSE_MIXER_EXPERTS = (8, 16)
+CUDA_SPARSE_MIXER_EPS = 0.01
+
+
+def fused_sparse_mixer(moe: MoeConfig | None, ep: str, quantized: bool) -> bool:
+    """phimoe's sparsemixer as the op's own (one node) rather than in the graph: float experts on
+    CUDA, where the kernel computes exactly this model's routing."""
+    return (ep == "cuda" and not quantized and moe is not None and moe.sparse_mixer_eps is not None
+            and moe.num_experts in CUDA_SPARSE_MIXER_EXPERTS
+            and abs(moe.sparse_mixer_eps - CUDA_SPARSE_MIXER_EPS) <= 1e-9 * CUDA_SPARSE_MIXER_EPS)
+
+
+def moe_metadata(moe: MoeConfig, fused_mixer: bool) -> dict:
+    """The routing the export's expert op is given, as model metadata (the expert gate probes it)."""
+    if fused_mixer:
+        return {"experts": moe.num_experts, "top_k": 2, "normalize": False, "routing": "cuda_sparse_mixer"}
+    return {"experts": moe.num_experts, "top_k": moe.top_k, "normalize": moe.op_normalize}
+
+
 def experts_op(b: GraphBuilder, x: ir.Value, logits: ir.Value, fc1: ir.Value, fc2: ir.Value, top_k: int,
                normalize: bool, fc1_bias: ir.Value | None = None, fc2_bias: ir.Value | None = None,
-               alpha: float | None = None, limit: float | None = None) -> ir.Value:
+               alpha: float | None = None, limit: float | None = None, sparse_mixer: bool = False) -> ir.Value:
     """The fused op on [tokens or batch x seq, hidden] and the router's raw logits [tokens, experts]."""
-    return b.op("MoE", [x, logits, fc1, fc1_bias, fc2, fc2_bias], expert_attributes(top_k, normalize, alpha, limit),
-                domain=MS_DOMAIN)
+    attrs = expert_attributes(top_k, normalize, alpha, limit)
+    if sparse_mixer:
+        attrs["use_sparse_mixer"] = 1
+    return b.op("MoE", [x, logits, fc1, fc1_bias, fc2, fc2_bias], attrs, domain=MS_DOMAIN)
 
 
 def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, i: int) -> ir.Value:
@@ -55,6 +83,8 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     fc1_bias = fc2_bias = None
     if arch.expert_biases:  # [experts, 2I] already in the interleaved row order, [experts, hidden]
         fc1_bias, fc2_bias = (b.weight(arch.moe_name(i, t)) for t in arch.expert_biases)
+    if arch.sparse_mixer and b.fused_sparse_mixer:  # unnormalized w1, w2 as the sparsemixer gives them
+        return experts_op(b, x, logits, fc1, fc2, 2, False, fc1_bias, fc2_bias, sparse_mixer=True)
     if arch.sparse_mixer:
         log_weights, total = sparse_mixer(b, logits, moe.num_experts, moe.sparse_mixer_eps)
         if b.dtype != ir.DataType.FLOAT:  # computed in fp32 (CUDA has no bf16 ReduceMax / ArgMax), given back as x's

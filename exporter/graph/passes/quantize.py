@@ -532,8 +532,11 @@ class QuantizeExpertsPass(ir.passes.InPlacePass):
             (fc1_q, fc1_scales, fc1_zp), scheme = self._quantized(graph, fc1)
             (fc2_q, fc2_scales, fc2_zp), _ = self._quantized(graph, fc2)
             attrs = {name: attr.value for name, attr in node.attributes.items()}
+            if attrs.get("use_sparse_mixer"):
+                raise ExportError("QMoE ignores use_sparse_mixer (CPU and CUDA both route by plain softmax top 2): "
+                                  "a quantized phimoe keeps its sparsemixer in the graph; build it with dtype int4 / int8")
             router_weights = None
-            if not attrs.get("normalize_routing_weights"):
+            if not attrs.get("normalize_routing_weights"):  # the CPU kernels renormalize without it
                 softmax = ir.node("Softmax", [router_probs], attributes={"axis": -1}, num_outputs=1,
                                   name=f"{node.name or fc1.name}_router_weights")
                 graph.insert_before(node, softmax)

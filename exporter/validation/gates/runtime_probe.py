@@ -173,17 +173,45 @@ EXPERT_LOGITS = (2.0, 1.0, 0.0, -1.0)
 EXPERT_WIDTH = 64  # CUDA's QMoE takes widths in multiples of 64
 
 
-def expert_answer(top_k: int, normalize: bool) -> float:
+# The same experts for CUDA's sparse mixer (8 experts, the kernel's smallest): experts 0 and 1 lie within
+# its threshold (2 x 0.01 of the max) and the rest outside, so the sparsemixer weighs expert 0 by the
+# softmax over the two (~0.5025) and expert 1 by 1; softmax top-2 would give something else.
+MIXER_GATES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+MIXER_LOGITS = (2.0, 1.99, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0)
+MIXER_EPS = 0.01
+
+
+def sparse_mixer_weights(logits, eps: float) -> tuple[list[int], list[float]]:
+    """phimoe's sparsemixer at inference on one row: the two experts and their (unnormalized) weights."""
+    s = np.asarray(logits, np.float64)
+    chosen, weights, scores = [], [], s.copy()
+    for _ in range(2):
+        top, index = scores.max(), int(scores.argmax())
+        masked = (top - s) / np.maximum(np.abs(s), top) > 2 * eps
+        row = np.where(masked, -np.inf, scores)
+        weights.append(float(np.exp(row[index] - top) / np.exp(row - top).sum()))
+        chosen.append(index)
+        scores = scores.copy()
+        scores[index] = -np.inf
+    return chosen, weights
+
+
+def expert_answer(top_k: int, normalize: bool, sparse_mixer: bool = False) -> float:
+    gates = MIXER_GATES if sparse_mixer else EXPERT_GATES
+    act = np.array([g / (1 + np.exp(-g)) for g in gates])
+    if sparse_mixer:
+        chosen, w = sparse_mixer_weights(MIXER_LOGITS, MIXER_EPS)
+        return float((np.asarray(w) * act[chosen]).sum())
     p = np.exp(EXPERT_LOGITS) / np.exp(EXPERT_LOGITS).sum()
     chosen = np.argsort(-np.asarray(EXPERT_LOGITS))[:top_k]
     w = p[chosen] / (p[chosen].sum() if normalize else 1.0)
-    act = np.array([g / (1 + np.exp(-g)) for g in EXPERT_GATES])[chosen]
-    return float((w * act).sum())
+    return float((w * act[chosen]).sum())
 
 
-def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool, workdir) -> tuple[ir.Model, dict]:
+def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool, workdir,
+                       sparse_mixer: bool = False) -> tuple[ir.Model, dict]:
     """The export's expert op (MoE, or QMoE through the export's own quantize pass) on a checkpoint
-    of the known-answer experts written to ``workdir``."""
+    of the known-answer experts written to ``workdir`` (``sparse_mixer``: CUDA's own routing)."""
     from pathlib import Path
 
     from safetensors.numpy import save_file
@@ -194,25 +222,26 @@ def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool
 
     entry, n = DTYPES[dtype], EXPERT_WIDTH
     tensors = {}
-    for e, gate in enumerate(EXPERT_GATES):
+    gates, router = (MIXER_GATES, MIXER_LOGITS) if sparse_mixer else (EXPERT_GATES, EXPERT_LOGITS)
+    for e, gate in enumerate(gates):
         tensors[f"e{e}.gate"] = np.full((n, n), gate / n, np.float32)
         tensors[f"e{e}.up"] = np.full((n, n), 1 / n, np.float32)
         tensors[f"e{e}.down"] = np.full((n, n), 1 / n, np.float32)
     save_file(tensors, str(Path(workdir) / "experts.safetensors"))
     b = GraphBuilder(Checkpoint(Path(workdir)), entry.ir)
-    experts = len(EXPERT_GATES)
+    experts = len(gates)
     fc1 = b.stacked_weight("fc1", [WeightPart(f"e{e}.{t}") for e in range(experts) for t in ("gate", "up")],
                            experts=experts, interleave=2)
     fc2 = b.stacked_weight("fc2", [WeightPart(f"e{e}.down") for e in range(experts)], experts=experts)
     x, logits = _input("x", entry.ir, [1, n]), _input("logits", entry.ir, [1, experts])
-    y = experts_op(b, x, logits, fc1, fc2, top_k, normalize)
+    y = experts_op(b, x, logits, fc1, fc2, top_k, normalize, sparse_mixer=sparse_mixer)
     y.name, y.type, y.shape = "y", ir.TensorType(entry.ir), ir.Shape([1, n])
     graph = ir.Graph([x, logits], [y], nodes=b.tape.nodes, initializers=b.tape.initializers,
                      opset_imports={"": 24, "com.microsoft": 1}, name="probe_experts")
     model = ir.Model(graph, ir_version=11)
     if bits:
         QuantizeExpertsPass(bits, EXPERT_WIDTH, True, num_layers=1)(model)
-    feeds = {"x": np.ones((1, n), entry.numpy), "logits": np.array([EXPERT_LOGITS], entry.numpy)}
+    feeds = {"x": np.ones((1, n), entry.numpy), "logits": np.array([router], entry.numpy)}
     return model, feeds
 
 
@@ -223,17 +252,18 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
     import onnxruntime as ort
 
     bits = {"int4": 4, "int8": 8}.get(dtype)
-    op = f"QMoE int{bits}" if bits else "MoE"
+    mixer = moe.get("routing") == "cuda_sparse_mixer"
+    op = (f"QMoE int{bits}" if bits else "MoE") + (" (its sparse mixer)" if mixer else "")
     check = f"{op} experts known answer on {ep} ({activations})"
     top_k, normalize = min(2, moe["top_k"]), moe["normalize"]
-    want = expert_answer(top_k, normalize)
+    want = expert_answer(top_k, normalize, mixer)
     provider = PROVIDER_NAMES[ep]
     if provider not in ort.get_available_providers():
         return GateResult("runtime", check, False, ProbeOutcome.MISSING.value, ProbeOutcome.SUPPORTED.value,
                           f"{provider} is not in this onnxruntime ({ort.__version__}) build")
     try:
         with tempfile.TemporaryDirectory(prefix="expert-probe-") as workdir:
-            model, feeds = expert_probe_graph(activations, bits, top_k, normalize, workdir)
+            model, feeds = expert_probe_graph(activations, bits, top_k, normalize, workdir, mixer)
             proto = ir.to_proto(model).SerializeToString()
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -250,5 +280,6 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
     ok = bool(np.allclose(got, want, rtol=2e-2, atol=0))
     return GateResult("runtime", check, ok, (ProbeOutcome.SUPPORTED if ok else ProbeOutcome.WRONG_RESULT).value,
                       ProbeOutcome.SUPPORTED.value,
-                      f"top-{top_k} of 4 experts {'renormalized' if normalize else 'as the softmax gives them'}: "
+                      ("phimoe's sparsemixer over 8 experts (threshold 0.01): " if mixer else
+                       f"top-{top_k} of 4 experts {'renormalized' if normalize else 'as the softmax gives them'}: ") +
                       f"expected {want:.4f}, got {float(got.flat[0]):.4f}")
