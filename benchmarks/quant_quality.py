@@ -13,7 +13,8 @@ tests/real_model.py), one text (exporter/validation/data/quality_text.txt, publi
 Exports: ours fp32 (control), int8, int4 symmetric (the builder's scheme), int4 with an int8 LM head
 (our default for int4), int4 asymmetric, int4 by onnxruntime's HQQ (``quant.method: hqq``, float zero
 points) in blocks of 32, 64 and 128 with an int8 LM head; the onnxruntime-genai builder's int4 CPU
-export with its defaults. ``--exports`` picks some of ours by label.
+export with its defaults. ``--exports`` picks some of ours by label; ``--plan`` adds the mixed-precision
+int4 export a ``exportfarm quant-plan`` chose (exporter/quant_plan.py).
 
 The checkpoints' weights come from GGUFs that are 4-bit already: SmolLM2's a Q4_1 (asymmetric, blocks
 of 32 along the input dimension, a float scale and minimum each), Qwen2.5-Coder's and Gemma 3's a
@@ -166,6 +167,9 @@ def main() -> None:
                         help="a real model of tests/real_model.py: smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--exports", default=None,
                         help="comma-separated labels of ours to build and score (default: all); the builder's always")
+    parser.add_argument("--plan", action="append", default=[], type=Path, metavar="PLAN.json",
+                        help="also build and score the int4 export an `exportfarm quant-plan` chose (its quant spec, "
+                             "labelled 'ours int4 mixed <file stem>'); repeatable")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -191,6 +195,8 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown --exports {unknown}: use any of {', '.join(OURS)}")
         ours = {label: OURS[label] for label in labels}
+    for plan in args.plan:
+        ours = {**ours, f"ours int4 mixed {plan.stem}": ("int4", json.loads(plan.read_text())["quant"])}
     spec = REAL_MODELS[args.model]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="quant-quality-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,9 @@ def add_export_parser(sub) -> None:
                    help="int4: rtn (round to nearest, default) or hqq (onnxruntime's half-quadratic quantization, "
                         "float zero points: needs --quant-asymmetric)")
     p.add_argument("--quant-lm-head-bits", type=int, default=None, help="int4: 8 quantizes the LM head to int8")
+    p.add_argument("--quant-int8-layers", default=None,
+                   help="int4: comma-separated decoder layers whose projections get 8 bits (mixed precision; "
+                        "`exportfarm quant-plan` measures which)")
     p.add_argument("--quant-activations", default=None, choices=("fp16", "bf16"),
                    help="int4 / int8 on cuda: the activation dtype (default: bf16 for a checkpoint trained in "
                         "bf16, else fp16)")
@@ -197,6 +200,11 @@ def _quant_options(args) -> dict | None:
         options["symmetric"] = False
     if args.quant_lm_head_bits is not None:
         options["lm_head_bits"] = args.quant_lm_head_bits
+    if args.quant_int8_layers:
+        try:
+            options["int8_layers"] = [int(i) for i in args.quant_int8_layers.split(",") if i.strip()]
+        except ValueError:
+            raise ExportError(f"--quant-int8-layers wants comma-separated layer indexes, got {args.quant_int8_layers!r}")
     if args.quant_accuracy_level is not None:
         options["accuracy_level"] = args.quant_accuracy_level
     if args.quant_keep:
@@ -250,6 +258,54 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def add_quant_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "quant-plan", help="int4 mixed precision by measurement: which layers get 8 bits within a size / KL target",
+        description="Measure each decoder layer's int4 sensitivity (the quality gate's KL with that layer alone int4, "
+        "the rest 8-bit) and give the most sensitive layers 8 bits within --budget-mb and, with --kl-target, no more "
+        "than meet it. Prints the quant spec; --out keeps the whole plan as JSON. One export and one quality pass "
+        "per layer.")
+    p.add_argument("--model", required=True, help="checkpoint directory, or hub id[@revision]")
+    p.add_argument("--ep", default="cpu", help="cpu | cuda: the export's target, where the quality is measured")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--quant-block-size", type=int, default=None)
+    p.add_argument("--quant-asymmetric", action="store_true")
+    p.add_argument("--quant-method", default=None, choices=("rtn", "hqq"))
+    p.add_argument("--quant-lm-head-bits", type=int, default=None)
+    p.add_argument("--budget-mb", type=float, default=None, help="model.onnx.data at most this many MB (1e6 bytes)")
+    p.add_argument("--kl-target", type=float, default=None, help="stop adding 8-bit layers once the mean KL is this low")
+    p.add_argument("--work", type=Path, default=None, help="where the candidate exports are built (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None, help="write the plan (every measurement) as JSON here")
+    p.set_defaults(func=_cmd_quant_plan)
+
+
+def _cmd_quant_plan(args) -> int:
+    import json
+    import tempfile
+
+    from exporter.quant_plan import plan_int8_layers
+    from exporter.request import ExportRequest
+
+    if args.budget_mb is not None and args.budget_mb <= 0:
+        raise ExportError(f"--budget-mb must be positive, got {args.budget_mb}")
+    args.dtype, args.quant_int8_layers, args.quant_activations, args.quant_accuracy_level = "int4", None, None, None
+    args.quant_keep = ""
+    request = ExportRequest(model=args.model, dtype="int4", ep=args.ep, max_seq_len=args.max_seq_len,
+                            quant=_quant_options(args))
+    with tempfile.TemporaryDirectory(prefix="quant-plan-") as scratch:
+        plan = plan_int8_layers(request, args.work or Path(scratch),
+                                budget_bytes=int(args.budget_mb * 1e6) if args.budget_mb is not None else None,
+                                kl_target=args.kl_target, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(plan, indent=2) + "\n")
+    chosen = plan["chosen"]
+    print(f"int8 layers {chosen['int8_layers'] or 'none'}: KL {chosen['kl']} (all int4: {plan['baseline']['kl']}), "
+          f"agreement {chosen['agreement']}, {chosen['bytes']:,d} bytes")
+    print("quant: " + json.dumps(plan["quant"]))
+    return 0
+
+
 def add_diff_parser(sub) -> None:
     p = sub.add_parser(
         "diff", help="compare two exports: graph, I/O, sizes, parity, decode latency, kernels",
@@ -290,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_diff_parser(sub)
     add_layout_parser(sub)
+    add_quant_plan_parser(sub)
     return parser
 
 

@@ -102,6 +102,9 @@ class QuantSpec:
     activations: str | None = None  # cuda: fp16 | bf16; None: bf16 for a bf16-trained checkpoint, else fp16
     accuracy_level: int | None = None  # None: by EP (fold.CPU_ACCURACY_LEVEL)
     method: str = "rtn"  # QUANT_METHODS
+    # int4 mixed precision: decoder layers whose projections get 8 bits (round to nearest), e.g. the ones
+    # exporter/quant_plan.py measured as the most sensitive within a size budget
+    int8_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
@@ -125,22 +128,30 @@ class QuantSpec:
                               "(half-quadratic, zero points per block)")
         if self.method == "hqq" and self.symmetric:
             raise ExportError("quant method hqq fits a zero point per block: set symmetric false (--quant-asymmetric)")
+        layers = self.int8_layers
+        if isinstance(layers, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                      for i in (layers or ())):
+            raise ExportError(f"quant int8_layers must be a list of decoder layer indexes (0, 1, ...), got {layers!r}")
+        object.__setattr__(self, "int8_layers", tuple(sorted(set(layers or ()))))
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "symmetric": self.symmetric, "lm_head_bits": self.lm_head_bits,
                 "keep": list(self.keep), **({"activations": self.activations} if self.activations else {}),
                 **({"accuracy_level": self.accuracy_level} if self.accuracy_level is not None else {}),
-                **({"method": self.method} if self.method != "rtn" else {})}
+                **({"method": self.method} if self.method != "rtn" else {}),
+                **({"int8_layers": list(self.int8_layers)} if self.int8_layers else {})}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> QuantSpec:
         data = dict(data or {})
         unknown = sorted(set(data) - {"block_size", "symmetric", "lm_head_bits", "keep", "activations", "accuracy_level",
-                                      "method"})
+                                      "method", "int8_layers"})
         if unknown:
             raise ExportError(f"unknown quant option {', '.join(unknown)}: use block_size, symmetric, lm_head_bits, "
-                              "keep, activations, accuracy_level, method")
-        return cls(**{**data, "keep": tuple(data.get("keep", ()))})
+                              "keep, activations, accuracy_level, method, int8_layers")
+        layers = data.get("int8_layers", ())
+        return cls(**{**data, "keep": tuple(data.get("keep", ())),
+                      "int8_layers": tuple(layers) if isinstance(layers, list) else layers})
 
 
 class Variant(str, enum.Enum):
@@ -194,6 +205,9 @@ class ExportRequest:
             object.__setattr__(self, "quant", QuantSpec())
         if not self.dtype.quantized and self.quant is not None:
             raise ExportError(f"quant options apply to int4 / int8 only, not {self.dtype.value}: drop them or pick int4 / int8")
+        if self.quant is not None and self.quant.int8_layers and self.dtype.bits != 4:
+            raise ExportError(f"quant int8_layers gives some layers of an int4 export 8 bits: use dtype int4, or drop "
+                              f"it for {self.dtype.value}")
         if self.quant is not None and self.quant.method == "hqq" and self.dtype.bits != 4:
             raise ExportError(f"quant method hqq quantizes 4-bit weights: use dtype int4, or method rtn for {self.dtype.value}")
         object.__setattr__(self, "ep", _enum_value(EP, self.ep, "execution provider"))

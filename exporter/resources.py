@@ -147,7 +147,8 @@ def export_bytes(config: ModelConfig, request: ExportRequest) -> int:
         if i in kept:
             total += sum(k * n for k, n, _ in layer_matmuls(config, i)) * act
         else:
-            total += _layer_quantized_bytes(config, i, dtype.bits, spec, act)
+            bits = 8 if dtype.bits == 4 and i in spec.int8_layers else dtype.bits
+            total += _layer_quantized_bytes(config, i, bits, spec, act, dtype.bits)
     # A quantized export has its own LM head even where the checkpoint ties it to the embedding
     # (the embedding's gather needs the float table).
     if "lm_head" in spec.keep:
@@ -175,16 +176,18 @@ def layer_matmuls(config: ModelConfig, i: int) -> list[tuple[int, int, str]]:
     return attention + mlp
 
 
-def _layer_quantized_bytes(config: ModelConfig, i: int, bits: int, spec: QuantSpec, act: int) -> int:
-    """One layer quantized: MatMulNBits weights, QMoE experts (int8: a scale per row), float routers."""
+def _layer_quantized_bytes(config: ModelConfig, i: int, bits: int, spec: QuantSpec, act: int,
+                           expert_bits: int | None = None) -> int:
+    """One layer quantized: MatMulNBits weights at ``bits``, QMoE experts at ``expert_bits`` (default
+    ``bits``; int8: a scale per row), float routers."""
     total = 0
     for k, n, kind in layer_matmuls(config, i):
         if kind == "router":
             total += k * n * act
-        elif kind == "experts" and bits == 8:
+        elif kind == "experts" and (expert_bits or bits) == 8:
             total += k * n + n * act
         else:
-            total += _quantized_bytes(k, n, bits, spec, act)
+            total += _quantized_bytes(k, n, (expert_bits or bits) if kind == "experts" else bits, spec, act)
     return total
 
 

@@ -215,6 +215,34 @@ def test_policy_keeps_or_widens_tensors_by_role_and_the_manifest_says_so(checkpo
     assert not [g.to_dict() for g in validate_export(kept).failed if g.gate != "quality"]
 
 
+def test_int8_layers_give_those_layers_8_bits_and_the_manifest_says_why(checkpoint, tmp_path):
+    """Mixed precision: the named decoder layers' projections get 8 bits (the LM head and the rest keep
+    int4), the manifest marks each such weight ``bits_for: int8_layers``, the weight gate reads them
+    back, and the size estimate follows; a layer the model does not have is refused by name."""
+    from exporter.graph.config import load_model_config
+    from exporter.graph.architectures import ARCHITECTURES
+    from exporter.resources import export_bytes
+
+    source = checkpoint("llama")
+    out = _export(source, tmp_path / "mixed", quant={"int8_layers": [1]})
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    bits = {n.input[1].split(".q")[0]: next(a.i for a in n.attribute if a.name == "bits")
+            for n in model.graph.node if n.op_type == "MatMulNBits"}
+    assert {w: b for w, b in bits.items() if b == 8} == {w: 8 for w in bits if w.startswith("model.layers.1.")} != {}
+    assert bits["lm_head.weight.T"] == 4
+    weights = json.loads((out / "manifest.json").read_text())["quantization"]["weights"]
+    assert {w for w, d in weights.items() if d.get("bits_for") == "int8_layers"} == {
+        w for w in weights if w.startswith("model.layers.1.")}
+    assert not [g.to_dict() for g in validate_export(out).failed if g.gate != "quality"]
+    written = (out / "model.onnx.data").stat().st_size
+    request = ExportRequest(model=str(source), dtype="int4", variant="attn_dynamic", quant={"int8_layers": [1]},
+                            max_seq_len=MAX_SEQ_LEN)
+    predicted = export_bytes(load_model_config(source, ARCHITECTURES), request)
+    assert abs(predicted - written) <= 0.02 * written + 4096
+    with pytest.raises(ExportError, match=r"int8_layers names layers \[7\], but the model has 2"):
+        _export(source, tmp_path / "beyond", quant={"int8_layers": [7]})
+
+
 def test_a_cuda_quantized_export_computes_in_fp16(checkpoint, tmp_path):
     out = _export(checkpoint("llama"), tmp_path / "cuda", ep="cuda", variant="gqa")
     inits = {i.name: i.data_type for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer}
@@ -272,6 +300,8 @@ def test_a_cuda_quantized_export_of_a_bf16_trained_checkpoint_computes_in_bf16(c
     ({"activations": "fp32"}, "fp16 or bf16"),
     ({"accuracy_level": 5}, "0, 1, 2, 3, 4"),
     ({"accuracy_level": True}, "accuracy_level must be one of"),
+    ({"int8_layers": "0,1"}, "list of decoder layer indexes"),
+    ({"int8_layers": [-1]}, "list of decoder layer indexes"),
 ])
 def test_bad_quant_options_are_refused_with_what_to_use(options, words):
     with pytest.raises(ExportError, match=words):
@@ -282,6 +312,8 @@ def test_quant_options_on_a_float_dtype_are_refused():
     with pytest.raises(ExportError, match="int4 / int8 only"):
         ExportRequest(model="m", dtype="fp16", quant={"block_size": 64})
     assert ExportRequest(model="m", dtype="int8").quant == QuantSpec()
+    with pytest.raises(ExportError, match="int8_layers gives some layers of an int4 export 8 bits: use dtype int4"):
+        ExportRequest(model="m", dtype="int8", quant={"int8_layers": [0]})
 
 
 def _catalog(tmp_path, checkpoint):
@@ -329,14 +361,15 @@ def test_builds_with_different_quant_options_are_separate_in_the_catalog_and_for
     settings = _catalog(tmp_path, checkpoint)
     with session_scope(settings.catalog_url) as session:
         rows = []
-        for quant in ({}, {"block_size": 64, "lm_head_bits": 8}):
+        for quant in ({}, {"block_size": 64, "lm_head_bits": 8}, {"int8_layers": [0]}):
             export, _ = submit_export(session, settings, ExportRequest(model="tiny-llama", dtype="int4", quant=quant))
             transition(session, export, ExportStatus.RUNNING)
             transition(session, export, ExportStatus.READY)
             rows.append(export)
         session.flush()
         slots = latest_ready(session)["tiny-llama"]
-        assert sorted(slots) == ["attn_dynamic-int4-b64s-lm8-cpu", "attn_dynamic-int4-cpu"]
+        assert sorted(slots) == ["attn_dynamic-int4-b32s-int8l0-cpu", "attn_dynamic-int4-b64s-lm8-cpu",
+                                 "attn_dynamic-int4-cpu"]
         assert all(_is_latest_of_its_slot(session, row) for row in rows)  # each is the newest of its own build
 
 

@@ -62,6 +62,10 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
         check_compat(variant.value, request.dtype.value, request.ep.value)
         check_compat_model(cfg.architecture, cfg.moe is not None, bool(arch.attention_sinks),
                            (activations or request.activations).value)
+    beyond = [i for i in (request.quant.int8_layers if request.quant else ()) if i >= cfg.num_layers]
+    if beyond:
+        raise ExportError(f"quant int8_layers names layers {beyond}, but the model has {cfg.num_layers} "
+                          f"(0..{cfg.num_layers - 1})")
     if cfg.moe and request.dtype.quantized and request.ep is EP.CUDA:
         widths = {"hidden_size": cfg.hidden_size, "expert width": cfg.moe.expert_intermediate}
         odd = {k: v for k, v in widths.items() if v % CUDA_QMOE_TILE}

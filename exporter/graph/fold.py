@@ -55,7 +55,8 @@ def fold_model(model: ir.Model, request: ExportRequest | None = None, num_layers
         passes.append(experts)
         quantize = QuantizeMatMulPass(
             request.dtype.bits, spec.block_size, spec.symmetric, num_layers=num_layers, logits=contract.LOGITS,
-            lm_head_bits=spec.lm_head_bits, keep=spec.keep, accuracy_level=level, method=spec.method)
+            lm_head_bits=spec.lm_head_bits, keep=spec.keep, accuracy_level=level, method=spec.method,
+            int8_layers=spec.int8_layers)
         passes.append(quantize)
         if request.ep is EP.CPU and "embedding" not in spec.keep:
             passes.append(GatherTiedEmbeddingPass(quantize))

@@ -37,6 +37,10 @@ class QuantOptions(BaseModel):
         None, description="MatMulNBits accuracy level on cpu (0: fp32 activations, 4: int8); default by EP")
     method: Literal["rtn", "hqq"] = Field(
         "rtn", description="rtn: round to nearest; hqq: onnxruntime's HQQ for int4 (needs symmetric false)")
+    int8_layers: list[Annotated[int, Field(ge=0, le=4095)]] = Field(
+        default_factory=list, max_length=512,
+        description="int4 mixed precision: decoder layers whose projections get 8 bits (exportfarm quant-plan "
+                    "measures which)")
 
 
 class ExportCreate(BaseModel):

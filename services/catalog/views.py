@@ -32,6 +32,7 @@ def quant_tag(quant: dict | None) -> str:
     tag += f"-acc{spec.accuracy_level}" if spec.accuracy_level is not None else ""
     tag += f"-{spec.activations}" if spec.activations else ""
     tag += f"-{spec.method}" if spec.method != "rtn" else ""
+    tag += "-int8l" + ".".join(map(str, spec.int8_layers)) if spec.int8_layers else ""
     return tag + ("-keep-" + "-".join(spec.keep) if spec.keep else "")
 
 

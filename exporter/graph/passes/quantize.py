@@ -320,7 +320,7 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
 
     def __init__(self, bits: int, block_size: int, symmetric: bool, *, num_layers: int, logits: str,
                  lm_head_bits: int | None = None, keep: tuple[str, ...] = (), accuracy_level: int | dict[int, int] = 0,
-                 method: str = "rtn"):
+                 method: str = "rtn", int8_layers: tuple[int, ...] = ()):
         super().__init__()
         if method not in QUANT_METHODS or (method == "hqq" and symmetric):
             raise ExportError(f"quant method must be one of {', '.join(QUANT_METHODS)} (hqq with symmetric false), "
@@ -328,7 +328,17 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         self.bits, self.block_size, self.symmetric, self.method = bits, block_size, symmetric, method
         self.num_layers, self.logits = num_layers, logits
         self.lm_head_bits, self.keep, self.accuracy_level = lm_head_bits, set(keep), accuracy_level
+        self.int8_layers = set(int8_layers)
         self.decisions: dict[str, dict] = {}
+
+    def _bits(self, weight_name: str, roles: set[str]) -> tuple[int, str | None]:
+        """A weight's width and, where it is not the export's, why."""
+        if "lm_head" in roles and self.lm_head_bits:
+            return self.lm_head_bits, None  # its role says why
+        match = LAYER_NAME.search(weight_name)
+        if self.bits == 4 and match and int(match.group(1)) in self.int8_layers:
+            return 8, "int8_layers"
+        return self.bits, None
 
     def _feeds_router(self, node: ir.Node, weight: ir.Value) -> bool:
         """A mixture of experts' router (its logits reach a MoE / QMoE op's routing inputs) or a
@@ -376,7 +386,7 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             if kept:
                 self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
                 continue
-            bits = self.lm_head_bits if ("lm_head" in roles and self.lm_head_bits) else self.bits
+            bits, why = self._bits(weight.name, roles)
             method = self.method if bits == 4 else "rtn"
             scheme = QuantScheme(bits, self.block_size, self.symmetric, method)
             quantization = _Quantization(source, scheme)
@@ -396,7 +406,8 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": self.block_size,
                                            "symmetric": self.symmetric, "roles": sorted(roles),
                                            "initializer": f"{stem}.packed",
-                                           **({"method": method} if self.method != "rtn" else {})}
+                                           **({"method": method} if self.method != "rtn" else {}),
+                                           **({"bits_for": why} if why else {})}
             changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
