@@ -14,7 +14,8 @@ Exports: ours fp32 (control), int8, int4 symmetric (the builder's scheme), int4 
 (our default for int4), int4 asymmetric, int4 by onnxruntime's HQQ (``quant.method: hqq``, float zero
 points) in blocks of 32, 64 and 128 with an int8 LM head; the onnxruntime-genai builder's int4 CPU
 export with its defaults. ``--exports`` picks some of ours by label; ``--plan`` adds the mixed-precision
-int4 export a ``exportfarm quant-plan`` chose (exporter/quant_plan.py).
+int4 export a ``exportfarm quant-plan`` chose (exporter/quant_plan.py); ``--gptq`` onnxruntime's own GPTQ
+over our fp32 export, calibrated on text the scoring does not see.
 
 The checkpoints' weights come from GGUFs that are 4-bit already: SmolLM2's a Q4_1 (asymmetric, blocks
 of 32 along the input dimension, a float scale and minimum each), Qwen2.5-Coder's and Gemma 3's a
@@ -137,6 +138,58 @@ def score_export_ways(folder: Path, config: dict, chunks: list[list[int]], refer
     return [score(chunks, reference, [run[way](c) for c in chunks], how) for way in ways]
 
 
+def gptq_export(checkpoint: Path, fp32_dir: Path, out: Path, calibration: list[list[int]], config: dict) -> None:
+    """Our fp32 export quantized by onnxruntime's GPTQ (its vendored neural-compressor code), the
+    genai package files copied beside it: int4 symmetric, blocks of 32, accuracy level 4 as our cpu
+    int4. Every MatMul with a weight initializer is quantized (the LM head too); a float embedding
+    stays float."""
+    import shutil
+
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader
+    from onnxruntime.quantization.matmul_nbits_quantizer import GPTQWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    if not (fp32_dir / "model.onnx").is_file():
+        export_model(ExportRequest(model=str(checkpoint), dtype="fp32", ep="cpu", variant="attn_dynamic"), fp32_dir,
+                     validate=False, overwrite=True)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    model = onnx.load(str(fp32_dir / "model.onnx"))
+    names = [i.name for i in model.graph.input]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.rows = iter(calibration)
+
+        def get_next(self):
+            ids = next(self.rows, None)
+            if ids is None:
+                return None
+            feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                     "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
+            feeds = {k: v for k, v in feeds.items() if k in names}
+            for name in names:
+                if name.startswith("past_key_values"):
+                    feeds[name] = np.zeros((1, config["num_key_value_heads"], 0, head_dim), np.float32)
+            return feeds
+
+        def __deepcopy__(self, memo):
+            return Reader()
+
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     algo_config=GPTQWeightOnlyQuantConfig(calibration_data_reader=Reader(),
+                                                                           block_size=128))
+    quantizer.process()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    quantizer.model.save_model_to_file(str(out / "model.onnx"), use_external_data_format=True)
+    for f in fp32_dir.iterdir():
+        if f.is_file() and not f.name.startswith("model.onnx") and f.suffix != ".md":
+            shutil.copy2(f, out / f.name)
+
+
 def genai_generate(export_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     import onnxruntime_genai as og
 
@@ -167,6 +220,16 @@ def main() -> None:
                         help="a real model of tests/real_model.py: smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--exports", default=None,
                         help="comma-separated labels of ours to build and score (default: all); the builder's always")
+    parser.add_argument("--gptq", action="store_true",
+                        help="also score onnxruntime's own GPTQ (MatMulNBitsQuantizer, GPTQWeightOnlyQuantConfig: "
+                             "symmetric int4, blocks of 32, every MatMul) over our fp32 export, calibrated on the "
+                             "quality text past the tokens that are scored (held out)")
+    parser.add_argument("--gptq-calibration", type=Path, action="append", default=[], metavar="TEXT",
+                        help="--gptq: calibrate on these text files instead of the quality text's held-out tail "
+                             "(e.g. /usr/share/common-licenses/GPL-3), in windows of the quality gate's length")
+    parser.add_argument("--builder-algos", default="",
+                        help="also the genai builder's int4 with these algo_config values (comma-separated: rtn, "
+                             "k_quant, k_quant_last, k_quant_mixed, ...), beside its default")
     parser.add_argument("--plan", action="append", default=[], type=Path, metavar="PLAN.json",
                         help="also build and score the int4 export an `exportfarm quant-plan` chose (its quant spec, "
                              "labelled 'ours int4 mixed <file stem>'); repeatable")
@@ -224,14 +287,37 @@ def main() -> None:
                                        quant=quant), out, validate=False, overwrite=True)
             build_s[label] = round(time.perf_counter() - t0, 2)
         exports[label] = out
-    genai_dir = work / "genai_int4"
-    builder_cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
-                   str(genai_dir), "-p", "int4", "-e", "cpu", "-c", str(work / "genai_cache")]
-    if not (genai_dir / "model.onnx").is_file():
-        t0 = time.perf_counter()
-        subprocess.run(builder_cmd, check=True, stdout=subprocess.DEVNULL)
-        build_s["genai builder int4"] = round(time.perf_counter() - t0, 2)
-    exports["genai builder int4"] = genai_dir
+    if args.gptq:
+        if args.gptq_calibration:
+            text = "\n\n".join(f.read_text() for f in args.gptq_calibration)
+            calibration = windows(tokenizer.encode(text, add_special_tokens=False), WINDOW, prefix)
+            label = f"onnxruntime gptq int4 b32 ({len(calibration)} windows of " \
+                    f"{', '.join(f.name for f in args.gptq_calibration)})"
+        else:
+            held_out, _, _ = text_tokens(checkpoint, config["vocab_size"], limit=10**6)
+            calibration = windows(held_out[len(tokens):], WINDOW, prefix)
+            label = f"onnxruntime gptq int4 b32 ({len(calibration)} held-out windows)"
+        out = work / ("ort_gptq_int4_" + "_".join(f.name for f in args.gptq_calibration) if args.gptq_calibration
+                      else "ort_gptq_int4")
+        if not (out / "model.onnx").is_file():
+            t0 = time.perf_counter()
+            gptq_export(checkpoint, work / "fp32_for_gptq", out, calibration, config)
+            build_s[label] = round(time.perf_counter() - t0, 2)
+        exports[label] = out
+    builder_cmds = {}
+    for algo in ["", *[a.strip() for a in args.builder_algos.split(",") if a.strip()]]:
+        label = "genai builder int4" + (f" {algo}" if algo else "")
+        genai_dir = work / ("genai_int4" + (f"_{algo}" if algo else ""))
+        builder_cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
+                       str(genai_dir), "-p", "int4", "-e", "cpu", "-c", str(work / "genai_cache")]
+        if algo:
+            builder_cmd += ["--extra_options", f"algo_config={algo}"]
+        if not (genai_dir / "model.onnx").is_file():
+            t0 = time.perf_counter()
+            subprocess.run(builder_cmd, check=True, stdout=subprocess.DEVNULL)
+            build_s[label] = round(time.perf_counter() - t0, 2)
+        exports[label] = genai_dir
+        builder_cmds[label] = " ".join(builder_cmd[1:]).replace(str(work), "<work>")
 
     results = {}
     for label, folder in exports.items():
@@ -273,7 +359,8 @@ def main() -> None:
                      f"{STEPS} new tokens)",
         "how_driven": {"quality": "plain onnxruntime CPU session per export, one prefill per window, empty past",
                        "generation": "onnxruntime-genai's own Generator loop for every export (all are genai packages)"},
-        "genai_builder_command": " ".join(builder_cmd[1:]).replace(str(work), "<work>"),
+        "genai_builder_command": builder_cmds["genai builder int4"],
+        "genai_builder_commands": builder_cmds,
         "reference_generation": {p: tokenizer.decode(g) for p, g in zip(PROMPTS, ref_gen)},
         "build_s": build_s,
         "results": results,

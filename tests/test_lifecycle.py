@@ -67,10 +67,10 @@ def submit(settings, target_ort=None, **kw) -> str:
         return export.id
 
 
-def claim(settings, export_id, worker="w1", pid=100, ort=ORT):
-    """A claim as a worker makes it: its lease runs out after LEASE_S without a renewal."""
+def claim(settings, export_id, worker="w1", pid=100, ort=ORT, lease_s=None):
+    """A claim as a worker makes it: its lease runs out after LEASE_S (or ``lease_s``) without a renewal."""
     with session_scope(settings.catalog_url) as session:
-        return lifecycle.claim(session, export_id, worker, pid, ort, settings.lease_s)
+        return lifecycle.claim(session, export_id, worker, pid, ort, lease_s or settings.lease_s)
 
 
 def write(settings, operation, *args, **kwargs):
@@ -109,7 +109,8 @@ def test_after_the_lease_expires_every_write_of_the_old_attempt_is_refused(setti
     report = sweeper.sweep()
     assert report.requeued == [export_id] and report.dispatched == [export_id]
     assert len(messages(settings)) == 1  # the sweeper rang for attempt 2
-    new = claim(settings, export_id, "w2").lease
+    # attempt 2's lease must outlive the five refused writes below on a loaded machine (0.6 s did not)
+    new = claim(settings, export_id, "w2", lease_s=30).lease
     assert new.attempt == 2
     for operation, args in [(lifecycle.renew, ()), (lifecycle.record_stage, ("bench", 85)),
                             (lifecycle.begin_publish, ("some/prefix/",)),

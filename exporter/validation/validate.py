@@ -22,6 +22,7 @@ import numpy as np
 from exporter import checkpoints
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.errors import ExportError
+from exporter.graph.components.moe import ROUTING_CUDA_SPARSE_MIXER
 from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
@@ -216,7 +217,7 @@ def validate_export(
     variant, dtype, cfg = meta["variant"], meta["dtype"], meta["config"]
     activations = cfg.get("activations", dtype)  # quantized exports compute in fp16 / fp32
     ep = ep or meta["ep"]
-    if (cfg.get("moe") or {}).get("routing") == "cuda_sparse_mixer" and ep != "cuda":
+    if (cfg.get("moe") or {}).get("routing") == ROUTING_CUDA_SPARSE_MIXER and ep != "cuda":
         raise ExportError(f"{export_dir} routes its experts with onnxruntime's CUDA sparse mixer, which the {ep} "
                           "kernels ignore (they would route by plain softmax top-2): validate it with --ep cuda, "
                           f"or export the model with --ep {ep}")

@@ -44,6 +44,8 @@ def expert_attributes(top_k: int, normalize: bool, alpha: float | None = None, l
 # row right, including rows whose logits are all below -1 (h200/moe_sparse_mixer_cuda.json).
 CUDA_SPARSE_MIXER_EXPERTS = (8, 16)
 CUDA_SPARSE_MIXER_EPS = 0.01
+# The model metadata's moe.routing for such an export (validation and the expert gate read it).
+ROUTING_CUDA_SPARSE_MIXER = "cuda_sparse_mixer"
 
 
 def fused_sparse_mixer(moe: MoeConfig | None, ep: str, quantized: bool) -> bool:
@@ -57,7 +59,7 @@ def fused_sparse_mixer(moe: MoeConfig | None, ep: str, quantized: bool) -> bool:
 def moe_metadata(moe: MoeConfig, fused_mixer: bool) -> dict:
     """The routing the export's expert op is given, as model metadata (the expert gate probes it)."""
     if fused_mixer:
-        return {"experts": moe.num_experts, "top_k": 2, "normalize": False, "routing": "cuda_sparse_mixer"}
+        return {"experts": moe.num_experts, "top_k": 2, "normalize": False, "routing": ROUTING_CUDA_SPARSE_MIXER}
     return {"experts": moe.num_experts, "top_k": moe.top_k, "normalize": moe.op_normalize}
 
 

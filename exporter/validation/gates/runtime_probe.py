@@ -252,7 +252,9 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
     import onnxruntime as ort
 
     bits = {"int4": 4, "int8": 8}.get(dtype)
-    mixer = moe.get("routing") == "cuda_sparse_mixer"
+    from exporter.graph.components.moe import ROUTING_CUDA_SPARSE_MIXER
+
+    mixer = moe.get("routing") == ROUTING_CUDA_SPARSE_MIXER
     op = (f"QMoE int{bits}" if bits else "MoE") + (" (its sparse mixer)" if mixer else "")
     check = f"{op} experts known answer on {ep} ({activations})"
     top_k, normalize = min(2, moe["top_k"]), moe["normalize"]
