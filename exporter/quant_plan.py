@@ -1,8 +1,8 @@
 """int4 mixed precision chosen by measurement: which decoder layers get 8 bits.
 
-Each layer's sensitivity is the quality gate's KL (the reference's logits against the export's over
-the quality text, exporter/validation/gates/quality.py) of an export in which that layer alone is
-int4 and every other layer 8-bit: the damage int4 does there, measured, not guessed from weight
+Each layer's sensitivity is the quality gate's KL (the reference's logits against the export's,
+exporter/validation/gates/quality.py) of an export in which that layer alone is int4 and every other
+layer 8-bit, measured on the quality text's tail that the gate itself never scores: the damage int4 does there, measured, not guessed from weight
 statistics. The most sensitive layers then get 8 bits, most sensitive first, as many as the size
 budget holds (the sizes estimated by exporter/resources.py, the final one measured and held to the
 budget), or, given a KL target, until the measured KL meets it. The result is a quant spec
@@ -59,8 +59,16 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     source = Path(resolve_source(request.model).path)
     cfg = load_model_config(source, ARCHITECTURES)
     base = request.quant or QuantSpec()
-    tokens, how, prefix = text_tokens(source, cfg.vocab_size)
-    chunks = windows(tokens, min(WINDOW, request.max_seq_len or WINDOW), prefix)
+    # Measured on the quality text past the tokens the quality gate scores (MAX_TOKENS), so that the
+    # gate, and any benchmark scoring the export the way it does, judges the plan on text it was not
+    # chosen on.
+    scored, _, _ = text_tokens(source, cfg.vocab_size)
+    tokens, how, prefix = text_tokens(source, cfg.vocab_size, limit=10**7)
+    held_out = tokens[len(scored):]
+    if len(held_out) < 2 * WINDOW:
+        raise ExportError(f"the quality text leaves {len(held_out)} tokens past the {len(scored)} the gate scores "
+                          f"for this tokenizer: quant-plan needs at least {2 * WINDOW}")
+    chunks = windows(held_out, min(WINDOW, request.max_seq_len or WINDOW), prefix)
     model = load_reference(source)
     reference = reference_logits(model, chunks)
     del model
@@ -113,8 +121,9 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     spec = dataclasses.replace(base, int8_layers=tuple(sorted(order[:k])))
     return {
         "model": str(request.model), "base_quant": base.to_dict(), "ep": request.ep.value,
-        "how": "sensitivity of layer i: the quality gate's mean KL (reference || export) over the quality text of "
-               "an export with layer i alone int4 and every other layer 8-bit; layers given 8 bits most "
+        "how": "sensitivity of layer i: the quality gate's mean KL (reference || export), over the quality text's "
+               "tail past the tokens the gate scores, of an export with layer i alone int4 and every other layer "
+               "8-bit; layers given 8 bits most "
                "sensitive first, within the size budget (estimated, the final file measured) and, with a KL "
                "target, no more than meet it",
         "budget_bytes": budget_bytes, "kl_target": kl_target,
