@@ -81,14 +81,21 @@ def build_checkpoint(name: str, layers: int, directory: Path) -> dict:
     return {"layers": layers, "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
 
 
+def linked_copy(source: Path, target: Path, rewritten: str) -> None:
+    """``target`` (made afresh) with every file of ``source`` hard-linked except ``rewritten``, which
+    the caller writes: a variant of a package or checkpoint without copying its weights."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != rewritten:
+            os.link(f, target / f.name)
+
+
 def graph_routing_twin(checkpoint: Path, twin: Path) -> Path:
     """The same phimoe checkpoint (weights hard-linked) with router_jitter_noise moved off the CUDA sparse
     mixer's constant by one part in a million: exported for cuda it keeps the sparsemixer in the graph, and
     routes every token the same but at a threshold's exact edge."""
-    twin.mkdir()
-    for f in checkpoint.iterdir():
-        if f.is_file() and f.name != "config.json":
-            os.link(f, twin / f.name)
+    linked_copy(checkpoint, twin, "config.json")
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type") != "phimoe":
         raise ValueError("--graph-routing-twin is for phimoe geometries")
@@ -191,11 +198,7 @@ def profile_decode(directory: Path, batch: int, ctx: int, steps: int, vocab: int
     if steps <= skip + 1:
         raise ValueError(f"profile_decode: {steps} steps leave none after the {skip} skipped")
     copy = directory.parent / f"profiled-{directory.name}"
-    shutil.rmtree(copy, ignore_errors=True)
-    copy.mkdir()
-    for f in directory.iterdir():
-        if f.is_file() and f.name != "genai_config.json":
-            os.link(f, copy / f.name)
+    linked_copy(directory, copy, "genai_config.json")
     prefix = directory.parent / f"profile-{directory.name}"
     config = json.loads((directory / "genai_config.json").read_text())
     config["model"]["decoder"].setdefault("session_options", {})["enable_profiling"] = str(prefix)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import os
 import platform
 import shutil
 import sys
@@ -74,11 +73,7 @@ def rewrite(source: Path, out: Path, form: str) -> dict:
 
     from exporter.graph.passes.quantize import quantize_rows
 
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for f in source.iterdir():
-        if f.is_file() and f.name != "model.onnx":
-            os.link(f, out / f.name)
+    moe_matrix.linked_copy(source, out, "model.onnx")
     model = onnx.load(str(source / "model.onnx"), load_external_data=False)
     routers = _router_nodes(model)
     if form == "float":

@@ -66,6 +66,24 @@ OURS = {
 }
 
 
+def prefill_feeds(inputs: list[tuple[str, np.dtype]], ids: list[int], kv_heads: int, head_dim: int) -> dict:
+    """One prefill's feeds for a decoder's (name, dtype) inputs: ``ids``, a full mask, positions from
+    0 and empty caches (input_ids + attention_mask, position_ids, past_key_values)."""
+    n, feeds = len(ids), {}
+    for name, dtype in inputs:
+        if name == "input_ids":
+            feeds[name] = np.array([ids], np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, n), dtype)
+        elif name == "position_ids":
+            feeds[name] = np.arange(n, dtype=np.int64)[None]
+        elif name.startswith("past_key_values"):
+            feeds[name] = np.zeros((1, kv_heads, 0, head_dim), dtype)
+        else:
+            raise SystemExit(f"unknown input {name}")
+    return feeds
+
+
 class RawPrefill:
     """One prefill with an empty past through a plain ORT session: logits at every position.
     Works for any decoder that takes input_ids (+ attention_mask, position_ids, past_key_values)."""
@@ -81,19 +99,8 @@ class RawPrefill:
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        n = len(ids)
-        feeds = {}
-        for i in self.inputs:
-            if i.name == "input_ids":
-                feeds[i.name] = np.array([ids], np.int64)
-            elif i.name == "attention_mask":
-                feeds[i.name] = np.ones((1, n), self.numpy_of_ort(i.type))
-            elif i.name == "position_ids":
-                feeds[i.name] = np.arange(n, dtype=np.int64)[None]
-            elif i.name.startswith("past_key_values"):
-                feeds[i.name] = np.zeros((1, self.kv_heads, 0, self.head_dim), self.numpy_of_ort(i.type))
-            else:
-                raise SystemExit(f"unknown input {i.name}")
+        inputs = [(i.name, self.numpy_of_ort(i.type)) for i in self.inputs]
+        feeds = prefill_feeds(inputs, ids, self.kv_heads, self.head_dim)
         return self.session.run(["logits"], feeds)[0][0].astype(np.float32)
 
     def decoded(self, ids: list[int]) -> np.ndarray:
@@ -157,7 +164,7 @@ def gptq_export(checkpoint: Path, fp32_dir: Path, out: Path, calibration: list[l
                      validate=False, overwrite=True)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     model = onnx.load(str(fp32_dir / "model.onnx"))
-    names = [i.name for i in model.graph.input]
+    inputs = [(i.name, onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in model.graph.input]
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -165,15 +172,7 @@ def gptq_export(checkpoint: Path, fp32_dir: Path, out: Path, calibration: list[l
 
         def get_next(self):
             ids = next(self.rows, None)
-            if ids is None:
-                return None
-            feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
-                     "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
-            feeds = {k: v for k, v in feeds.items() if k in names}
-            for name in names:
-                if name.startswith("past_key_values"):
-                    feeds[name] = np.zeros((1, config["num_key_value_heads"], 0, head_dim), np.float32)
-            return feeds
+            return None if ids is None else prefill_feeds(inputs, ids, config["num_key_value_heads"], head_dim)
 
         def __deepcopy__(self, memo):
             return Reader()

@@ -40,17 +40,22 @@ class TerminalProgress(Progress):
             bar.close()
 
 
-def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="export a Hugging Face checkpoint to ONNX")
-    p.add_argument("--model", required=True, help="checkpoint directory, or hub id[@revision]")
-    p.add_argument("--dtype", default="fp32",
-                   help="fp32 | fp16 | bf16 | int4 | int8 (weight-only MatMulNBits; default fp32)")
+def add_base_quant_arguments(p) -> None:
+    """The weight-only quantization options that export and quant-plan share."""
     p.add_argument("--quant-block-size", type=int, default=None, help="int4 / int8: MatMulNBits block size (default 32)")
     p.add_argument("--quant-asymmetric", action="store_true", help="int4 / int8: zero points per block")
     p.add_argument("--quant-method", default=None, choices=("rtn", "hqq"),
                    help="int4: rtn (round to nearest, default) or hqq (onnxruntime's half-quadratic quantization, "
                         "float zero points: needs --quant-asymmetric)")
     p.add_argument("--quant-lm-head-bits", type=int, default=None, help="int4: 8 quantizes the LM head to int8")
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a Hugging Face checkpoint to ONNX")
+    p.add_argument("--model", required=True, help="checkpoint directory, or hub id[@revision]")
+    p.add_argument("--dtype", default="fp32",
+                   help="fp32 | fp16 | bf16 | int4 | int8 (weight-only MatMulNBits; default fp32)")
+    add_base_quant_arguments(p)
     p.add_argument("--quant-int8-layers", default=None,
                    help="int4: comma-separated decoder layers whose projections get 8 bits (mixed precision; "
                         "`exportfarm quant-plan` measures which)")
@@ -268,15 +273,14 @@ def add_quant_plan_parser(sub) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory, or hub id[@revision]")
     p.add_argument("--ep", default="cpu", help="cpu | cuda: the export's target, where the quality is measured")
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--quant-block-size", type=int, default=None)
-    p.add_argument("--quant-asymmetric", action="store_true")
-    p.add_argument("--quant-method", default=None, choices=("rtn", "hqq"))
-    p.add_argument("--quant-lm-head-bits", type=int, default=None)
+    add_base_quant_arguments(p)
     p.add_argument("--budget-mb", type=float, default=None, help="model.onnx.data at most this many MB (1e6 bytes)")
     p.add_argument("--kl-target", type=float, default=None, help="stop adding 8-bit layers once the mean KL is this low")
     p.add_argument("--work", type=Path, default=None, help="where the candidate exports are built (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the plan (every measurement) as JSON here")
-    p.set_defaults(func=_cmd_quant_plan)
+    # an int4 export whose other quant options are the defaults (what _quant_options reads)
+    p.set_defaults(func=_cmd_quant_plan, dtype="int4", quant_int8_layers=None, quant_activations=None,
+                   quant_accuracy_level=None, quant_keep="")
 
 
 def _cmd_quant_plan(args) -> int:
@@ -288,8 +292,6 @@ def _cmd_quant_plan(args) -> int:
 
     if args.budget_mb is not None and args.budget_mb <= 0:
         raise ExportError(f"--budget-mb must be positive, got {args.budget_mb}")
-    args.dtype, args.quant_int8_layers, args.quant_activations, args.quant_accuracy_level = "int4", None, None, None
-    args.quant_keep = ""
     request = ExportRequest(model=args.model, dtype="int4", ep=args.ep, max_seq_len=args.max_seq_len,
                             quant=_quant_options(args))
     with tempfile.TemporaryDirectory(prefix="quant-plan-") as scratch:

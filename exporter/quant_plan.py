@@ -49,7 +49,8 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     from exporter.pipeline import export_model
     from exporter.resources import export_bytes
     from exporter.runtime.session import Decoder
-    from exporter.validation.gates.quality import WINDOW, export_logits, reference_logits, score, text_tokens, windows
+    from exporter.validation.gates.quality import MAX_TOKENS, WINDOW, export_logits, reference_logits, score, \
+        text_tokens, windows
     from exporter.validation.reference import load_reference
 
     if request.dtype.bits != 4:
@@ -62,11 +63,10 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     # Measured on the quality text past the tokens the quality gate scores (MAX_TOKENS), so that the
     # gate, and any benchmark scoring the export the way it does, judges the plan on text it was not
     # chosen on.
-    scored, _, _ = text_tokens(source, cfg.vocab_size)
     tokens, how, prefix = text_tokens(source, cfg.vocab_size, limit=10**7)
-    held_out = tokens[len(scored):]
+    held_out = tokens[MAX_TOKENS:]
     if len(held_out) < 2 * WINDOW:
-        raise ExportError(f"the quality text leaves {len(held_out)} tokens past the {len(scored)} the gate scores "
+        raise ExportError(f"the quality text leaves {len(held_out)} tokens past the {MAX_TOKENS} the gate scores "
                           f"for this tokenizer: quant-plan needs at least {2 * WINDOW}")
     chunks = windows(held_out, min(WINDOW, request.max_seq_len or WINDOW), prefix)
     model = load_reference(source)

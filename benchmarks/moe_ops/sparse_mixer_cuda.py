@@ -53,7 +53,6 @@ def main() -> int:
                         help="cpu: a control (the CPU kernel ignores use_sparse_mixer, docs/moe-design.md)")
     args = parser.parse_args()
 
-    import onnx
     import onnxruntime as ort
     import torch
     from onnx import TensorProto, helper, numpy_helper
