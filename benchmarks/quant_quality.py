@@ -229,6 +229,10 @@ def main() -> None:
     parser.add_argument("--builder-algos", default="",
                         help="also the genai builder's int4 with these algo_config values (comma-separated: rtn, "
                              "k_quant, k_quant_last, k_quant_mixed, ...), beside its default")
+    parser.add_argument("--prequantized", action="append", default=[], type=Path, metavar="CHECKPOINT",
+                        help="also export a GPTQ / AWQ checkpoint of --model (benchmarks/prequantized_quantizer.py make) "
+                             "with its codes imported, its float LM head at 4 and at 8 bits, scored against --model's "
+                             "float reference; repeatable")
     parser.add_argument("--plan", action="append", default=[], type=Path, metavar="PLAN.json",
                         help="also build and score the int4 export an `exportfarm quant-plan` chose (its quant spec, "
                              "labelled 'ours int4 mixed <file stem>'); repeatable")
@@ -278,11 +282,17 @@ def main() -> None:
 
     exports: dict[str, Path] = {}
     build_s: dict[str, float] = {}
+    sources = {label: checkpoint for label in ours}
+    for prequantized in args.prequantized:
+        for bits in (4, 8):
+            label = f"ours int4 imported {prequantized.name} (int{bits} lm_head)"
+            ours = {**ours, label: ("int4", {"lm_head_bits": bits})}
+            sources[label] = prequantized
     for label, (dtype, quant) in ours.items():
         out = work / label.replace(" ", "_").replace("(", "").replace(")", "")
         if not (out / "manifest.json").is_file():
             t0 = time.perf_counter()
-            export_model(ExportRequest(model=str(checkpoint), dtype=dtype, ep="cpu", variant="attn_dynamic",
+            export_model(ExportRequest(model=str(sources[label]), dtype=dtype, ep="cpu", variant="attn_dynamic",
                                        quant=quant), out, validate=False, overwrite=True)
             build_s[label] = round(time.perf_counter() - t0, 2)
         exports[label] = out
@@ -362,6 +372,8 @@ def main() -> None:
         "genai_builder_commands": builder_cmds,
         "reference_generation": {p: tokenizer.decode(g) for p, g in zip(PROMPTS, ref_gen)},
         "build_s": build_s,
+        "prequantized": {p.name: json.loads((p / "made_by.json").read_text()) if (p / "made_by.json").is_file() else
+                         "made elsewhere" for p in args.prequantized},
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

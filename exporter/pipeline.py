@@ -18,7 +18,7 @@ from pathlib import Path
 from exporter.graph.build import build_model
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
-from exporter.graph.passes.quantize import METHOD_DESCRIPTIONS
+from exporter.graph.passes.quantize import IMPORTED_DESCRIPTION, METHOD_DESCRIPTIONS
 from exporter.packaging import hf_layout
 from exporter.packaging.genai import write_genai_package
 from exporter.packaging.package import MANIFEST_FILE, Manifest, build_manifest, write_model
@@ -115,6 +115,11 @@ def build_export(
             "dtype": request.dtype.value, "activations": built.activations.value, **request.quant.to_dict(),
             "weights": folded.quantization,
         }
+        if built.checkpoint.prequantized is not None:  # its linears keep their codes; the method applies to the rest
+            manifest.data["quantization"]["imported"] = {
+                **built.checkpoint.prequantized.to_dict(),
+                "linears": sum(1 for d in folded.quantization.values() if d.get("imported")),
+                "how": IMPORTED_DESCRIPTION.format(label=built.checkpoint.prequantized.label)}
     manifest.data["status"] = "unvalidated"
     if request.layout == hf_layout.LAYOUT:
         hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating

@@ -49,7 +49,8 @@ def activation_dtype(dtype: DType, ep: EP, chosen: str | None = None, trained_in
 
 def trained_in_bf16(checkpoint_dir) -> bool:
     """Whether a checkpoint says it was trained in bf16: config.json's dtype (torch_dtype), else
-    every floating tensor of its safetensors stored in bf16."""
+    every floating tensor of its safetensors stored in bf16. For a GPTQ / AWQ checkpoint, whether its
+    scales are bf16 (an fp16 scale does not fit bf16, nor a bf16 one fp16)."""
     from pathlib import Path
 
     import onnx_ir as ir
@@ -62,6 +63,11 @@ def trained_in_bf16(checkpoint_dir) -> bool:
     except ExportError:
         config = {}
     config = config if isinstance(config, dict) else {}
+    if (config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq"):
+        try:  # its packed linears' scales decide: activations of their dtype keep them exact
+            return Checkpoint(Path(checkpoint_dir)).packed_scales_dtype is ir.DataType.BFLOAT16
+        except Exception:
+            return False
     config = {**(config.get("text_config") or {}), **config}
     said = config.get("dtype") or config.get("torch_dtype")
     if isinstance(said, str):

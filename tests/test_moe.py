@@ -336,16 +336,15 @@ def test_quantized_experts_for_cuda_need_the_widths_its_qmoe_kernels_take(checkp
 
 
 def test_a_pre_quantized_checkpoint_is_refused_with_the_way_around(checkpoint, tmp_path):
-    """GPTQ / AWQ packed weights (issue 32 imports them) are refused by name, not as a missing tensor;
-    gpt-oss's MXFP4 is read (test below)."""
+    """A config that declares GPTQ over float weights is refused by name, not as a missing tensor (a
+    real GPTQ checkpoint is imported: tests/test_prequantized.py); gpt-oss's MXFP4 is read (test below)."""
     bad = tmp_path / "gptq"
     shutil.copytree(checkpoint("mixtral"), bad)
     config = json.loads((bad / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (bad / "config.json").write_text(json.dumps(config))
     request = ExportRequest(model=str(bad), dtype="fp16", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
-    with pytest.raises(ExportError, match="'gptq' pre-quantized weights, which the exporter does not import: export "
-                                          "the float checkpoint"):
+    with pytest.raises(ExportError, match="config.json declares gptq weights, but gptq holds no packed linears"):
         export_model(request, tmp_path / "out", validate=False)
 
 

@@ -173,6 +173,28 @@ def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint,
         expect(names["gate_scale"], (1, hidden))
 
 
+def check_prequantized(request: ExportRequest, cfg: ModelConfig, checkpoint: Checkpoint, activations: DType) -> None:
+    """A GPTQ / AWQ checkpoint exports to a float dtype (its linears dequantized) or, keeping its codes,
+    to the quantized dtype of its own width, in activations that hold its fp16 scales exactly."""
+    fmt = checkpoint.prequantized
+    if fmt is None or not request.dtype.quantized:
+        return
+    if request.dtype.bits != fmt.bits:
+        raise ExportError(f"the checkpoint is {fmt.label}: export int{fmt.bits} to keep its codes, or fp16 / fp32 to "
+                          f"dequantize them; int{request.dtype.bits} would quantize them again")
+    holds = {ir.DataType.FLOAT16: DType.FP16, ir.DataType.BFLOAT16: DType.BF16}.get(checkpoint.packed_scales_dtype)
+    if activations not in (DType.FP32, holds):
+        raise ExportError(f"the checkpoint's {fmt.method} scales are {holds.value if holds else 'fp32'}, which "
+                          f"{activations.value} activations would round: set quant activations "
+                          f"{holds.value if holds else 'fp32 (export for cpu)'} (CLI --quant-activations)")
+    if cfg.moe is not None:
+        raise ExportError(f"the experts of a {fmt.method} checkpoint are not imported into QMoE: export it in fp16 / "
+                          "fp32 (dequantized), or quantize its float checkpoint with dtype int4")
+    if request.quant and request.quant.int8_layers:
+        raise ExportError(f"quant int8_layers gives layers more bits than the checkpoint's {fmt.label} codes hold: "
+                          "drop int8_layers")
+
+
 def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None) -> BuildResult:
     """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports."""
     variant = request.resolved_variant()
@@ -182,6 +204,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
     check_shapes(cfg, arch, checkpoint)
+    check_prequantized(request, cfg, checkpoint, activations)
     target = target_for(request.compat)
     fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
     builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer)

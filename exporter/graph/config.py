@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from exporter.errors import ExportError
+from exporter.packaging.prequantized import read_format
 
 _TRANSFORMERS_IMPORT = threading.Lock()
 
@@ -259,14 +260,17 @@ def check_config_values(raw: dict) -> None:
 
 
 def check_not_prequantized(raw: dict) -> None:
-    """A checkpoint whose weights are stored quantized (GPTQ, AWQ, gpt-oss's MXFP4 experts, ...) holds
-    packed blocks where the exporter reads float tensors: refused by name, with the way around."""
+    """A checkpoint whose weights are stored quantized holds packed blocks where the exporter reads
+    float tensors: refused by name, with the way around, unless it is one the exporter imports (GPTQ
+    and AWQ linears MatMulNBits can hold, gpt-oss's MXFP4 experts)."""
     quant = raw.get("quantization_config")
     if not isinstance(quant, dict):
         return
     method = quant.get("quant_method", "a quantization")
     if method == "mxfp4" and raw.get("model_type") == "gpt_oss":
         return  # gpt-oss's MXFP4 experts are decoded as they are read (WeightPart.mxfp4_scales)
+    if read_format(raw) is not None:
+        return  # GPTQ / AWQ linears: imported as they are (packaging/prequantized.py); read_format refuses the rest
     how = ("load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained the bf16 result"
            if method == "mxfp4" else "export the float checkpoint it was quantized from, or dequantize it first")
     raise ExportError(f"config.json declares {method!r} pre-quantized weights, which the exporter does not import: {how}")

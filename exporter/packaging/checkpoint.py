@@ -14,9 +14,11 @@ an ``add``) go through torch, as before.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from exporter.errors import ExportError
+from exporter.packaging import prequantized
 
 # Upper bound on the bytes one read/convert/write block holds.
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -122,17 +125,44 @@ class Checkpoint:
             for name in names:
                 self._where[name] = path.name
                 self._entries[name] = header[name]
+        # A GPTQ / AWQ checkpoint's packed linears, shown as the float tensors they stand for
+        # (prequantized.py); their own tensors are read through ``packed_codes``.
+        self.prequantized = prequantized.checkpoint_format(directory)
+        self.linears: dict[str, prequantized.PackedLinear] = {}
+        self._packed_tensors: set[str] = set()
+        if self.prequantized is not None:
+            shapes = {name: tuple(entry["shape"]) for name, entry in self._entries.items()}
+            self.linears = prequantized.find_linears(shapes, self.prequantized)
+            if not self.linears:
+                raise ExportError(f"config.json declares {self.prequantized.method} weights, but {directory.name} holds no "
+                                  "packed linears (X.qweight / X.qzeros / X.scales): fix config.json's "
+                                  "quantization_config or export the checkpoint the config came with")
+            for linear in self.linears.values():
+                if linear.tensor(".g_idx") in self._where:
+                    prequantized.check_group_index(self.array(linear.tensor(".g_idx")), linear, self.prequantized)
+                self._packed_tensors.update(linear.tensor(s) for s in prequantized.SUFFIXES)
+            kinds = {self.stored_dtype(linear.tensor(".scales")) for linear in self.linears.values()}
+            if len(kinds) > 1 or None in kinds:
+                raise ExportError(f"the checkpoint's {self.prequantized.method} scales are stored as "
+                                  f"{sorted(str(k) for k in kinds)}: the exporter imports one float dtype for all")
+        # fp16, bf16 or fp32: what a MatMulNBits node must compute in to hold them exactly.
+        self.packed_scales_dtype = next(iter(kinds)) if self.linears else None
+        self._decoded: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._decoded_lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self.linears
 
     def floating_dtypes(self) -> set[ir.DataType]:
-        """The dtypes the checkpoint's floating tensors are stored in."""
-        stored = {self.stored_dtype(name) for name in self.names()}
+        """The dtypes the checkpoint's floating tensors are stored in (a packed linear's scales
+        for a GPTQ / AWQ one)."""
+        stored = {self.stored_dtype(name) for name in self.names() if name not in self.linears}
+        stored |= {self.stored_dtype(linear.tensor(".scales")) for linear in self.linears.values()}
         return stored & {ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
 
     def names(self) -> list[str]:
-        return sorted(self._where)
+        """Every tensor a graph can read: a packed linear as its ``X.weight``, not its parts."""
+        return sorted((set(self._where) - self._packed_tensors) | set(self.linears))
 
     def _entry(self, name: str) -> dict:
         if name not in self._where:
@@ -140,14 +170,50 @@ class Checkpoint:
         return self._entries[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.linears:
+            return self.linears[name].n, self.linears[name].k
         return tuple(self._entry(name)["shape"])
 
     def stored_dtype(self, name: str) -> ir.DataType | None:
-        """The tensor's dtype as stored (None for dtypes no initializer is made from)."""
+        """The tensor's dtype as stored (None for dtypes no initializer is made from); fp32 for a
+        packed linear's values."""
+        if name in self.linears:
+            return ir.DataType.FLOAT
         return _STORED_IR_DTYPES.get(self._entry(name)["dtype"])
 
+    def packed_codes(self, name: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Output rows [a, b) of packed linear ``name`` (``X.weight``): codes, zero points, scales."""
+        q, zeros, scales = prequantized.codes(self.array, self.linears[name], self.prequantized, a, b)
+        if self.packed_scales_dtype is ir.DataType.BFLOAT16:  # raw bits as read; their values for the callers
+            scales = scales.view(ml_dtypes.bfloat16)
+        return q, zeros, scales
+
+    def packed_symmetric(self, name: str) -> bool:
+        """Whether every zero point of packed linear ``name`` is the midpoint (2^(bits - 1)), the one
+        MatMulNBits assumes when it is given none."""
+        zeros = prequantized.zero_points(self.array, self.linears[name], self.prequantized)
+        return bool(np.all(zeros == 1 << (self.prequantized.bits - 1)))
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        """A packed linear's float values [out, in], the last two kept: blocks read it again and again."""
+        with self._decoded_lock:
+            if name in self._decoded:
+                self._decoded.move_to_end(name)
+                return self._decoded[name]
+        linear = self.linears[name]
+        values = prequantized.dequantized(*self.packed_codes(name, 0, linear.n), self.prequantized.group_size)
+        values.flags.writeable = False
+        with self._decoded_lock:
+            self._decoded[name] = values
+            while len(self._decoded) > 2:
+                self._decoded.popitem(last=False)
+        return values
+
     def array(self, name: str) -> np.ndarray:
-        """One tensor as a read-only view of the memory-mapped file (bf16: its raw uint16 bits)."""
+        """One tensor as a read-only view of the memory-mapped file (bf16: its raw uint16 bits); a
+        packed linear's values decoded (fp32)."""
+        if name in self.linears and name not in self._where:
+            return self._dequantized(name)
         entry = self._entry(name)
         file = self._where[name]
         if entry["dtype"] not in _SAFETENSORS_DTYPES:

@@ -27,7 +27,8 @@ import onnx_ir as ir
 
 from exporter.errors import ExportError
 from exporter.request import QUANT_METHODS
-from exporter.packaging.checkpoint import CheckpointTensor
+from exporter.packaging import prequantized
+from exporter.packaging.checkpoint import BLOCK_BYTES, CheckpointTensor
 from exporter.graph.passes.dtype import make_initializer
 
 MS_DOMAIN = "com.microsoft"
@@ -41,6 +42,9 @@ METHOD_DESCRIPTIONS = {
     "hqq": "onnxruntime HQQ (HQQWeightOnlyQuantizer.quantize_internal: half-quadratic zero-point optimization, "
            "float zero points) for 4-bit weights; 8-bit ones round to nearest",
 }
+# A GPTQ / AWQ checkpoint's linears keep the codes, zero points and scales it ships (``method`` of
+# their QuantScheme): repacked, never quantized here.
+IMPORTED_DESCRIPTION = "imported from the checkpoint's {label} codes, zero points and scales, repacked (not re-quantized)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +242,41 @@ class _Quantization:
             return self._small
 
 
+class _ImportedQuantization(_Quantization):
+    """A GPTQ / AWQ checkpoint's own codes, zero points and scales for one MatMul's weight (its parts
+    one after another along N), repacked into MatMulNBits' layout block of columns by block."""
+
+    def blocks(self):
+        checkpoint, offset = self.source.checkpoint, 0
+        step = max(1, BLOCK_BYTES // (self.k * 4))
+        for part in self.source.parts:
+            first, end = part.rows or (0, checkpoint.shape(part.name)[0])
+            for r0 in range(first, end, step):
+                r1 = min(end, r0 + step)
+                q, zeros, scales = checkpoint.packed_codes(part.name, r0, r1)
+                packed, zero_points = prequantized.matmul_nbits_layout(q, zeros, self.scheme.bits, self.scheme.block_size)
+                yield offset + r0 - first, packed, scales.astype(self.source.dtype.numpy()), zero_points
+            offset += end - first
+
+
+def imported_scheme(source: CheckpointTensor, name: str, bits: int) -> QuantScheme | None:
+    """The scheme of a weight whose every part is a GPTQ / AWQ linear of the checkpoint (None for a
+    float weight), refused where its codes cannot be taken as they are."""
+    checkpoint = source.checkpoint
+    packed = [p.name in checkpoint.linears for p in source.parts]
+    if not any(packed):
+        return None
+    fmt = checkpoint.prequantized
+    if not all(packed) or any(p.add or p.expert is not None or p.transposed for p in source.parts):
+        raise ExportError(f"{name} joins {fmt.method} codes with float weights or transforms them: the exporter "
+                          "imports a packed linear only as the checkpoint stores it")
+    if bits != fmt.bits:
+        raise ExportError(f"{name} is stored as {fmt.label} but this export gives it {bits} bits: export "
+                          f"int{fmt.bits} to keep the checkpoint's codes, or a float dtype to dequantize them")
+    symmetric = all(checkpoint.packed_symmetric(p.name) for p in source.parts)
+    return QuantScheme(fmt.bits, fmt.group_size, symmetric, fmt.method)
+
+
 class QuantizedPart(ir.LazyTensor):
     """One of a quantized weight's three initializers: ``packed``, ``scales`` or ``zero_points``."""
 
@@ -386,28 +425,44 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             if kept:
                 self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
                 continue
+            if "lm_head" in roles and self.lm_head_bits is None and source.checkpoint.prequantized \
+                    and not any(p.name in source.checkpoint.linears for p in source.parts):
+                # The export is the checkpoint as its quantizer left it: a float LM head stays float.
+                self.decisions[weight.name] = {"quantized": False, "kept_for": ["lm_head"], "roles": sorted(roles),
+                                               "why": f"float in the {source.checkpoint.prequantized.method} checkpoint; "
+                                                      "quant lm_head_bits 4 / 8 quantizes it"}
+                continue
             bits, why = self._bits(weight.name, roles)
             method = self.method if bits == 4 else "rtn"
             scheme = QuantScheme(bits, self.block_size, self.symmetric, method)
-            quantization = _Quantization(source, scheme)
-            stem = f"{weight.name}.q{bits}b{self.block_size}{'s' if self.symmetric else 'a'}{'h' if method == 'hqq' else ''}"
+            imported = imported_scheme(source, weight.name, bits)
+            if imported is not None:
+                if why:
+                    raise ExportError(f"{weight.name} is a {imported.method} linear of {imported.bits} bits: "
+                                      f"{why} cannot give it more; drop quant {why}")
+                scheme, method = imported, imported.method
+            quantization = (_ImportedQuantization if imported else _Quantization)(source, scheme)
+            tag = {"hqq": "h", "gptq": "g", "awq": "w"}.get(method, "")
+            stem = f"{weight.name}.q{bits}b{scheme.block_size}{'s' if scheme.symmetric else 'a'}{tag}"
             inputs = [node.inputs[0]]
-            for role in ("packed", "scales") + (() if self.symmetric else ("zero_points",)):
+            for role in ("packed", "scales") + (() if scheme.symmetric else ("zero_points",)):
                 name = f"{stem}.{role}"
                 value = graph.initializers[name] if name in graph.initializers else \
                     make_initializer(graph, QuantizedPart(quantization, role, name), name)
                 inputs.append(value)
             level = self.accuracy_level.get(bits, 0) if isinstance(self.accuracy_level, dict) else self.accuracy_level
-            attrs = {"K": quantization.k, "N": quantization.n, "bits": bits, "block_size": self.block_size,
+            attrs = {"K": quantization.k, "N": quantization.n, "bits": bits, "block_size": scheme.block_size,
                      "accuracy_level": level}
             new = ir.node("MatMulNBits", inputs, attributes=attrs, domain=MS_DOMAIN,
                           name=f"{node.name or weight.name}_nbits", num_outputs=1)
             _replace_node(graph, node, new)
-            self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": self.block_size,
-                                           "symmetric": self.symmetric, "roles": sorted(roles),
+            self.decisions[weight.name] = {"quantized": True, "bits": bits, "block_size": scheme.block_size,
+                                           "symmetric": scheme.symmetric, "roles": sorted(roles),
                                            "initializer": f"{stem}.packed",
-                                           **({"method": method} if self.method != "rtn" else {}),
-                                           **({"bits_for": why} if why else {})}
+                                           **({"method": method} if method != "rtn" or self.method != "rtn" else {}),
+                                           **({"bits_for": why} if why else {}),
+                                           **({"imported": IMPORTED_DESCRIPTION.format(
+                                               label=source.checkpoint.prequantized.label)} if imported else {})}
             changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)

@@ -16,7 +16,9 @@ statistics, Pearson correlation and relative L2 error in float64, against its dt
 (a conversion that rounds differently still passes them; a zeroed, swapped or shifted weight
 does not), and those figures are what the report lists.
 
-A MatMulNBits weight is held to the exact answer the same way: its source rows, in the activations'
+A MatMulNBits weight imported from a GPTQ / AWQ checkpoint is dequantized and must equal the
+checkpoint's own dequantization element for element, that decoded here from its raw tensors.
+Any other MatMulNBits weight is held to the exact answer the same way: its source rows, in the activations'
 dtype, quantized here by numpy following onnxruntime's blockwise algorithm (``quantize_rows``:
 the block's largest-magnitude value over -2^(bits-1) as the scale, or min/max with a zero point,
 round half away from zero; tested bit for bit against onnxruntime's own quantizer) must give the
@@ -67,6 +69,8 @@ QUANT_BOUND = 1.01
 # block passes both: round to nearest's exact requantization has no HQQ counterpart.
 HQQ_STEP_BOUND = 2.0
 HQQ_L2_VS_RTN = 1.25
+# MatMulNBits weights that keep a GPTQ / AWQ checkpoint's codes: held to its dequantization exactly.
+IMPORTED_METHODS = ("gptq", "awq")
 # Checkpoint tensors an export legitimately leaves out (recomputed buffers).
 IGNORED_SOURCES = ("rotary_emb.inv_freq",)
 
@@ -388,6 +392,80 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
     return acc
 
 
+# AutoAWQ's GEMM packing order (its order_map): the i-th 4-bit field of a word holds column _AWQ_ORDER[i] of its eight.
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _fields(words: np.ndarray, bits: int) -> np.ndarray:
+    """int32 words [..., w] as their fields [..., w * 32 / bits], the lowest first: read here as the
+    words' four little-endian bytes (the exporter shifts whole words), so a fault in one reading is
+    not the other's."""
+    octets = np.ascontiguousarray(words).view(np.uint8).reshape(*words.shape, 4)
+    if bits == 8:
+        return octets.reshape(*words.shape[:-1], -1)
+    return np.stack([octets & 0x0F, octets >> 4], axis=-1).reshape(*words.shape[:-1], -1)
+
+
+def _packed_linear_rows(checkpoint: Checkpoint, tensor: str, a: int, b: int) -> np.ndarray:
+    """Output rows [a, b) of a GPTQ / AWQ linear (``X.weight``) as fp32 ``scale * (q - z)``, decoded
+    here from its raw tensors (GPTQ v1's zero points are stored minus one, added back word-wise)."""
+    fmt, prefix = checkpoint.prequantized, tensor.removesuffix(".weight")
+    per_word = 32 // fmt.bits
+    w0, w1, skip = a // per_word, -(-b // per_word), a % per_word  # the words holding columns [a, b)
+    qzeros = checkpoint.array(prefix + ".qzeros")[:, w0:w1]
+    if fmt.layout == "gptq":
+        ones = int(("0" * (fmt.bits - 1) + "1") * per_word, 2)
+        qzeros = (((qzeros.astype(np.int64) & 0xFFFFFFFF) + ones) & 0xFFFFFFFF).astype(np.uint32)
+    zeros = _fields(qzeros, fmt.bits)  # [groups, columns of those words] in field order
+    if fmt.method == "gptq":
+        codes = _fields(np.ascontiguousarray(checkpoint.array(prefix + ".qweight")[:, a:b].T), fmt.bits)
+    else:
+        columns = np.empty(8, np.int64)
+        columns[list(_AWQ_ORDER)] = np.arange(8)  # the field holding column j
+        words = checkpoint.array(prefix + ".qweight")[:, w0:w1]
+        k = words.shape[0]
+        codes = _fields(words, fmt.bits).reshape(k, -1, 8)[..., columns].reshape(k, -1)[:, skip : skip + b - a].T
+        zeros = zeros.reshape(zeros.shape[0], -1, 8)[..., columns].reshape(zeros.shape[0], -1)
+    zeros = zeros[:, skip : skip + b - a].T.astype(np.float32)
+    scales = checkpoint.array(prefix + ".scales")[:, a:b]
+    if checkpoint.stored_dtype(prefix + ".scales") is ir.DataType.BFLOAT16:  # raw bits: the high half of an fp32
+        scales = (scales.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    scales = np.asarray(scales, np.float32).T
+    group = np.arange(codes.shape[1]) // fmt.group_size
+    return (codes.astype(np.float32) - zeros[:, group]) * scales[:, group]
+
+
+def _compare_imported(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
+                      stride: int = 1) -> _Accumulator | None:
+    """A MatMulNBits weight imported from a GPTQ / AWQ linear, dequantized, against the checkpoint's
+    own dequantization (``_packed_linear_rows``): equal element for element (None), or its figures
+    with an infinite bound ratio (failed)."""
+    from exporter.graph.passes.quantize import QuantScheme, dequantize
+
+    scheme = QuantScheme.of(quant)
+    k, n_total = quant["K"], quant["N"]
+    k_blocks, _, zp_bytes = scheme.layout(k)
+    stem = name[: -len(".packed")]
+    packed = arrays[name].reshape(n_total, k_blocks, -1)
+    scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)
+    zero_points = None if scheme.symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, zp_bytes)
+    first, end = _part_range(checkpoint, part)
+    acc, exact = _Accumulator(), True
+    step = max(1, BLOCK_BYTES // (k * 16))
+    for r0 in range(0, end - first, step):
+        r1 = min(end - first, r0 + step)
+        want = _packed_linear_rows(checkpoint, part["tensor"], first + r0, first + r1)
+        cols = slice(offset + r0 * stride, offset + r1 * stride, stride)
+        got = dequantize(np.asarray(packed[cols]), scales[cols], None if zero_points is None else zero_points[cols],
+                         scheme, k)
+        exact = exact and np.array_equal(got, want)
+        acc.add(got, want)
+    if exact:
+        return None
+    acc.bound_ratio, acc.requantized_equal, acc.l2_vs_rtn = math.inf, False, None
+    return acc
+
+
 def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
                      activations: str, stride: int = 1) -> bool:
     """Whether the weight's columns for one checkpoint part are exactly ``quantize_rows`` of their
@@ -464,6 +542,8 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
         checkpoints.checkpoint()
         name, data, transposed, offset, part, stride = job
         quant = sources[name].get("quantization")
+        if quant and quant.get("method") in IMPORTED_METHODS:
+            return _compare_imported(arrays, name, quant, offset, checkpoint, part, stride)
         if quant:
             # a bf16 weight, or a block onnxruntime's quantizer does not take (an expert's int8 rows,
             # one block per row), was quantized by quantize_rows itself: the exact answer would be the
