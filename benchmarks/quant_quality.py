@@ -231,7 +231,8 @@ def main() -> None:
                              "k_quant, k_quant_last, k_quant_mixed, ...), beside its default")
     parser.add_argument("--prequantized", action="append", default=[], type=Path, metavar="CHECKPOINT",
                         help="also export a GPTQ / AWQ checkpoint of --model (benchmarks/prequantized_quantizer.py make) "
-                             "with its codes imported, its float LM head at 4 and at 8 bits, scored against --model's "
+                             "with its codes imported, its float LM head at 4 bits (blocks of 32 and 64) and at 8, "
+                             "scored against --model's "
                              "float reference; repeatable")
     parser.add_argument("--plan", action="append", default=[], type=Path, metavar="PLAN.json",
                         help="also build and score the int4 export an `exportfarm quant-plan` chose (its quant spec, "
@@ -284,9 +285,9 @@ def main() -> None:
     build_s: dict[str, float] = {}
     sources = {label: checkpoint for label in ours}
     for prequantized in args.prequantized:
-        for bits in (4, 8):
-            label = f"ours int4 imported {prequantized.name} (int{bits} lm_head)"
-            ours = {**ours, label: ("int4", {"lm_head_bits": bits})}
+        for bits, block in ((4, 32), (4, 64), (8, 32)):  # the LM head (float in the checkpoint): round to nearest
+            label = f"ours int4 imported {prequantized.name} (int{bits} lm_head{f' b{block}' if block != 32 else ''})"
+            ours = {**ours, label: ("int4", {"lm_head_bits": bits, "block_size": block})}
             sources[label] = prequantized
     for label, (dtype, quant) in ours.items():
         out = work / label.replace(" ", "_").replace("(", "").replace(")", "")
