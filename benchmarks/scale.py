@@ -190,8 +190,9 @@ def build_checkpoints(geometry: str, depths: list[int], root: Path) -> dict[int,
 
         ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
         index = {}
-        base = {"model.embed_tokens.weight": weight(vocab, h), "lm_head.weight": weight(vocab, h),
-                "model.norm.weight": ones(h)}
+        base = {"model.embed_tokens.weight": weight(vocab, h), "model.norm.weight": ones(h)}
+        if not config.get("tie_word_embeddings"):
+            base["lm_head.weight"] = weight(vocab, h)
         save_file(base, str(full / "base.safetensors"), metadata={"format": "pt"})
         index.update({k: "base.safetensors" for k in base})
         del base

@@ -1,6 +1,6 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
-Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
+Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
 gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them.
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
@@ -17,6 +17,14 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
                 "original_max_position_embeddings": 8192}
 
 GEOMETRIES: dict[str, dict] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}, "tie_word_embeddings": True, "attention_bias": False,
+        "mlp_bias": False, "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

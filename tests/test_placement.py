@@ -66,6 +66,9 @@ def test_experts_dominate_an_moe_model_s_bytes(tmp_path):
     Phi-3.5-MoE 41.9B (the published sizes)."""
     from exporter.resources import Geometry
 
+    # Dense ones beside them: Llama-3.2-1B 1.24B (its LM head tied to the embedding), Llama-3.1-8B 8.03B.
+    assert abs(Geometry.of(_geometry(tmp_path, "llama-3.2-1b")).parameters / 1e9 - 1.24) < 0.01
+    assert abs(Geometry.of(_geometry(tmp_path, "llama-3.1-8b")).parameters / 1e9 - 8.03) < 0.01
     assert abs(Geometry.of(_geometry(tmp_path, "qwen3-30b-a3b")).parameters / 1e9 - 30.5) < 0.2
     assert abs(Geometry.of(_geometry(tmp_path, "mixtral-8x7b")).parameters / 1e9 - 46.7) < 0.2
     assert abs(Geometry.of(_geometry(tmp_path, "phi-3.5-moe")).parameters / 1e9 - 41.9) < 0.1
