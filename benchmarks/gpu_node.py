@@ -18,9 +18,9 @@ Phases, each timed from its submissions to the last job's end:
 1. one GPU: only GPU 0's worker takes jobs; 2 jobs at once give the one-GPU jobs per minute.
 2. the node (N >= 2): every GPU's worker; 2N jobs at once give the node's jobs per minute, which must
    be at least 0.9 x N x the one-GPU figure.
-3. a worker killed mid-job: one job per worker; once the job on GPU 0 is validating, its worker's
-   process group gets SIGKILL. With N >= 2 it is not replaced: the job must end ready on another
-   GPU's worker in its second attempt. With N = 1 a replacement is bound to GPU 0 (the dead worker's
+3. a worker killed mid-job: one job per worker; once a job is validating (the first seen), its
+   worker's process group gets SIGKILL. With N >= 2 it is not replaced: the job must end ready on another
+   GPU's worker in its second attempt. With N = 1 a replacement is bound to that GPU (the dead worker's
    claim on the device must not block it) and a second job queued behind it must be unaffected.
    Every other job must end ready in its first attempt.
 
@@ -288,7 +288,7 @@ def run_batch(node: Node, sampler: Sampler, body: dict, count: int, timeout: flo
 
 
 def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: float, hold_s: float) -> dict:
-    """One job per worker (two with a single GPU); SIGKILL to GPU 0's worker while its job validates.
+    """One job per worker (two with a single GPU); SIGKILL to the worker of the first job seen validating.
     ``hold_s`` > 0 holds every first attempt at the start of validate that long (a failpoint), for
     checkpoints whose validation is too short to catch by polling (the cpu mode's tiny one)."""
     sampler.reset()
@@ -296,16 +296,16 @@ def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: flo
     if hold_s > 0:
         node.failpoints.set("validate", attempt=1, seconds=hold_s)
     ids = [node.submit(body) for _ in range(count)]
-    victim_worker = "gpu0"
 
     def validating():
         for export_id in ids:
             export = node.export(export_id)
-            if export["status"] == "running" and export.get("worker") == victim_worker and export.get("stage") == "validate":
-                return export_id
+            if export["status"] == "running" and export.get("stage") == "validate" and export.get("worker") in node.workers:
+                return export_id, export["worker"]
         return None
 
-    victim = farm.until(validating, bool, timeout, "GPU 0's job to reach validate", every=0.2)
+    victim, victim_worker = farm.until(validating, bool, timeout, "a job to reach validate", every=0.2)
+    victim_gpu = node.gpu_of[victim_worker]
     node.failpoints.clear()
     # The dead worker's processes may still be listed on its GPU while the driver frees their memory.
     sampler.retired.update({pid: victim_worker for pid in tree(node.workers[victim_worker].pid)})
@@ -316,8 +316,8 @@ def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: flo
     killed.stop()
     replacement = None
     if gpus == 1:
-        # The only GPU: a new worker bound to it. The dead worker's claim on GPU 0 must be gone.
-        replacement = node.start_worker(0, "gpu0-b")
+        # The only GPU: a new worker bound to it. The dead worker's claim on it must be gone.
+        replacement = node.start_worker(victim_gpu, f"{victim_worker}-b")
         node.wait_workers_ready([replacement])
     ended = wait_all(node, ids, timeout)
     jobs = [job_record(node, ended[i]) for i in ids]
@@ -325,7 +325,7 @@ def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: flo
     others = [j for j in jobs if j["id"] != victim]
     recovered_at = ended[victim]["_ended_at"]
     result = {
-        "killed_worker": victim_worker, "victim": victim, "held_at_validate_s": hold_s, "replacement": replacement, "jobs": jobs,
+        "killed_worker": victim_worker, "killed_gpu": victim_gpu, "victim": victim, "held_at_validate_s": hold_s, "replacement": replacement, "jobs": jobs,
         "recovery_s": None if recovered_at is None else round(recovered_at - killed_at, 1),
         "victim_ready": victim_job["status"] == "ready", "victim_attempts": victim_job["attempts"],
         "victim_finished_by": victim_job["worker"], "victim_finished_on_gpu": victim_job["gpu"],
@@ -393,7 +393,7 @@ def checks_of(result: dict, gpus: int, ep: str) -> dict:
         "pass" if kill["victim_ready"] and kill["victim_attempts"] == 2 else "fail")
     if gpus >= 2:
         checks["it finished on another GPU's worker"] = (
-            "pass" if kill["victim_finished_on_gpu"] not in (None, 0) else "fail")
+            "pass" if kill["victim_finished_on_gpu"] not in (None, kill["killed_gpu"]) else "fail")
     else:
         checks["it finished on a replacement bound to the same GPU (the dead worker's claim released)"] = (
             "pass" if kill["victim_finished_by"] == kill["replacement"] else "fail")
