@@ -66,16 +66,10 @@ TIMINGS = {"HEARTBEAT_S": "2", "LEASE_S": "20", "SWEEP_INTERVAL_S": "1", "REDISP
 
 
 def tree(pid: int) -> set[int]:
-    found, stack = set(), [pid]
-    while stack:
-        p = stack.pop()
-        found.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                stack += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return found
+    """The process and its descendants (a worker and its pool process, and what they started)."""
+    from scale import _tree
+
+    return set(_tree(pid))
 
 
 class Sampler(threading.Thread):
