@@ -29,7 +29,11 @@ from tests.services_fixtures import fresh_postgres_database
 from workers.registry import report_worker
 from workers.runtime_info import RuntimeInfo
 
-LEASE_S = 0.6
+# How long the sweeper lets a silent attempt run (settings.lease_s). A test whose worker must stay
+# live while it writes claims with LIVE_LEASE_S: on a loaded two-core CI machine 0.6 s ran out between
+# a claim and the next write (an attempt fenced that the test meant alive).
+LEASE_S = 1.5
+LIVE_LEASE_S = 60.0
 ORT = "1.31.1"
 
 
@@ -67,10 +71,11 @@ def submit(settings, target_ort=None, **kw) -> str:
         return export.id
 
 
-def claim(settings, export_id, worker="w1", pid=100, ort=ORT, lease_s=None):
-    """A claim as a worker makes it: its lease runs out after LEASE_S (or ``lease_s``) without a renewal."""
+def claim(settings, export_id, worker="w1", pid=100, ort=ORT, lease_s=LIVE_LEASE_S):
+    """A claim as a worker makes it: its own writes are refused once ``lease_s`` passed without a
+    renewal. The sweeper takes the attempt back after settings.lease_s (LEASE_S) of silence."""
     with session_scope(settings.catalog_url) as session:
-        return lifecycle.claim(session, export_id, worker, pid, ort, lease_s or settings.lease_s)
+        return lifecycle.claim(session, export_id, worker, pid, ort, lease_s)
 
 
 def write(settings, operation, *args, **kwargs):
@@ -109,8 +114,7 @@ def test_after_the_lease_expires_every_write_of_the_old_attempt_is_refused(setti
     report = sweeper.sweep()
     assert report.requeued == [export_id] and report.dispatched == [export_id]
     assert len(messages(settings)) == 1  # the sweeper rang for attempt 2
-    # attempt 2's lease must outlive the five refused writes below on a loaded machine (0.6 s did not)
-    new = claim(settings, export_id, "w2", lease_s=30).lease
+    new = claim(settings, export_id, "w2").lease
     assert new.attempt == 2
     for operation, args in [(lifecycle.renew, ()), (lifecycle.record_stage, ("bench", 85)),
                             (lifecycle.begin_publish, ("some/prefix/",)),
@@ -128,7 +132,7 @@ def test_an_expired_lease_is_not_revived_before_the_sweeper_gets_to_it(settings)
     attempt (withdrawing its uploads, then ending the row): the worker coming back in between must
     neither renew nor finish it, or the row ends ready over a withdrawn store."""
     export_id = submit(settings)
-    lease = claim(settings, export_id, "w1").lease
+    lease = claim(settings, export_id, "w1", lease_s=LEASE_S).lease
     assert write(settings, lifecycle.renew, lease) is False  # live: renewed
     time.sleep(LEASE_S + 0.1)  # no sweep has run: the row is still this attempt's, running
     for operation, args in [(lifecycle.renew, ()), (lifecycle.record_stage, ("bench", 85)),
