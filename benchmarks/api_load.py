@@ -78,6 +78,8 @@ from pathlib import Path
 
 import httpx
 
+from scale import process_tree  # the script's own folder is on the path
+
 REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -260,18 +262,6 @@ def latency_summary(latencies_s: list[float]) -> dict:
     ms = lambda v: round(v * 1000, 2)
     return {"count": len(values), "mean_ms": ms(sum(values) / len(values)), "p50_ms": ms(percentile(values, 0.5)),
             "p90_ms": ms(percentile(values, 0.9)), "p99_ms": ms(percentile(values, 0.99)), "max_ms": ms(values[-1])}
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (via /proc/<pid>/task/<tid>/children)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{current}/task"):
-                todo += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
-    return found
 
 
 def proc_stat(pid: int) -> tuple[str, float, float] | None:

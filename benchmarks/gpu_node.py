@@ -56,6 +56,7 @@ import httpx  # noqa: E402
 
 from tests import farm  # noqa: E402
 from tests.s3_server import SeaweedS3, free_ports  # noqa: E402
+from scale import process_tree  # noqa: E402
 
 ADMIN = "gpu-node-admin-token-0123456789abcdef"
 TERMINAL = ("ready", "failed", "cancelled", "quarantined")
@@ -63,13 +64,6 @@ GIB = 1024 ** 3
 # A lost worker's job is re-dispatched a lease after its last heartbeat.
 TIMINGS = {"HEARTBEAT_S": "2", "LEASE_S": "20", "SWEEP_INTERVAL_S": "1", "REDISPATCH_S": "5", "WORKER_REPORT_S": "2",
            "SHUTDOWN_GRACE_S": "5"}
-
-
-def tree(pid: int) -> set[int]:
-    """The process and its descendants (a worker and its pool process, and what they started)."""
-    from scale import _tree
-
-    return set(_tree(pid))
 
 
 class Sampler(threading.Thread):
@@ -108,7 +102,7 @@ class Sampler(threading.Thread):
     def sample(self) -> None:
         owners = dict(self.retired)
         for name, process in list(self.workers.items()):
-            for pid in tree(process.pid):
+            for pid in process_tree(process.pid):
                 owners[pid] = name
         used, held = [], {}
         for index, handle in enumerate(self.handles):
@@ -302,7 +296,7 @@ def kill_phase(node: Node, sampler: Sampler, body: dict, gpus: int, timeout: flo
     victim_gpu = node.gpu_of[victim_worker]
     node.failpoints.clear()
     # The dead worker's processes may still be listed on its GPU while the driver frees their memory.
-    sampler.retired.update({pid: victim_worker for pid in tree(node.workers[victim_worker].pid)})
+    sampler.retired.update({pid: victim_worker for pid in process_tree(node.workers[victim_worker].pid)})
     node.workers[victim_worker].signal(signal.SIGKILL)
     node.workers[victim_worker].proc.wait(timeout=30)
     killed_at = time.monotonic()

@@ -52,7 +52,8 @@ SAMPLE_S = 0.02
 # --- sampling a process tree ----------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (via /proc/<pid>/task/<tid>/children); used by the other benchmarks too."""
     found, stack = [], [pid]
     while stack:
         p = stack.pop()
@@ -129,7 +130,7 @@ def run_sampled(cmd: list[str], log: Path, env: dict | None = None, gpu: GpuMemo
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
         last_gpu = 0.0
         while proc.poll() is None:
-            pids = _tree(proc.pid)
+            pids = process_tree(proc.pid)
             anon = file = 0
             for p in pids:
                 a, f = _status(p)
