@@ -130,6 +130,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="cuda: run every decode step without CUDA graph capture (default: capture where the variant allows)")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -137,6 +139,7 @@ def _cmd_bench(args) -> int:
     from exporter.packaging.package import add_files_to_manifest
     from exporter.reports.bench_report import write_report
     from exporter.runtime.bench import run_bench
+    from exporter.runtime.isolated import run_isolated
 
     if args.ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown execution provider {args.ep!r}: use cpu or cuda")
@@ -154,7 +157,12 @@ def _cmd_bench(args) -> int:
 
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise ExportError("this onnxruntime has no CUDAExecutionProvider: install onnxruntime-gpu or use --ep cpu")
-    result = run_bench(args.dir, args.ep, contexts, args.steps, args.warmup, batches=batches)
+    # In a process of its own: a crash inside onnxruntime's kernels ends the command with a message
+    # naming the step, not with a bare "Segmentation fault".
+    result = run_isolated(run_bench, args.dir, args.ep, contexts, args.steps, args.warmup, batches=batches,
+                          cuda_graph=False if args.no_cuda_graph else None, what=f"bench of {args.dir}",
+                          crash_advice="try --no-cuda-graph, or an export with other activations (int4 / int8: "
+                                       "--quant-activations) or another variant")
     png, md = write_report(args.dir / BENCH_FILE)
     if (args.dir / MANIFEST_FILE).is_file():
         add_files_to_manifest(args.dir, [BENCH_FILE, png.name, md.name])

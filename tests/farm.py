@@ -90,9 +90,12 @@ class Failpoints:
         self.path = path
         self.clear()
 
-    def set(self, point: str, attempt: int | None = 1, seconds: float = 3600, export: str = "*") -> None:
+    def set(self, point: str, attempt: int | None = 1, seconds: float = 3600, export: str = "*",
+            crash: str | None = None) -> None:
+        """Hold the job at ``point`` for ``seconds``; with ``crash`` ("SIGSEGV", "SIGABRT") crash its
+        stage process there inside native code instead."""
         table = json.loads(self.path.read_text())
-        table[export] = {"point": point, "attempt": attempt, "seconds": seconds}
+        table[export] = {"point": point, "attempt": attempt, "seconds": seconds, **({"crash": crash} if crash else {})}
         self._write(table)
 
     def clear(self) -> None:

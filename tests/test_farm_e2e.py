@@ -223,7 +223,7 @@ def test_worker_killed_in_a_stage_is_finished_by_the_other_once(api, s3, pool, f
     killed_at = time.time()
     pool.fill()
     export = wait_done(api, posted["id"])
-    assert export["attempts"] == 2 and export["worker"] != held["worker"], export["events"]
+    assert export["attempts"] == 2 and export["worker"] != held["worker"], [e["message"] for e in export["events"]]
     taken_over = event_time(export, lambda e: (e["message"] or "").startswith("attempt 2 started"))
     assert taken_over - killed_at < LEASE_S + 2 * SWEEP_S + 2.0  # within lease + sweep interval (+ a beat)
     assert any("attempt 1 lost" in (e["message"] or "") for e in export["events"])
@@ -311,6 +311,30 @@ def test_a_poison_job_fails_after_max_attempts_with_the_reason(api, pool, failpo
     assert failed["status"] == "failed" and failed["attempts"] == MAX_ATTEMPTS
     assert f"gave up after {MAX_ATTEMPTS} lost attempts" in failed["error"]
     assert "during validate" in failed["error"] and "pool process died" in failed["error"]
+
+
+@pytest.mark.parametrize("stage", ["validate", "bench"])
+def test_a_native_crash_fails_the_job_once_with_the_reason_and_the_worker_lives_on(api, s3, pool, failpoints, stage):
+    """A kernel bug (here a planted read of address 0 inside the stage process, crashing it with SIGSEGV
+    at every attempt) ends the job failed at its first attempt, naming the crash and the stage; the
+    worker and its pool process stay up and run the next job."""
+    failpoints.set(stage, attempt=None, crash="SIGSEGV")
+    body = {"model": "tiny-qwen2", "dtype": "fp16", "ep": "cpu", "variant": "attn_dynamic",
+            "max_seq_len": {"validate": 72, "bench": 76}[stage]}
+    posted = api.post("/exports", json=body).json()
+    held = wait_for(api, posted["id"], lambda e: e["worker"], what="a claim")
+    worker = pool.holding(held)
+    children = worker.pool_children()
+    failed = wait_done(api, posted["id"])
+    assert failed["status"] == "failed" and failed["attempts"] == 1, failed["events"]
+    what = {"validate": "validation of the fp16 attn_dynamic export", "bench": "the benchmark of the validated fp16"}[stage]
+    assert what in failed["error"] and "died of SIGSEGV inside native code" in failed["error"], failed["error"]
+    assert f"while the {stage} failpoint's planted crash" in failed["error"]
+    assert not any("lost" in (e["message"] or "") for e in failed["events"])  # failed, never retried
+    assert worker.alive() and worker.pool_children() == children  # neither the worker nor its pool process died
+    failpoints.clear()
+    body["max_seq_len"] += 100
+    assert wait_done(api, api.post("/exports", json=body).json()["id"])["status"] == "ready"
 
 
 def test_cancel_while_running(api, s3, pool, failpoints):

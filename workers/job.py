@@ -33,14 +33,14 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from exporter import __version__, checkpoints
 from exporter.cache import trim_hub_cache, trim_lru
-from exporter.runtime.bench import run_bench
+from exporter.runtime.isolated import ProcessLost, run_isolated
 from exporter.reports.bench_report import write_report
 from exporter.contract import BENCH_FILE, DATA_FILE
 from exporter.reports.diff import ExportArtifacts
 from exporter.errors import ExportError
 from exporter.packaging.hf_layout import write_hf_layout
 from exporter.packaging.package import Manifest
-from exporter.pipeline import Progress, build_export, validate_built
+from exporter.pipeline import Progress, build_export
 from exporter.request import ExportRequest
 from exporter.packaging.resolve import ResolvedSource, resolve_hub_source, resolve_source
 from exporter.versions import ort_version
@@ -49,13 +49,14 @@ from services.catalog.database import session_scope
 from services.catalog.exports import outcome_fields, request_of
 from services.catalog.models import Export, ExportStatus
 from services.lifecycle import CancelRequested, Fenced, Lease
-from services.publish import StoreReferences, export_prefix, publish_export, unpublish
+from services.publish import export_prefix, publish_export, unpublish
 from services.regressions import diff_with_predecessor
 from services.settings import Settings
 from services.sources import UNRESOLVED_PREFIX, locate_model
 from services.storage import ArtifactStore, StorageError
 from services.storage_factory import make_store
 from workers import failpoints
+from workers.stages import bench_stage, validate_stage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,6 +145,11 @@ class LeaseKeeper:
     def note_cancel(self, cancel: bool) -> None:
         if cancel:
             self._cancel.set()
+
+    def owned_until(self) -> float:
+        """The monotonic time until which this attempt trusts its lease without renewing it: how long
+        a stage process may go on without hearing from the worker again."""
+        return self._renewed_at + self.window_s
 
     def check_owned(self) -> None:
         """Raise Fenced unless this attempt still owns the job (renewing first if the window passed)."""
@@ -334,13 +340,30 @@ def build(job: Job, record: JobRecord) -> None:
     record.manifest = manifest.data
 
 
+def _described(record: JobRecord, ep: str) -> str:
+    """The export as crash messages name it: what it computes in, where."""
+    quant = (record.manifest or {}).get("quantization") or {}
+    activations = quant.get("activations")
+    return (f"{record.request['dtype']} {(record.manifest or {}).get('variant', '')} export"
+            + (f" ({activations} activations)" if activations else "") + f" on {ep}")
+
+
+def _isolated(job: Job, target, *args, what: str, crash_advice: str, **kwargs):
+    """``target`` in a stage process of its own (exporter.runtime.isolated): the worker stays up
+    whatever the kernels do, and keeps the job's lease while the stage process works."""
+    return run_isolated(target, *args, what=what, poll=job.keeper.check, owned_until=job.keeper.owned_until,
+                        crash_advice=crash_advice, **kwargs)
+
+
 def validate(job: Job, record: JobRecord) -> None:
-    manifest = Manifest(record.manifest)
     ep = job.settings.validate_ep or record.request["ep"]
-    shared = StoreReferences(job.store, job.keeper.check, log.warning)
-    report = validate_built(job.export_dir, manifest, str(record.resolved_source().path), ep, job.progress,
-                            job.settings.quality_thresholds, job.settings.data_dir / "references", shared)
-    record.parity_report = report.to_json()
+    record.manifest, record.parity_report = _isolated(
+        job, validate_stage, str(job.export_dir), record.manifest, str(record.resolved_source().path), ep,
+        job.settings.quality_thresholds, str(job.settings.data_dir / "references"), job.settings,
+        record.export_id, job.lease.attempt, progress=job.progress,
+        what=f"validation of the {_described(record, ep)}",
+        crash_advice="the export cannot be validated on this onnxruntime: request another variant or activation "
+                     "dtype (quant.activations), or validate on another execution provider (VALIDATE_EP)")
 
 
 def bench(job: Job, record: JobRecord) -> None:
@@ -348,15 +371,15 @@ def bench(job: Job, record: JobRecord) -> None:
         return  # a quarantined export is published with its report, not benchmarked
     job.progress.stage("bench")
     started = time.perf_counter()
-
-    def should_stop() -> bool:
-        job.keeper.check()  # raises when the job must stop
-        return False
-
     settings = job.settings
-    run_bench(job.export_dir, ep=settings.validate_ep or record.request["ep"], contexts=settings.bench_contexts,
-              batches=settings.bench_batches, steps=settings.bench_steps, repeats=settings.bench_repeats,
-              should_stop=should_stop)
+    ep = settings.validate_ep or record.request["ep"]
+    _isolated(job, bench_stage, str(job.export_dir), ep, settings.bench_contexts, settings.bench_batches,
+              settings.bench_steps, settings.bench_repeats, record.export_id, job.lease.attempt,
+              what=f"the benchmark of the validated {_described(record, ep)}",
+              crash_advice="a serving runtime that drives the export as the benchmark does (IO binding, CUDA graphs) "
+                           "may crash the same way; `exportfarm bench DIR --no-cuda-graph` runs it without graph "
+                           "capture, and another activation dtype (quant.activations) or variant avoids the kernels "
+                           "involved")
     png, md = write_report(job.export_dir / BENCH_FILE)
     manifest = Manifest(record.manifest)
     manifest.add_files(job.export_dir, [BENCH_FILE, png.name, md.name])
@@ -618,6 +641,14 @@ def _run(job: Job, record: JobRecord) -> str:
     except SoftTimeLimitExceeded:
         return _end_unpublished(job, ExportStatus.FAILED, f"exceeded the time limit of "
                                 f"{job.settings.task_soft_time_limit_s} s during {stage}")
+    except ProcessLost as err:
+        # The stage process was killed from outside (the kernel's OOM killer), as a pool process can be:
+        # the attempt is lost, not the export; the sweeper gives it another until MAX_ATTEMPTS.
+        log.warning("%s: %s", job.lease, err)
+        with session_scope(job.settings.catalog_url) as session:
+            lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
+                                   f"during {stage}: {err}")
+        return "released"
     except StorageError as err:
         # The store stayed down through every retry: this attempt is lost, not the export. Its
         # checkpoints stay, so the next attempt on this worker resumes at publish.

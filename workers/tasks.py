@@ -66,9 +66,13 @@ def register(app: Celery) -> None:
 @signals.worker_process_init.connect
 def _fresh_connections(**_kwargs) -> None:
     """Each pool child opens its own database connections instead of sharing the parent's."""
+    from exporter.runtime import isolated
     from services.catalog.database import forget_inherited_connections
 
     forget_inherited_connections()
+    # The validate and bench stages run in stage processes forked from one server per pool process:
+    # torch and transformers imported there once, not in every stage process.
+    isolated.preload(["torch", "transformers"])
 
 
 @signals.worker_ready.connect

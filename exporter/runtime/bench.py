@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.contract import BENCH_FILE, MODEL_FILE
+from exporter.runtime.isolated import phase
 from exporter.runtime.session import Decoder, read_metadata
 
 # Untimed prefills of each shape before the timed one.
@@ -81,6 +82,7 @@ def bench_contexts(decoder: Decoder, contexts, steps: int, warmup: int, buffer_f
     results = []
     for ctx in contexts:
         buffer = buffer_for(ctx)
+        phase(f"prefilling {ctx} tokens, batch {batch}, into a {buffer}-position buffer")
         prefill_s, caches = timed_prefill(decoder, rng.integers(3, vocab, size=(batch, ctx)), buffer, prefill_warmup)
         times, _ = decoder.decode_bound(caches, ctx, buffer, steps, warmup, should_stop)
         results.append(ContextResult(ctx, float(np.median(times)), float(np.percentile(times, 90)), len(times),

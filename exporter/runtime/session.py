@@ -31,6 +31,7 @@ import onnx
 
 from exporter.request import Variant
 from exporter.runtime.device import cuda_provider
+from exporter.runtime.isolated import phase
 from exporter.contract import (
     ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, META_CONFIG, META_PREFIX,
     META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, numpy_of_ort,
@@ -145,6 +146,7 @@ class Decoder:
         self.ep, self.device, self.cuda_graph = ep, "cuda" if ep == "cuda" else "cpu", cuda_graph
         self.device_id = int(providers[0][1]["device_id"]) if ep == "cuda" else 0
         self.providers = providers
+        phase(f"creating the {ep} session of {self.model_path.parent.name}" + (" for CUDA graphs" if cuda_graph else ""))
         self.session = ort.InferenceSession(str(self.model_path), session_options, providers=providers)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -371,6 +373,8 @@ class Decoder:
             self._graph_ids += 1
             graph_id = self._graph_ids  # one captured graph per buffer set (addresses differ)
         batch = next(iter(caches.values())).shape()[0]
+        phase(f"decoding {warmup + steps} steps after {past} positions, batch {batch}"
+              + (f" (CUDA graph {graph_id}: captured on the first run, replayed after)" if graph_id >= 0 else ""))
         ones = np.ones((batch, 1), np.int64)
         fixed = {name: self._device_value(array) for name, array in self._bound_feeds(ones, past, buffer).items()}
         logits = self._device_empty((batch, 1, self.vocab), BY_ORT[self.session.get_outputs()[0].type])
@@ -436,6 +440,7 @@ class Decoder:
         bridge in ORT), cast on the device by a one-node session."""
         if value.data_type() != DTYPES["bf16"].ort:
             return value.numpy()
+        phase("reading bf16 logits back to the host (a one-node Cast session)")
         if self._cast is None:
             import onnx_ir as ir
 
@@ -445,7 +450,11 @@ class Decoder:
             y.name, y.type, y.shape = "y", ir.TensorType(ir.DataType.FLOAT), ir.Shape(["d0", "d1", "d2"])
             graph = ir.Graph([x], [y], nodes=[node], opset_imports={"": 21})
             proto = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
-            self._cast = self.ort.InferenceSession(proto, providers=self.providers)
+            # Never captured: its input is a new buffer and its output a host copy at every call, and a
+            # replayed graph would read and write the first call's addresses (a graph-enabled Cast
+            # session here crashed every bf16 bench with SIGSEGV on its third call: onnxruntime-gpu 1.31.1).
+            providers = [cuda_provider()] if self.device == "cuda" else ["CPUExecutionProvider"]
+            self._cast = self.ort.InferenceSession(proto, providers=providers)
         binding = self._cast.io_binding()
         binding.bind_ortvalue_input("x", value)
         binding.bind_output("y", "cpu")

@@ -26,6 +26,7 @@ from exporter.graph.components.moe import ROUTING_CUDA_SPARSE_MIXER
 from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
+from exporter.validation.gates.rehearsal import captures, rehearsal_gate
 from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
 from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
@@ -247,6 +248,10 @@ def validate_export(
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
                                          shared_references, runtime, timings, own, compat)
         checkpoints.checkpoint()
+        if captures(variant, ep):  # the benchmark and serving runtimes capture CUDA graphs: rehearse that
+            t0 = time.perf_counter()
+            runtime.append(rehearsal_gate(manifest, cfg, activations, ep))
+            timings["rehearsal"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         own = own or {}
         genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),
