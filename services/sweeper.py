@@ -273,23 +273,25 @@ class Sweeper:
 
     # --- 4. and 5. sending -------------------------------------------------------------------------
 
-    def ring(self, export_id: str, queue: str, *, first: bool, placed_on: str | None = None) -> bool:
+    def ring(self, export_id: str, queue: str, *, first: bool, placed_on: str | None, attempts: int) -> bool:
         """Send one export's message and note when; False (and nothing noted) if the broker refused.
-        ``placed_on``: the worker class the message went to, noted only while the row still names it
-        (a worker may hand the job to another class meanwhile: that class is then sent its own)."""
+
+        The send is noted only while the row is still the one the message was addressed from: queued
+        at ``attempts``, on worker class ``placed_on`` (None: a row that names no class, an older
+        one), unsent for a ``first`` send and sent for a ring again. A worker may hand the job to
+        another class between the read and the note (the row then names that class and is unsent):
+        noting this send over it would mark the job sent to a class that was never sent a message."""
         try:
             self.queue.send(export_id, queue)
         except BrokerUnavailable as err:
             log.warning("could not send export %s to %s: %s", export_id, queue, err)
             return False
         with session_scope(self._url) as session:
-            conditions = [Export.id == export_id, Export.status == ExportStatus.QUEUED]
-            if first:
-                conditions.append(Export.dispatched_at.is_(None))
-            if placed_on is not None:
-                conditions.append(Export.queue == placed_on)
-            session.execute(update(Export).where(*conditions).values(dispatched_at=db_now(session))
-                            .execution_options(synchronize_session=False))
+            session.execute(update(Export).where(
+                Export.id == export_id, Export.status == ExportStatus.QUEUED, Export.attempts == attempts,
+                Export.queue.is_(None) if placed_on is None else Export.queue == placed_on,
+                Export.dispatched_at.is_(None) if first else Export.dispatched_at.is_not(None),
+            ).values(dispatched_at=db_now(session)).execution_options(synchronize_session=False))
         return True
 
     def dispatch(self, report: SweepReport, grace_s: float | None = None) -> None:
@@ -312,7 +314,7 @@ class Sweeper:
                 continue  # a re-export waits while any user export of its EP does
             placed = current_queue(self.settings, export.queue, export.ep)
             if not self.ring(export.id, queue_for(export.ep, export.target_ort, placed), first=True,
-                             placed_on=export.queue):
+                             placed_on=export.queue, attempts=export.attempts):
                 report.problems.append(f"{export.id}: the broker is unavailable; sending it next sweep")
                 return
             report.dispatched.append(export.id)
@@ -320,7 +322,8 @@ class Sweeper:
     def redispatch(self, report: SweepReport) -> None:
         with session_scope(self._url) as session:
             horizon = db_now(session) - datetime.timedelta(seconds=self.settings.redispatch_s)
-            waiting = session.execute(select(Export.id, Export.ep, Export.target_ort, Export.queue).where(
+            waiting = session.execute(select(
+                Export.id, Export.ep, Export.target_ort, Export.queue, Export.attempts).where(
                 Export.status == ExportStatus.QUEUED, Export.dispatched_at < horizon,
                 Export.cancel_requested.is_(False))).all()
             if not waiting:
@@ -331,7 +334,7 @@ class Sweeper:
         for row in waiting:
             queue = queue_for(row.ep, row.target_ort, current_queue(self.settings, row.queue, row.ep))
             if queue in idle_queues:
-                if not self.ring(row.id, queue, first=False):
+                if not self.ring(row.id, queue, first=False, placed_on=row.queue, attempts=row.attempts):
                     report.problems.append(f"{row.id}: the broker is unavailable; ringing again next sweep")
                     return
                 report.redispatched.append(row.id)

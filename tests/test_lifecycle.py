@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from exporter.request import ExportRequest
 from services import lifecycle
 from services.catalog.database import session_scope, upgrade_schema
-from services.catalog.models import Export, ExportEvent, ExportStatus
+from services.catalog.models import Export, ExportEvent, ExportStatus, db_now
 from services.jobs import request_cancel, submit_export
 from services.lifecycle import CancelRequested, Fenced
 from services.publish import export_prefix, publish_export, read_published_manifest
@@ -191,7 +191,7 @@ def request_cancel_now(settings, sweeper, export_id):
 
 def test_a_lost_message_is_sent_again_once_a_worker_of_its_queue_idles(settings, sweeper):
     export_id = submit(settings)
-    assert sweeper.ring(export_id, "cpu", first=True)
+    assert sweeper.ring(export_id, "cpu", first=True, placed_on=row(settings, export_id).queue, attempts=0)
     for name in messages(settings):  # a worker took the message and died before claiming
         (settings.queue_dir / "in" / name).unlink()
     time.sleep(0.6)
@@ -203,6 +203,62 @@ def test_a_lost_message_is_sent_again_once_a_worker_of_its_queue_idles(settings,
     report_worker(settings, "idle-node", f"cpu,cpu.ort-{ORT}", RuntimeInfo("idle-node", ORT, None, None, ()))
     assert sweeper.sweep().redispatched == [export_id]
     assert len(messages(settings)) == 1
+
+
+class TakenAtOnce:
+    """The sweeper's real queue, with a worker that reads each message the moment it is sent."""
+
+    def __init__(self, queue, read):
+        self.queue, self.read = queue, read
+
+    def send(self, export_id: str, queue: str) -> None:
+        self.queue.send(export_id, queue)
+        self.read(export_id, queue)
+
+    def check(self) -> None:
+        self.queue.check()
+
+
+@pytest.mark.parametrize("sent_by", ["ring again", "outbox, an older row without a class"])
+def test_a_job_handed_to_another_class_while_the_sweeper_sends_it_is_sent_to_that_class(settings, sent_by):
+    """The sweeper reads a queued job on class cpu and sends it there; the cpu worker reads the message
+    at once, cannot hold the job and hands it to cpu-large (unsent again) before the sweeper notes its
+    send. The note must not land on the handed-over row: it once did (a ring again noted whatever class
+    the row named; an older row, without a class, too), and the job waited marked sent to cpu-large,
+    whose queue never got a message (nor, autoscaled on its queue, a worker)."""
+    from workers.job import WorkerIdentity, run_export_job
+
+    classes = {"cpu": {"ep": "cpu", "memory_gb": 10, "disk_gb": 100},
+               "cpu-large": {"ep": "cpu", "memory_gb": 24, "disk_gb": 100}}
+    farm = settings.model_copy(update={"queue_classes": classes})
+    small = farm.model_copy(update={"worker_memory_gb": 0.2, "worker_queues": "cpu"})  # cannot hold it
+    export_id = submit(farm)
+    assert row(farm, export_id).queue == "cpu"
+    handed = []
+
+    def cpu_worker(sent_id: str, queue: str) -> None:
+        if queue == "cpu":
+            handed.append(run_export_job(small, sent_id, WorkerIdentity("small", os.getpid())))
+
+    sweeper = Sweeper(farm, TakenAtOnce(CeleryQueue(farm), cpu_worker), make_store(farm))
+    if sent_by == "ring again":
+        with session_scope(farm.catalog_url) as session:  # sent once; the message was lost since
+            session.get(Export, export_id).dispatched_at = db_now(session)
+        report_worker(farm, "small", f"cpu,cpu.ort-{ORT}", RuntimeInfo("small", ORT, None, None, ()))
+        time.sleep(farm.redispatch_s + 0.1)
+    else:
+        with session_scope(farm.catalog_url) as session:  # placed before exports recorded a class
+            session.get(Export, export_id).queue = None
+        time.sleep(0.6)  # past the grace the API has to send its own
+    first = sweeper.sweep()
+    assert handed == ["rerouted"] and export_id in first.dispatched + first.redispatched
+    assert row(farm, export_id).queue == "cpu-large" and messages(farm, "cpu-large") == []
+    time.sleep(0.6)
+    assert sweeper.sweep().dispatched == [export_id]  # the outbox sends the new class its own message
+    assert len(messages(farm, "cpu-large")) == 1
+    sent = row(farm, export_id)
+    assert (sent.status, sent.queue, sent.attempts) == (ExportStatus.QUEUED, "cpu-large", 0)
+    assert sent.dispatched_at is not None
 
 
 def published_export(settings, exported, export_id, lease):

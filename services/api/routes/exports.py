@@ -39,7 +39,7 @@ def create_export(body: ExportCreate, response: Response, session: SessionDep, c
     # If the broker does not take the message now, the sweeper sends it once the broker is back:
     # the request is accepted either way.
     sent = context.sweeper.ring(export.id, queue_for(export.ep, export.target_ort, export.queue), first=True,
-                                placed_on=export.queue)
+                                placed_on=export.queue, attempts=export.attempts)
     context.metrics.submissions.labels("queued" if sent else "queued-unsent").inc()
     session.refresh(export)
     response.headers["Location"] = f"/exports/{export.id}"
