@@ -92,7 +92,7 @@ def main() -> None:
             export_s = time.perf_counter() - t0
             manifest = json.loads((out / "manifest.json").read_text())
             gates, _ = weight_integrity(out / "model.onnx", manifest, Checkpoint(checkpoint), request.dtype.value,
-                                        request.activations_for(checkpoint).value)
+                                        request.activations.value)
             runner = RawPrefill(out / "model.onnx", heads, head_dim)
             figures = {}
             for kind in ("dequantized", "kernel"):

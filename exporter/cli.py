@@ -60,8 +60,8 @@ def add_export_parser(sub) -> None:
                    help="int4: comma-separated decoder layers whose projections get 8 bits (mixed precision; "
                         "`exportfarm quant-plan` measures which)")
     p.add_argument("--quant-activations", default=None, choices=("fp16", "bf16"),
-                   help="int4 / int8 on cuda: the activation dtype (default: bf16 for a checkpoint trained in "
-                        "bf16, else fp16)")
+                   help="int4 / int8 on cuda: the activation dtype (default: measured on the checkpoint: fp16 "
+                        "where its activations fit fp16 with room to spare, else bf16)")
     p.add_argument("--quant-keep", default="",
                    help="int4 / int8: comma-separated roles kept unquantized: lm_head, first_layer, last_layer, embedding")
     p.add_argument("--quant-accuracy-level", type=int, default=None,

@@ -65,8 +65,13 @@ def _publish_dir(staging: Path, out_dir: Path) -> None:
 def build_export(
     request: ExportRequest, source: ResolvedSource, out_dir: Path, progress: Progress | None = None,
     export_id: str | None = None, timings: dict[str, float] | None = None, rope_cache: Path | None = None,
+    reference_cache: Path | None = None, shared_references=None,
 ) -> Manifest:
     """Stages build, fold and package: write the model, its weights and the genai package into ``out_dir``.
+
+    A quantized cuda export without chosen activations first measures the checkpoint's activations
+    (``activation_range.choose_activations``: one pass of the streamed reference over the quality
+    gate's text, whose logits are kept in ``reference_cache`` / ``shared_references`` for validation).
 
     Returns the manifest in memory (files, versions, op census, where every weight came from);
     nothing is written to ``out_dir / manifest.json``, so a directory without one is never mistaken
@@ -78,7 +83,10 @@ def build_export(
 
     t0 = time.perf_counter()
     progress.stage("build")
-    built = build_model(request, source, on_layer=progress.layer, rope_cache=rope_cache)
+    activations, chosen = _activations(request, source, reference_cache, shared_references)
+    if chosen["by"] == "measurement":
+        timings["activation_range"] = time.perf_counter() - t0
+    built = build_model(request, source, on_layer=progress.layer, rope_cache=rope_cache, activations=activations)
     timings["build"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -112,7 +120,8 @@ def build_export(
             "method": request.quant.method,
             "algorithm": METHOD_DESCRIPTIONS[request.quant.method]
                          + ("; experts through QMoE, round to nearest (int8: one scale per row)" if built.config.moe else ""),
-            "dtype": request.dtype.value, "activations": built.activations.value, **request.quant.to_dict(),
+            "dtype": request.dtype.value, "activations": built.activations.value, "activations_chosen": chosen,
+            **request.quant.to_dict(),
             "weights": folded.quantization,
         }
         if built.checkpoint.prequantized is not None:  # its linears keep their codes; the method applies to the rest
@@ -124,6 +133,16 @@ def build_export(
     if request.layout == hf_layout.LAYOUT:
         hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating
     return manifest
+
+
+def _activations(request: ExportRequest, source: ResolvedSource, reference_cache, shared) -> tuple:
+    """(what the export computes in, why): measured for a quantized cuda export without a choice."""
+    from exporter.graph.architectures import ARCHITECTURES
+    from exporter.graph.config import load_model_config
+    from exporter.validation.activation_range import choose_activations
+
+    cfg = load_model_config(source.path, ARCHITECTURES)
+    return choose_activations(request, source, cfg.num_layers, cfg.vocab_size, reference_cache, shared)
 
 
 def validate_built(
@@ -187,7 +206,7 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
-        manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache)
+        manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache, reference_cache)
         report = None
         if validate:
             report = validate_built(staging, manifest, reference or str(source.path), validate_ep or request.ep.value,

@@ -31,51 +31,18 @@ class EP(str, enum.Enum):
     CUDA = "cuda"
 
 
-def activation_dtype(dtype: DType, ep: EP, chosen: str | None = None, trained_in_bf16: bool = False) -> DType:
-    """The dtype of activations, caches and unquantized weights. A quantized export computes in fp32
-    on cpu (x86 has no fast fp16 GEMM, and onnxruntime's CPU MatMulNBits has no bf16 kernel). On
-    cuda it computes in ``chosen`` (the request's quant activations) or, by default, in bf16 for a
-    checkpoint trained in bf16 and fp16 otherwise: a bf16-trained model's activations are only known
-    to fit bf16's range (a real Gemma 3 in fp16 overflows to NaN; every op of a quantized export has
-    a bf16 CUDA kernel from onnxruntime 1.23 on, MatMulNBits on sm80 and newer GPUs)."""
+def activation_dtype(dtype: DType, ep: EP, chosen: str | None = None) -> DType:
+    """The dtype of activations, caches and unquantized weights, as far as the request alone says. A
+    quantized export computes in fp32 on cpu (x86 has no fast fp16 GEMM, and onnxruntime's CPU
+    MatMulNBits has no bf16 kernel). On cuda it computes in ``chosen`` (the request's quant
+    activations); without one, the pipeline measures the checkpoint
+    (``exporter.validation.activation_range.choose_activations``): fp16 unless the model's activations
+    do not fit it, and fp16 is what this function answers before that measurement."""
     if not dtype.quantized:
         return dtype
     if ep is not EP.CUDA:
         return DType.FP32
-    if chosen is not None:
-        return DType(chosen)
-    return DType.BF16 if trained_in_bf16 else DType.FP16
-
-
-def trained_in_bf16(checkpoint_dir) -> bool:
-    """Whether a checkpoint says it was trained in bf16: config.json's dtype (torch_dtype), else
-    every floating tensor of its safetensors stored in bf16. For a GPTQ / AWQ checkpoint, whether its
-    scales are bf16 (an fp16 scale does not fit bf16, nor a bf16 one fp16)."""
-    from pathlib import Path
-
-    import onnx_ir as ir
-
-    from exporter.graph.config import read_raw_config
-    from exporter.packaging.checkpoint import Checkpoint
-
-    try:
-        config = read_raw_config(Path(checkpoint_dir))
-    except ExportError:
-        config = {}
-    config = config if isinstance(config, dict) else {}
-    if (config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq"):
-        try:  # its packed linears' scales decide: activations of their dtype keep them exact
-            return Checkpoint(Path(checkpoint_dir)).packed_scales_dtype is ir.DataType.BFLOAT16
-        except Exception:
-            return False
-    config = {**(config.get("text_config") or {}), **config}
-    said = config.get("dtype") or config.get("torch_dtype")
-    if isinstance(said, str):
-        return said == "bfloat16"
-    try:
-        return Checkpoint(Path(checkpoint_dir)).floating_dtypes() == {ir.DataType.BFLOAT16}
-    except Exception:
-        return False
+    return DType(chosen) if chosen is not None else DType.FP16
 
 
 # What a weight-only export keeps at higher precision, by tensor role.
@@ -291,16 +258,9 @@ class ExportRequest:
 
     @property
     def activations(self) -> DType:
-        """The activation dtype where it does not depend on the checkpoint (``activations_for``
-        decides for a quantized cuda export without a chosen one; either way a half precision)."""
+        """The activation dtype as far as the request says (a quantized cuda export without a chosen one
+        is measured on its checkpoint by the pipeline: ``activation_range.choose_activations``)."""
         return activation_dtype(self.dtype, self.ep, self.quant.activations if self.quant else None)
-
-    def activations_for(self, checkpoint_dir) -> DType:
-        """The activation dtype this request computes in on the checkpoint at ``checkpoint_dir``."""
-        chosen = self.quant.activations if self.quant else None
-        if self.dtype.quantized and self.ep is EP.CUDA and chosen is None:
-            return activation_dtype(self.dtype, self.ep, None, trained_in_bf16(checkpoint_dir))
-        return self.activations
 
 
 def build_tag(layout: str | None, compat: bool | None) -> str:

@@ -265,28 +265,54 @@ def _bf16_trained(source, out):
     return out
 
 
-def test_a_cuda_quantized_export_of_a_bf16_trained_checkpoint_computes_in_bf16(checkpoint, tmp_path):
-    """A bf16-trained model's activations may not fit fp16 (a real Gemma 3 int4 in fp16 gave NaN):
-    its quantized cuda export computes in bf16 by default, scales quantized as fp16's are, and the
-    weight gate holds every quantized slice to its source bit for bit; fp16 can still be chosen."""
+def _loud(source, out, scale):
+    """``source`` with its embedding rows ``scale`` times larger: activations far beyond a trained
+    model's, as a real Gemma 3's residual stream goes past fp16's largest value."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v * scale if "embed_tokens" in k else v for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    return out
+
+
+def test_a_cuda_quantized_export_computes_in_the_activations_measured_on_its_checkpoint(checkpoint, tmp_path):
+    """The activation dtype of a quantized cuda export is measured, not read off config.json: a
+    bf16-trained checkpoint whose activations fit fp16 computes in fp16; one whose activations come
+    within a factor 2 of fp16's largest value computes in bf16, its scales in bf16 and the weight gate
+    holding every quantized slice to its source; the manifest says why; a chosen dtype is kept."""
     from exporter.validation.gates.weights import weight_integrity
     from exporter.packaging.checkpoint import Checkpoint
 
-    source = _bf16_trained(checkpoint("gemma3_text"), tmp_path / "bf16-ckpt")
+    quiet = _export(_bf16_trained(checkpoint("gemma3_text"), tmp_path / "bf16-ckpt"), tmp_path / "quiet", ep="cuda",
+                    variant="gqa")
+    chosen = json.loads((quiet / "manifest.json").read_text())["quantization"]
+    assert chosen["activations"] == "fp16" and chosen["activations_chosen"]["by"] == "measurement"
+    assert chosen["activations_chosen"]["peak"] * 2 <= 65504 and "below fp16's largest value" in chosen["activations_chosen"]["why"]
+
+    source = _loud(checkpoint("gemma3_text"), tmp_path / "loud-ckpt", 8000.0)
     out = _export(source, tmp_path / "cuda", ep="cuda", variant="gqa")
     inits = {i.name: i for i in onnx.load(str(out / "model.onnx")).graph.initializer}
     scales = numpy_helper.to_array(inits["model.layers.0.mlp.down_proj.weight.T.q4b32s.scales"])
     assert scales.dtype.name == "bfloat16" and np.all(np.abs(scales.astype(np.float32)) > 0)
     assert inits["model.norm.weight"].data_type == onnx.TensorProto.BFLOAT16
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["quantization"]["activations"] == "bf16"
+    why = manifest["quantization"]["activations_chosen"]
+    assert manifest["quantization"]["activations"] == "bf16" and why["by"] == "measurement"
+    assert why["peak"] * 2 > 65504 and "so bf16" in why["why"] and why["where"], why
     [slices, tensors], _ = weight_integrity(out / "model.onnx", manifest, Checkpoint(source), "int4", "bf16")
     assert slices.passed and tensors.passed, slices.message
     # quantized by the exporter's numpy quantizer (onnxruntime's takes no bf16), so held to their
     # source by value within the quantization's bound rather than to that same code's answer
     assert slices.details["compared_by_statistics"] >= len(_nbits_nodes(out / "model.onnx"))
-    chosen = _export(source, tmp_path / "fp16", ep="cuda", variant="gqa", quant={"activations": "fp16"})
-    assert json.loads((chosen / "manifest.json").read_text())["quantization"]["activations"] == "fp16"
+    forced = _export(source, tmp_path / "fp16", ep="cuda", variant="gqa", quant={"activations": "fp16"})
+    forced_why = json.loads((forced / "manifest.json").read_text())["quantization"]
+    assert forced_why["activations"] == "fp16" and forced_why["activations_chosen"]["by"] == "request"
+    with pytest.raises(ExportError, match="no bf16 kernels"):  # transformers.js cannot take what this model needs
+        export_model(ExportRequest(model=str(source), dtype="int4", ep="cuda", variant="attn_dynamic", layout="hf"),
+                     tmp_path / "hf", validate=False)
     with pytest.raises(ExportError, match="apply to cuda only"):
         ExportRequest(model="m", dtype="int4", ep="cpu", quant={"activations": "bf16"})
 

@@ -49,7 +49,7 @@ from services.catalog.database import session_scope
 from services.catalog.exports import outcome_fields, request_of
 from services.catalog.models import Export, ExportStatus
 from services.lifecycle import CancelRequested, Fenced, Lease
-from services.publish import export_prefix, publish_export, unpublish
+from services.publish import StoreReferences, export_prefix, publish_export, unpublish
 from services.regressions import diff_with_predecessor
 from services.settings import Settings
 from services.sources import UNRESOLVED_PREFIX, locate_model
@@ -335,7 +335,8 @@ def build(job: Job, record: JobRecord) -> None:
     partial = job.work / f".export.partial-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     manifest = build_export(record.export_request(), record.resolved_source(), partial, job.progress, record.export_id,
-                            rope_cache=job.settings.data_dir / "rope")
+                            rope_cache=job.settings.data_dir / "rope", reference_cache=job.settings.data_dir / "references",
+                            shared_references=StoreReferences(job.store, job.keeper.check, log.warning))
     partial.rename(job.export_dir)
     record.manifest = manifest.data
 

@@ -32,7 +32,7 @@ class BuildResult:
     architecture: Architecture
     variant: Variant
     checkpoint: Checkpoint
-    activations: DType  # what the graph computes in (request.activations_for the checkpoint)
+    activations: DType  # what the graph computes in (activation_range.choose_activations on the checkpoint)
 
 
 # The most positions an export's rotary tables cover without a max_seq_len asking for them (a table
@@ -195,11 +195,13 @@ def check_prequantized(request: ExportRequest, cfg: ModelConfig, checkpoint: Che
                           "drop int8_layers")
 
 
-def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None) -> BuildResult:
-    """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports."""
+def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, rope_cache: Path | None = None,
+                activations: DType | None = None) -> BuildResult:
+    """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports;
+    ``activations``: what the graph computes in (the pipeline's choice; default what the request says)."""
     variant = request.resolved_variant()
     cfg = load_model_config(source.path, ARCHITECTURES)
-    activations = request.activations_for(source.path)
+    activations = activations or request.activations
     check_request_against_config(request, variant, cfg, activations)
     arch = ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)

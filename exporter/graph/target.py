@@ -80,5 +80,5 @@ def check_compat_model(architecture: str, moe: bool, attention_sinks: bool, acti
             "(onnxruntime 1.23+) takes: export it without compat, with --variant gqa")
     if activations == "bf16":
         raise ExportError(
-            "this quantized cuda export would compute in bf16 (a bf16-trained checkpoint), which older onnxruntime "
+            "this quantized cuda export would compute in bf16, which older onnxruntime "
             "cannot run (compat): set quant activations fp16, or export without compat")

@@ -60,8 +60,8 @@ VARIANT_REASONS = {
 
 def check_request(dtype: str, variant: str, ep: str | None = None) -> None:
     """Refuse, before any work, a request the hf layout cannot hold. The activation dtype of a cuda int4
-    export depends on the checkpoint (bf16 for one trained in bf16): the pipeline checks that on the
-    built graph (hf_file_names), before validating it."""
+    export is measured on the checkpoint (fp16 where its activations fit, else refused for this layout:
+    activation_range.choose_activations); hf_file_names checks the built graph before validating it."""
     if variant in VARIANT_REASONS:
         raise ExportError(f"no hf layout for a {variant} export: {VARIANT_REASONS[variant]}")
     if dtype not in {d for d, _ in SUFFIX}:

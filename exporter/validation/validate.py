@@ -611,7 +611,7 @@ def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding) -> G
              f"{finding.node})" if finding is not None and finding.overflow_at else "non-finite logits")
     if activations == "fp16" and ep == "cuda":
         advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; "
-                  "the default for a checkpoint whose config.json says it was trained in bf16)")
+                  "the default where the checkpoint's measured activations come near fp16's largest value)")
     elif activations == "fp16":
         advice = "export for cpu, where quantized exports compute in fp32"
     else:
