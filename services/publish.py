@@ -265,8 +265,10 @@ def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, exp
 
     Fenced like a publish: the withdrawal replaces only the manifest version it read, and an
     ``attempt`` withdraws nothing a later attempt published (its own cleanup, arriving late, must
-    not take the takeover's export away); each file is deleted only in the version listed. Returns
-    how many other objects were deleted.
+    not take the takeover's export away); each file is deleted only in the version listed, and only
+    once ``guard()`` let it: an attempt that stalled after its withdrawal may come back when a later
+    attempt has published its files over it (identical ones unchanged), and its lease is then all
+    that tells them apart. Returns how many other objects were deleted.
     """
     prefix = _directory(prefix)
     key = prefix + MANIFEST_FILE
@@ -288,7 +290,7 @@ def unpublish(store: ArtifactStore, prefix: str, guard: Guard | None = None, exp
         if info is None:
             continue
         try:
-            store.delete_key(name, expect=Precondition(info.etag) if info.etag else None)
+            store.delete_key(name, expect=Precondition(info.etag) if info.etag else None, guard=guard)
             deleted += 1
         except PreconditionFailed:
             continue  # replaced since it was listed: whoever wrote it owns it

@@ -161,9 +161,10 @@ class ArtifactStore(abc.ABC):
         and ``expect`` as for put_file."""
 
     @abc.abstractmethod
-    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
+    def delete_key(self, key: str, expect: Precondition | None = None, guard: Guard | None = None) -> None:
         """Delete one object (no error if it is absent); with ``expect`` (an etag) only that version:
-        ``PreconditionFailed`` if the key was replaced since."""
+        ``PreconditionFailed`` if the key was replaced since. ``guard()`` is asked before the request
+        (and before every retry), as for a write: whatever it raises, nothing is deleted."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
@@ -453,7 +454,7 @@ class S3Store(ArtifactStore):
 
         return self._call(f"list {prefix or '/'}", list_all)
 
-    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
+    def delete_key(self, key: str, expect: Precondition | None = None, guard: Guard | None = None) -> None:
         check_key(key)
         condition = {"IfMatch": expect.etag} if expect is not None and expect.etag else {}
         client = self._write_client if condition else self._client
@@ -465,7 +466,7 @@ class S3Store(ArtifactStore):
                 if not (condition and _error_code(err) in _MISSING_CODES):
                     raise  # a version that is already gone is deleted
 
-        self._call(f"delete {key}", delete)
+        self._call(f"delete {key}", delete, guard)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list_keys(_check_directory_prefix(prefix))
@@ -665,7 +666,9 @@ class LocalStore(ArtifactStore):
         etag = self._store(key, sha256, lambda f: f.write(data), guard, expect)
         return ObjectInfo(len(data), sha256, etag)
 
-    def delete_key(self, key: str, expect: Precondition | None = None) -> None:
+    def delete_key(self, key: str, expect: Precondition | None = None, guard: Guard | None = None) -> None:
+        if guard is not None:
+            guard()  # (it may wait for the catalog: never while holding the store's lock)
         # The checksum goes first, as in _store: an object may lack a sha256, never have a wrong one.
         try:
             with self._locked():

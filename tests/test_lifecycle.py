@@ -20,7 +20,7 @@ from services.catalog.database import session_scope, upgrade_schema
 from services.catalog.models import Export, ExportEvent, ExportStatus, db_now
 from services.jobs import request_cancel, submit_export
 from services.lifecycle import CancelRequested, Fenced
-from services.publish import export_prefix, publish_export, read_published_manifest
+from services.publish import export_prefix, files_match_store, publish_export, read_published_manifest
 from services.queue import CeleryQueue
 from services.settings import Settings
 from services.storage_factory import make_store
@@ -602,3 +602,45 @@ def test_a_later_attempt_that_fails_removes_what_an_earlier_one_uploaded(setting
     assert run_export_job(settings, export_id, WorkerIdentity("w2", os.getpid())) == "failed"
     assert row(settings, export_id).status is ExportStatus.FAILED
     assert only_withdrawn(store, prefix)
+
+
+def test_a_failed_attempt_that_stalls_in_its_cleanup_deletes_nothing_the_next_attempt_published(
+        settings, sweeper, exported, tmp_path):
+    """Attempt 1 fails and withdraws what it published; the process then stops (its lease thread with
+    it) before deleting the files. The sweeper queues the job again, attempt 2 publishes over the
+    withdrawal and ends ready. Attempt 1 resumes: the lease it asks before each delete is gone, so it
+    deletes nothing and ends fenced. It once deleted the takeover's files (the catalog said ready)."""
+    from workers.job import Job, LeaseKeeper, _end_unpublished
+
+    export_id = submit(settings)
+    first = claim(settings, export_id, "w1", pid=7, lease_s=LEASE_S).lease
+    prefix = published_export(settings, exported, export_id, first)
+    store = make_store(settings)
+    export_dir = settings.data_dir / "work" / export_id
+
+    def meanwhile() -> None:
+        time.sleep(LEASE_S + 0.1)  # attempt 1 is stopped: nobody renews its lease
+        assert sweeper.sweep().requeued == [export_id]
+        second = claim(settings, export_id, "w2").lease
+        write(settings, lifecycle.begin_publish, second, prefix)
+        publish_export(store, export_dir, prefix, "ready", attempt=second.attempt)
+        write(settings, lifecycle.finish, second, ExportStatus.READY, runtime=ORT)
+
+    class StopsAfterWithdrawing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_bytes(self, key, data, *args, **kwargs):
+            info = store.put_bytes(key, data, *args, **kwargs)
+            if b'"withdrawn"' in data:
+                meanwhile()
+            return info
+
+    # The keeper is not entered: its renewal thread is as stopped as the rest of the process.
+    job = Job(settings, first, LeaseKeeper(settings, first), StopsAfterWithdrawing(), tmp_path / "w1",
+              publishing=prefix)
+    assert _end_unpublished(job, ExportStatus.FAILED, "attempt 1 failed") == "fenced"
+    done = row(settings, export_id)
+    assert done.status is ExportStatus.READY and done.attempts == 2
+    manifest = read_published_manifest(store, prefix)
+    assert manifest["published"]["attempt"] == 2 and files_match_store(store, prefix, manifest)

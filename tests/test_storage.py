@@ -338,9 +338,9 @@ def test_unpublish_withdraws_the_manifest_first(store, prefix, tmp_path):
             order.append(("put", key.removeprefix(prefix), json.loads(data)["status"]))
             return store.put_bytes(key, data, *args, **kwargs)
 
-        def delete_key(self, key, expect=None):
+        def delete_key(self, key, expect=None, guard=None):
             order.append(("delete", key.removeprefix(prefix)))
-            return store.delete_key(key, expect)
+            return store.delete_key(key, expect, guard)
 
     assert unpublish(Watching(), prefix, export_id=published.manifest["export_id"], reason="cancelled") == 4
     assert order[0] == ("put", MANIFEST_FILE, "withdrawn")  # the prefix stops being an export first
@@ -372,6 +372,40 @@ def test_an_earlier_attempts_late_cleanup_leaves_the_takeovers_export(store, pre
     with pytest.raises(PreconditionFailed):
         store.delete_key(key, expect=Precondition(seen.etag))
     assert store.get_bytes(key) == b'{"rewritten": true}'
+
+
+def test_a_cleanup_that_stalls_after_its_withdrawal_deletes_nothing_the_takeover_published(store, prefix, tmp_path):
+    """Attempt 1, failing, withdraws its export and stalls before deleting the files; its lease runs
+    out meanwhile and attempt 2 publishes over the withdrawal, keeping the weights it finds identical.
+    Attempt 1 comes back: its lease refuses every delete. It once asked only before the withdrawal,
+    and deleted the takeover's files from under its ready manifest."""
+    first = make_export(tmp_path / "attempt1")
+    second = _another_attempt(first, tmp_path / "attempt2")
+    export_id = publish_export(store, first, prefix, status="ready", attempt=1).manifest["export_id"]
+    lease = {"live": True}
+    takeover = []
+
+    def guard():
+        if not lease["live"]:
+            raise LeaseLost()
+
+    class StallsAfterWithdrawing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_bytes(self, key, data, *args, **kwargs):
+            info = store.put_bytes(key, data, *args, **kwargs)
+            if json.loads(data)["status"] == "withdrawn":  # stopped here, long enough to lose the job
+                lease["live"] = False
+                takeover.append(publish_export(store, second, prefix, status="ready", attempt=2))
+            return info
+
+    with pytest.raises(LeaseLost):
+        unpublish(StallsAfterWithdrawing(), prefix, guard, export_id, "attempt 1 ended failed", final=False, attempt=1)
+    [published] = takeover
+    assert {DATA_FILE, MODEL_FILE} <= set(published.skipped)  # attempt 1's objects, now the takeover's
+    assert read_published_manifest(store, prefix) == published.manifest
+    assert files_match_store(store, prefix, published.manifest)
 
 
 @pytest.mark.parametrize("attempt", [2, None])  # None: a publish outside the farm (no attempt number)

@@ -500,12 +500,17 @@ def _end_unpublished(job: Job, status: ExportStatus, message: str) -> str:
 
     If the store cannot be cleaned now, the lease is released instead and the sweeper settles the
     job once the store is back: a cancelled or failed export must never leave a manifest behind.
+    Every delete asks the lease first: once it is lost, what is under the prefix may be the next
+    attempt's, and this one stops there, writing nothing more.
     """
     if job.publishing:
         try:
             unpublish(job.store, job.publishing, job.keeper.check_owned, job.lease.export_id,
                       f"attempt {job.lease.attempt} ended {status.value}", final=status is ExportStatus.CANCELLED,
                       attempt=job.lease.attempt)
+        except Fenced as err:
+            log.warning("%s", err)
+            return "fenced"
         except StorageError as err:
             with session_scope(job.settings.catalog_url) as session:
                 lifecycle.release_lost(session, job.lease.export_id, job.lease.worker, job.lease.pid,
