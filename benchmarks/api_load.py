@@ -206,7 +206,8 @@ def api_command(port: int, uvicorn_workers: int) -> list[str]:
     if uvicorn_workers == 1:
         return [sys.executable, "-m", "services.cli", "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)]
     return [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(__file__).parent), "api_load:served_app", "--factory",
-            "--workers", str(uvicorn_workers), "--host", "127.0.0.1", "--port", str(port)]
+            "--workers", str(uvicorn_workers), "--host", "127.0.0.1", "--port", str(port),
+            "--no-proxy-headers"]  # as serve runs it: the app's TRUSTED_PROXIES alone names the client
 
 
 @dataclasses.dataclass

@@ -35,7 +35,10 @@ def _cmd_serve(args) -> int:
     if farm is not None:
         farm.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        # The app alone decides who a client is (TRUSTED_PROXIES, services.api.guard.client_address):
+        # uvicorn's own proxy headers trust X-Forwarded-For from 127.0.0.1 by default, which let any
+        # local peer name itself anew per request and so never reach the failed-login limit.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", proxy_headers=False)
     finally:
         if farm is not None:
             farm.stop()

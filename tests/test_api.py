@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import pytest
 from fastapi.testclient import TestClient
@@ -371,6 +372,41 @@ def test_failures_are_counted_per_forwarded_client_behind_a_trusted_proxy(tmp_pa
         assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.7"}).status_code == 401
     assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.7"}).status_code == 429
     assert client.get("/exports", headers={**bad, "X-Forwarded-For": "203.0.113.8"}).status_code == 401
+
+
+def test_a_served_api_counts_failures_per_peer_whatever_x_forwarded_for_says(tmp_path, monkeypatch):
+    """`exportfarm serve`, a real uvicorn on a loopback port, TRUSTED_PROXIES unset: X-Forwarded-For
+    is the client's own word. uvicorn once rewrote the client from it itself (its proxy headers
+    default trusts 127.0.0.1), so a made-up address per request avoided every 429."""
+    import httpx
+
+    from tests import farm
+    from tests.s3_server import free_ports
+
+    for name in ("TRUSTED_PROXIES", "FORWARDED_ALLOW_IPS", "DATABASE_URL", "REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    allowed, port = 3, free_ports(1)[0]
+    env = {"DATA_DIR": str(tmp_path / "data"), "ADMIN_TOKEN": ADMIN, "AUTH_FAILURES_PER_MINUTE": str(allowed)}
+    serve = farm.FarmProcess([sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--no-worker"],
+                             env, tmp_path / "serve.log")
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert serve.alive(), serve.log_text()
+            try:
+                return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        farm.until(healthy, bool, 120, "serve to answer /healthz")
+        codes = [httpx.get(f"{base}/exports", timeout=10, headers={
+            "Authorization": "Bearer not-a-token-at-all", "X-Forwarded-For": f"203.0.113.{n}"}).status_code
+            for n in range(allowed + 2)]
+        assert codes == [401] * allowed + [429] * 2, serve.log_text()[-2000:]
+        assert httpx.get(f"{base}/exports", timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+    finally:
+        serve.stop()
 
 
 def test_a_non_ascii_signature_or_csrf_value_is_refused_not_a_server_error(tmp_path):
