@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from exporter.errors import ExportError
@@ -175,13 +175,24 @@ def revoke_token(session: Session, token_id: int) -> ApiToken | None:
 # --- the pages' sessions ---------------------------------------------------------------------------
 
 
-def start_ui_session(session_factory, principal: Principal) -> str:
+def start_ui_session(session_factory, principal: Principal, per_token: int) -> str:
     """A new session for a browser that signed in with ``principal``'s token: its id (shown once, in
-    the cookie; only its sha256 is stored). The token itself never reaches the browser's cookie."""
+    the cookie; only its sha256 is stored). The token itself never reaches the browser's cookie.
+
+    Each sign-in also deletes the sessions that are over (expired or signed out) and this token's
+    oldest beyond ``per_token`` (UI_SESSIONS_PER_TOKEN): however often a token signs in, the table
+    holds only sessions that can still be used, at most that many for each token.
+    """
     session_id = "efs_" + secrets.token_urlsafe(32)
+    now = utcnow()
     with session_factory.begin() as session:
+        session.execute(delete(UiSession).where(or_(UiSession.expires_at <= now, UiSession.revoked_at.is_not(None))))
         session.add(UiSession(session_hash=hash_token(session_id), token_id=principal.token_id,
-                              expires_at=utcnow() + datetime.timedelta(seconds=UI_SESSION_S)))
+                              expires_at=now + datetime.timedelta(seconds=UI_SESSION_S)))
+        session.flush()
+        newest = (select(UiSession.id).where(UiSession.token_id == principal.token_id)
+                  .order_by(UiSession.id.desc()).limit(per_token))
+        session.execute(delete(UiSession).where(UiSession.token_id == principal.token_id, UiSession.id.not_in(newest)))
     return session_id
 
 

@@ -52,6 +52,8 @@ class Settings(BaseSettings):
         default_factory=list, description="addresses of proxies whose X-Forwarded-For names the client "
         '(JSON list, e.g. ["10.0.0.5"]); failed logins are counted per client')
     token_cache_s: float = Field(5.0, ge=0, description="how long an API process trusts a token it checked")
+    ui_sessions_per_token: int = Field(
+        10, ge=1, description="signed-in browsers (/ui sessions) one token keeps; a new sign-in ends its oldest")
 
     models_dir: Path | None = Field(None, description="local checkpoints the API may export, by directory name")
     work_dir: Path | None = Field(None, description="worker scratch; default data_dir/work")

@@ -279,6 +279,66 @@ def test_the_cookie_is_a_session_of_its_own_ended_by_sign_out_and_by_its_token(f
     assert reader.get("/ui/catalog", follow_redirects=False).status_code == 303
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions_app(request, tmp_path):
+    """The app alone (no exports) on each catalog, for what signing in leaves in it."""
+    from tests.services_fixtures import fresh_postgres_database
+
+    common = dict(data_dir=tmp_path / "data", signing_secret="ui-sessions-signing-secret-0123456789abcdef")
+    if request.param == "sqlite":
+        settings = Settings(**common)
+        upgrade_schema(settings.catalog_url)
+        yield TestClient(create_app(settings), base_url="http://testserver"), settings
+        return
+    with fresh_postgres_database() as url:
+        settings = Settings(database_url=url, **common)
+        upgrade_schema(settings.catalog_url)
+        yield TestClient(create_app(settings), base_url="http://testserver"), settings
+
+
+def test_sign_ins_keep_at_most_the_cap_of_sessions_per_token_and_purge_ended_ones(sessions_app):
+    """One token signing in again and again (a script, a reloading tab) once left a row per sign-in
+    forever (300 in 2.4 s): a sign-in now deletes the sessions that are over, expired or signed out,
+    and the token's oldest beyond UI_SESSIONS_PER_TOKEN, which stop working."""
+    import datetime
+
+    from sqlalchemy import func, select, update
+
+    from services.auth import end_ui_session
+    from services.catalog.models import UiSession, utcnow
+
+    app, settings = sessions_app
+    cap = settings.ui_sessions_per_token
+    with session_scope(settings.catalog_url) as session:
+        busy_row, busy = create_token(session, "ui-busy-reader", "read")
+        other_row, other = create_token(session, "ui-other-reader", "read")
+        busy_id, other_id = busy_row.id, other_row.id
+
+    def sign_in(token: str) -> str:
+        response = app.post("/ui/login", data={"token": token}, follow_redirects=False)
+        assert response.status_code == 303, response.text
+        return app.cookies.get("exportfarm_session", path="/ui")
+
+    def sessions_of(token_id: int) -> int:
+        with session_scope(settings.catalog_url) as session:
+            return session.scalar(select(func.count()).select_from(UiSession).where(UiSession.token_id == token_id))
+
+    expired, signed_out = sign_in(other), sign_in(other)
+    with session_scope(settings.catalog_url) as session:
+        session.execute(update(UiSession).where(UiSession.token_id == other_id)
+                        .values(expires_at=utcnow() - datetime.timedelta(seconds=1)))
+    end_ui_session(app.app.state.context.sessions, signed_out)
+    assert sessions_of(other_id) == 2 and expired != signed_out  # over, but still rows
+    cookies = [sign_in(busy) for _ in range(3 * cap)]
+    assert sessions_of(busy_id) == cap and sessions_of(other_id) == 0
+
+    def works(cookie: str) -> bool:
+        page = TestClient(app.app, base_url="http://testserver", cookies={"exportfarm_session": cookie})
+        return page.get("/ui/catalog", follow_redirects=False).status_code == 200
+
+    assert works(cookies[-cap]) and works(cookies[-1]) and not works(cookies[-cap - 1])
+
+
 def test_the_pages_work_with_s3_storage_and_no_signing_secret(tmp_path):
     """The chart and compose deploy S3 without SIGNING_SECRET: the pages' forms need no server
     secret (their CSRF token is keyed by the browser's own session)."""

@@ -111,8 +111,9 @@ def login(request: Request, context: ContextDep, token: Annotated[str, Form(max_
     response = RedirectResponse("/ui/catalog", status_code=303)
     secure = request.url.scheme == "https" or context.settings.public_base_url.startswith("https://")
     # the cookie is a session of its own (revoked at sign-out, ended with its token), never the token
-    response.set_cookie(COOKIE, start_ui_session(context.sessions, principal), httponly=True, samesite="strict",
-                        path="/ui", secure=secure, max_age=UI_SESSION_S)
+    session_id = start_ui_session(context.sessions, principal, context.settings.ui_sessions_per_token)
+    response.set_cookie(COOKIE, session_id, httponly=True, samesite="strict", path="/ui", secure=secure,
+                        max_age=UI_SESSION_S)
     return response
 
 
