@@ -279,6 +279,44 @@ def test_every_deployment_has_liveness_and_readiness_probes(values):
         assert worker["livenessProbe"]["exec"]["command"][:4] == ["python", "-m", "services.health", "worker"]
 
 
+@pytest.mark.parametrize("values", VALUES)
+def test_workers_may_mark_their_pods_deletion_cost_and_no_other_pod_gets_a_token(values, tmp_path):
+    """A worker running a job patches its own pod's deletion cost (workers/pod_deletion_cost.py): each
+    worker class runs as a service account that may patch pods in the release's namespace (and
+    nothing else), with its token and its pod's name and namespace; the API, beat and the migration
+    get no token. Off, no pod gets one and there is no Role."""
+    from workers.pod_deletion_cost import OwnPod
+
+    docs = render(*VALUES[values], "--set-json", 'serviceAccount.annotations={"eks.amazonaws.com/role-arn": "s3"}')
+    workers = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-worker")]
+    assert len(workers) == {"default": 2, "gpu-cluster": 3}[values]
+    account = named(docs, "ServiceAccount", "worker")
+    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "s3"}  # S3 access as the others
+    role, binding = named(docs, "Role", "worker"), named(docs, "RoleBinding", "worker")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    name = account["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    (tmp_path / "token").write_text("a token")
+    for pod in [d["spec"]["template"]["spec"] for d in of_kind(docs, "Deployment") + of_kind(docs, "Job")]:
+        (container,) = pod["containers"]
+        if any(pod is w["spec"]["template"]["spec"] for w in workers):
+            assert pod["serviceAccountName"] == name and pod["automountServiceAccountToken"]
+            fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+            assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+            # What the pod's environment holds is what the worker looks for (Kubernetes adds the API's address).
+            seen = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", **fields}
+            url = OwnPod.find(seen, tmp_path).url
+            assert url == "https://10.96.0.1:443/api/v1/namespaces/metadata.namespace/pods/metadata.name"
+        else:
+            assert pod["automountServiceAccountToken"] is False
+    off = render(*VALUES[values], "--set", "workerDeletionCost.enabled=false")
+    assert not of_kind(off, "Role") and not of_kind(off, "RoleBinding")
+    assert all(d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+               for d in of_kind(off, "Deployment") + of_kind(off, "Job"))
+
+
 def test_pods_restart_when_settings_change():
     def checksums(*args):
         pod = named(render(*args), "Deployment", "gpu-worker")["spec"]["template"]["metadata"]["annotations"]

@@ -55,7 +55,7 @@ from services.settings import Settings
 from services.sources import UNRESOLVED_PREFIX, locate_model
 from services.storage import ArtifactStore, StorageError
 from services.storage_factory import make_store
-from workers import failpoints
+from workers import failpoints, pod_deletion_cost
 from workers.stages import bench_stage, validate_stage
 
 log = logging.getLogger(__name__)
@@ -610,7 +610,8 @@ def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity 
         _prune(settings, root, keep=export_id)
     except SQLAlchemyError:
         pass
-    with LeaseKeeper(settings, lease) as keeper:
+    # While the job runs, its pod is the last a scale-down stops (Kubernetes' pod deletion cost).
+    with LeaseKeeper(settings, lease) as keeper, pod_deletion_cost.running_job(str(lease)):
         # An earlier attempt's uploads are this attempt's to remove if it ends failed or cancelled
         # before publishing its own (publish replaces them with its own prefix).
         job = Job(settings, lease, keeper, make_store(settings), work, publishing=earlier)

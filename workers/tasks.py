@@ -11,6 +11,7 @@ from celery import Celery, signals
 from celery.worker.request import Request
 
 from services.queue import RUN_EXPORT
+from workers import pod_deletion_cost
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class LostJobRequest(Request):
             else:
                 cause = f"its pool process died ({exc}; killed for memory?)"
             _release(self.task.app.conf.exportfarm_settings, self.args[0], cause)
+            # Its pool process could not mark the pod idle again: the job is over on this worker.
+            pod_deletion_cost.mark(pod_deletion_cost.IDLE, f"export {self.args[0]} lost ({cause})")
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
@@ -73,6 +76,13 @@ def _fresh_connections(**_kwargs) -> None:
     # The validate and bench stages run in stage processes forked from one server per pool process:
     # torch and transformers imported there once, not in every stage process.
     isolated.preload(["torch", "transformers"])
+
+
+@signals.worker_ready.connect
+def _idle_pod(**_kwargs) -> None:
+    """A worker that (re)starts runs no job, whatever its pod's deletion cost says: a container the
+    kubelet restarted mid-job keeps its pod's annotations."""
+    pod_deletion_cost.mark(pod_deletion_cost.IDLE, "worker started")
 
 
 @signals.worker_ready.connect

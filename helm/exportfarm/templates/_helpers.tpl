@@ -94,10 +94,27 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
     name: {{ include "exportfarm.secretName" . }}
 {{- end }}
 
-{{/* Pod-level fields every farm pod shares. */}}
+{{/*
+The workers' service account (worker-rbac.yaml): their own where the chart makes service accounts,
+else the one serviceAccount.name names.
+*/}}
+{{- define "exportfarm.workerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- include "exportfarm.componentName" (dict "root" . "component" "worker") }}
+{{- else }}
+{{- include "exportfarm.serviceAccountName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields every farm pod shares: no Kubernetes API token, and podSpecShared. */}}
 {{- define "exportfarm.podSpecCommon" -}}
 serviceAccountName: {{ include "exportfarm.serviceAccountName" . }}
 automountServiceAccountToken: false
+{{ include "exportfarm.podSpecShared" . }}
+{{- end }}
+
+{{/* Pod-level fields every farm pod shares, whatever its service account. */}}
+{{- define "exportfarm.podSpecShared" -}}
 enableServiceLinks: false
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
