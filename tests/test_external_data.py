@@ -82,7 +82,8 @@ def test_checkpoint_files_are_read_only_inside_the_checkpoint(checkpoint, tmp_pa
     import shutil
 
     from exporter.errors import ExportError
-    from exporter.packaging.checkpoint import Checkpoint, checkpoint_file
+    from exporter.packaging.checkpoint import Checkpoint
+    from exporter.packaging.source_files import checkpoint_file
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 

@@ -14,6 +14,8 @@ import onnx
 import onnxruntime_genai as og
 import pytest
 
+from exporter.errors import ExportError
+
 from exporter.packaging.genai import (
     GENAI_CONFIG_FILE,
     GENAI_RUNTIME,
@@ -238,6 +240,19 @@ def test_generation_config_sets_token_ids_and_search_defaults(tmp_path):
     assert search["top_p"] == 0.8 and search["repetition_penalty"] == 1.05
     assert search["max_length"] == 4096  # the context, not generation_config's default 20
     assert search["past_present_share_buffer"] is False
+
+
+def test_genai_config_is_written_from_no_checkpoint_file_that_leads_outside_it(checkpoint, tmp_path):
+    """genai_config.json is published with the export: what it takes from generation_config.json must
+    come from the checkpoint's own file, not from one a link leads to elsewhere."""
+    source = shutil.copytree(checkpoint("llama"), tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere.json"
+    (source / "generation_config.json").rename(elsewhere)
+    (source / "generation_config.json").symlink_to(elsewhere)
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant="attn_dynamic", max_seq_len=64)
+    with pytest.raises(ExportError, match="generation_config.json in ckpt leads outside the checkpoint"):
+        export_model(request, tmp_path / "out", validate=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_tokenizer_eos_joins_config_eos_without_generation_config(tmp_path):

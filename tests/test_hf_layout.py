@@ -220,6 +220,42 @@ def test_the_hf_layout_refuses_what_its_consumers_cannot_run(exported, checkpoin
         write_hf_layout(tmp_path / "d", tmp_path / "e", checkpoint("llama"))
 
 
+def test_the_hf_layout_publishes_no_checkpoint_file_that_leads_outside_it_or_is_not_a_regular_file(
+        exported, checkpoint, tmp_path):
+    """Every file the layout takes from the checkpoint passes the checkpoint's guard: a
+    generation_config.json linked to /proc/self/environ would publish the worker's environment to
+    anyone who may read the export. Such a file is refused by name, and nothing is laid out; a link
+    inside the checkpoint is carried as the file it leads to."""
+    source = shutil.copytree(checkpoint("llama"), tmp_path / "ckpt")
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"S3_SECRET_KEY": "hunter2"}))
+    os.mkfifo(source / "pipe")
+    cases = [  # (file, made how, why refused)
+        ("generation_config.json", lambda p: p.symlink_to("/proc/self/environ"), "leads outside the checkpoint"),
+        ("config.json", lambda p: p.symlink_to(outside), "leads outside the checkpoint"),
+        ("chat_template.jinja", lambda p: p.symlink_to(outside), "leads outside the checkpoint"),
+        ("o200k_base.tiktoken", lambda p: p.symlink_to(outside), "leads outside the checkpoint"),
+        ("merges.txt", lambda p: p.symlink_to(source / "pipe"), "is not a regular file"),
+        ("tokenizer.model", os.mkfifo, "is not a regular file"),
+    ]
+    for name, make, why in cases:
+        kept = source / f"{name}.kept"
+        if (source / name).exists():
+            (source / name).rename(kept)
+        make(source / name)
+        with pytest.raises(ExportError, match=f"{name} in ckpt {why}"):
+            write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "out", source)
+        assert not (tmp_path / "out").exists(), name
+        (source / name).unlink()
+        if kept.exists():
+            kept.rename(source / name)
+    (source / "generation_config.json").rename(source / "defaults.json")
+    (source / "generation_config.json").symlink_to("defaults.json")
+    manifest = write_hf_layout(exported("llama", "attn_dynamic"), tmp_path / "out", source)
+    assert "generation_config.json" in manifest["files"]
+    assert (tmp_path / "out" / "generation_config.json").read_text() == (source / "defaults.json").read_text()
+
+
 def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, transformersjs, tmp_path, capsys):
     from exporter.cli import main
 

@@ -160,7 +160,7 @@ class ModelConfig:
 
 
 def read_raw_config(checkpoint_dir: Path) -> dict:
-    from exporter.packaging.checkpoint import checkpoint_file
+    from exporter.packaging.source_files import checkpoint_file
 
     path = checkpoint_file(checkpoint_dir, "config.json", required=False)
     if path is None:

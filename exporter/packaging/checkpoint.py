@@ -28,6 +28,7 @@ import onnx_ir as ir
 
 from exporter.errors import ExportError
 from exporter.packaging import prequantized
+from exporter.packaging.source_files import checkpoint_file
 
 # Upper bound on the bytes one read/convert/write block holds.
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -55,41 +56,6 @@ def _read_header(path: Path) -> tuple[dict, int]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return header, 8 + length
-
-
-def confinement(directory: Path) -> Path:
-    """The directory a checkpoint's files must really be in: the checkpoint's own, or for a
-    Hugging Face cache snapshot (``models--org--name/snapshots/<sha>``, whose files are links to
-    ``../../blobs``) the repository's cache folder."""
-    real = Path(directory).resolve()
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
-        return real.parent.parent
-    return real
-
-
-def checkpoint_file(directory: Path, name: str, required: bool = True) -> Path | None:
-    """``directory / name`` where it is a regular file really inside the checkpoint (``confinement``):
-    a name that climbs out (``..``, an absolute path) or a link that leads out of it (a tokenizer.json
-    linked to /proc/self/environ would be published with the export) is refused. None where the
-    file is absent and not ``required``."""
-    relative = Path(name)
-    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-        raise ExportError(f"{name!r} is not a file name inside the checkpoint: a checkpoint names its own files only")
-    path = Path(directory) / relative
-    if not path.exists() and not path.is_symlink():
-        if required:
-            raise ExportError(f"{Path(directory).name} has no {name}")
-        return None
-    try:
-        real = path.resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise ExportError(f"{name} in {Path(directory).name} is a broken or looping link: replace it with the file")
-    if not real.is_relative_to(confinement(directory)):
-        raise ExportError(f"{name} in {Path(directory).name} leads outside the checkpoint (to {real.parent}): a "
-                          "checkpoint's files must be inside its directory; copy the file in instead of linking it")
-    if not real.is_file():
-        raise ExportError(f"{name} in {Path(directory).name} is not a regular file")
-    return path
 
 
 class Checkpoint:

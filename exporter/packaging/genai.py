@@ -22,6 +22,7 @@ from pathlib import Path
 
 from exporter.graph.config import ModelConfig
 from exporter.packaging.package import MODEL_FILE
+from exporter.packaging.source_files import GENERATION_CONFIG_FILE, checkpoint_file, tokenizer_file_names
 from exporter.request import EP, ExportRequest, Variant
 from exporter.contract import ATTENTION_MASK, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, cache_names
 
@@ -39,14 +40,6 @@ GENAI_MODEL_TYPES = {
     "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder", "olmoe": "decoder", "granitemoe": "decoder",
     "gpt_oss": "decoder", "phimoe": "decoder",
 }
-# Tokenizer files a checkpoint may carry; copied (their sha256 lands in the manifest), a genai
-# package's tokenizer_config.json then given the special-token flags genai reads (align_special_tokens).
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
-TOKENIZER_GLOBS = ("*.tiktoken",)
-GENERATION_CONFIG_FILE = "generation_config.json"
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
 _LAYER_MARK = 987654321  # an index no model has, replaced by %d to turn a cache name into genai's template
@@ -219,14 +212,10 @@ def _without_tokens(processor: dict, tokens: set[str]) -> dict:
 def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
     """Copy the tokenizer files present in ``source_dir``; returns their names (sorted). Each must
     really be inside the checkpoint (``checkpoint_file``): the copies are published."""
-    from exporter.packaging.checkpoint import checkpoint_file
-
-    names = {name for name in TOKENIZER_FILES if (source_dir / name).exists() or (source_dir / name).is_symlink()}
-    for pattern in TOKENIZER_GLOBS:
-        names.update(p.name for p in source_dir.glob(pattern))
-    for name in sorted(names):
+    names = tokenizer_file_names(source_dir)
+    for name in names:
         shutil.copyfile(checkpoint_file(source_dir, name), out_dir / name)
-    return sorted(names)
+    return names
 
 
 def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names: Sequence[str]) -> str | None:
@@ -264,7 +253,7 @@ def build_genai_config(
     outputs = {"logits": LOGITS, "present_key_names": present_key, "present_value_names": present_value}
     # The rotary tables are baked for this many positions: genai must not run past them.
     context_length = request.max_seq_len or config.max_position_embeddings
-    generation = _read_json(source_dir / GENERATION_CONFIG_FILE)
+    generation = _read_checkpoint_json(source_dir, GENERATION_CONFIG_FILE)
     bos, eos, pad = special_token_ids(source_dir, generation)
     provider_options = []
     if request.ep is EP.CUDA:
@@ -345,8 +334,8 @@ def special_token_ids(source_dir: Path, generation: dict | None = None) -> tuple
     generation_config.json names no eos, the tokenizer's eos_token is added: chat models end a turn
     with it while config.json often names only the pretraining end-of-text token.
     """
-    generation = _read_json(source_dir / GENERATION_CONFIG_FILE) if generation is None else generation
-    config = _read_json(source_dir / "config.json")
+    generation = _read_checkpoint_json(source_dir, GENERATION_CONFIG_FILE) if generation is None else generation
+    config = _read_checkpoint_json(source_dir, "config.json")
     config = {**config.get("text_config", {}), **config}
 
     def first(key):
@@ -369,12 +358,12 @@ def special_token_ids(source_dir: Path, generation: dict | None = None) -> tuple
 
 def _tokenizer_token_id(source_dir: Path, name: str) -> int | None:
     """The id of tokenizer_config.json's ``name`` (bos_token, eos_token, ...) in tokenizer.json, if both say."""
-    token = _read_json(source_dir / "tokenizer_config.json").get(name)
+    token = _read_checkpoint_json(source_dir, "tokenizer_config.json").get(name)
     if isinstance(token, dict):
         token = token.get("content")
     if not isinstance(token, str):
         return None
-    tokenizer = _read_json(source_dir / "tokenizer.json")
+    tokenizer = _read_checkpoint_json(source_dir, "tokenizer.json")
     for added in tokenizer.get("added_tokens", []):
         if added.get("content") == token:
             return int(added["id"])
@@ -387,6 +376,13 @@ def _tokenizer_token_id(source_dir: Path, name: str) -> int | None:
 def _cache_templates(variant: Variant) -> tuple[str, str, str, str]:
     """The cache names of docs/graph-contracts.md as genai's %d templates (past key, past value, present ...)."""
     return tuple(name.replace(str(_LAYER_MARK), "%d") for name in cache_names(variant, _LAYER_MARK))
+
+
+def _read_checkpoint_json(source_dir: Path, name: str) -> dict:
+    """A JSON file of the checkpoint as ``_read_json`` reads it ({} where absent), opened through the
+    checkpoint's guard: what it says is written into genai_config.json, which is published."""
+    path = checkpoint_file(source_dir, name, required=False)
+    return {} if path is None else _read_json(path)
 
 
 def _read_json(path: Path) -> dict:

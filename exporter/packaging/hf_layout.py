@@ -36,8 +36,8 @@ from onnx.external_data_helper import _get_all_tensors  # every tensor of the gr
 
 from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, LOGITS, MANIFEST_FILE, MODEL_FILE
 from exporter.errors import ExportError
-from exporter.packaging.genai import GENERATION_CONFIG_FILE, TOKENIZER_FILES, TOKENIZER_GLOBS
 from exporter.packaging.package import file_entry
+from exporter.packaging.source_files import checkpoint_file, side_file_names
 
 LAYOUT = "hf"
 ONNX_DIR = "onnx"
@@ -135,8 +135,7 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, we
         raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     manifest = check_export(export_dir)
     model_name, data_name, dtype = hf_file_names(manifest)
-    config_path = checkpoint_dir / CONFIG_FILE
-    if not config_path.is_file():
+    if checkpoint_file(checkpoint_dir, CONFIG_FILE, required=False) is None:
         raise ExportError(f"{checkpoint_dir} has no {CONFIG_FILE}: pass the checkpoint the export was made from")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not an empty directory: choose a new directory")
@@ -175,7 +174,7 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
     (out_dir / ONNX_DIR).mkdir(parents=True)
     _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
     _carry_weights(export_dir / DATA_FILE, out_dir / data_name, weights)
-    config = json.loads((checkpoint_dir / CONFIG_FILE).read_text())
+    config = json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text())
     js_config = dict(config.get("transformers.js_config") or {})
     external = dict(js_config.get("use_external_data_format") or {})
     external[Path(model_name).name] = 1
@@ -198,12 +197,12 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
     for name in manifest["files"]:
         if name not in (MODEL_FILE, DATA_FILE) and (export_dir / name).is_file():
             carry(export_dir / name, name)
-    for name in (GENERATION_CONFIG_FILE, *TOKENIZER_FILES):
-        if (checkpoint_dir / name).is_file():
-            carry(checkpoint_dir / name, name)
-    for pattern in TOKENIZER_GLOBS:
-        for path in checkpoint_dir.glob(pattern):
-            carry(path, path.name)
+    # Every one through the checkpoint's guard: a generation_config.json linked to /proc/self/environ
+    # would publish the worker's environment. Refused rather than skipped, as the genai package
+    # refuses its tokenizer files: a file the checkpoint names but the layout silently lacks
+    # changes what its consumers do, with no word why.
+    for name in side_file_names(checkpoint_dir):
+        carry(checkpoint_file(checkpoint_dir, name), name)
     layout_manifest = dict(manifest)
     layout_manifest["layout"] = {
         "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,

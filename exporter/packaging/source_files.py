@@ -1,0 +1,77 @@
+"""The files of a checkpoint directory an export reads, and the one guard every read goes through.
+
+An export reads config.json and the safetensors shards, and publishes the generation defaults and
+the tokenizer files beside the model (the genai package, the hf layout). Each is opened through
+``checkpoint_file``: a name that climbs out of the checkpoint, or a link that leads out of it (a
+generation_config.json linked to /proc/self/environ would publish the worker's environment), is
+refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exporter.errors import ExportError
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Tokenizer files a checkpoint may carry; copied (their sha256 lands in the manifest), a genai
+# package's tokenizer_config.json then given the special-token flags genai reads (align_special_tokens).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+TOKENIZER_GLOBS = ("*.tiktoken",)
+
+
+def confinement(directory: Path) -> Path:
+    """The directory a checkpoint's files must really be in: the checkpoint's own, or for a
+    Hugging Face cache snapshot (``models--org--name/snapshots/<sha>``, whose files are links to
+    ``../../blobs``) the repository's cache folder."""
+    real = Path(directory).resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
+        return real.parent.parent
+    return real
+
+
+def checkpoint_file(directory: Path, name: str, required: bool = True) -> Path | None:
+    """``directory / name`` where it is a regular file really inside the checkpoint (``confinement``):
+    a name that climbs out (``..``, an absolute path) or a link that leads out of it (a tokenizer.json
+    linked to /proc/self/environ would be published with the export) is refused. None where the
+    file is absent and not ``required``."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise ExportError(f"{name!r} is not a file name inside the checkpoint: a checkpoint names its own files only")
+    path = Path(directory) / relative
+    if not path.exists() and not path.is_symlink():
+        if required:
+            raise ExportError(f"{Path(directory).name} has no {name}")
+        return None
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise ExportError(f"{name} in {Path(directory).name} is a broken or looping link: replace it with the file")
+    if not real.is_relative_to(confinement(directory)):
+        raise ExportError(f"{name} in {Path(directory).name} leads outside the checkpoint (to {real.parent}): a "
+                          "checkpoint's files must be inside its directory; copy the file in instead of linking it")
+    if not real.is_file():
+        raise ExportError(f"{name} in {Path(directory).name} is not a regular file")
+    return path
+
+
+def tokenizer_file_names(directory: Path) -> list[str]:
+    """The tokenizer files in ``directory`` (sorted). A name counts where anything is there, a
+    dangling link or a pipe included, so that ``checkpoint_file`` refuses it by name instead of a
+    test for a regular file passing it over in silence."""
+    directory = Path(directory)
+    names = {name for name in TOKENIZER_FILES if (directory / name).exists() or (directory / name).is_symlink()}
+    for pattern in TOKENIZER_GLOBS:
+        names.update(path.name for path in directory.glob(pattern))
+    return sorted(names)
+
+
+def side_file_names(directory: Path) -> list[str]:
+    """What packaging publishes from the checkpoint beside the model: generation_config.json (where
+    there) and the tokenizer files (sorted)."""
+    directory = Path(directory)
+    generation = (directory / GENERATION_CONFIG_FILE).exists() or (directory / GENERATION_CONFIG_FILE).is_symlink()
+    return sorted({*tokenizer_file_names(directory), *([GENERATION_CONFIG_FILE] if generation else [])})
