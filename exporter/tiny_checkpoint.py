@@ -185,6 +185,32 @@ def mxfp4_checkpoint(source: Path, out: Path, *, twin: Path | None = None):
     return out, twin
 
 
+def shards_in_subfolder(source: Path, out: Path, decoy: Path, folder: str = "sub") -> Path:
+    """``source`` with its safetensors moved into ``out/<folder>/`` as ``model-0000i-of-0000n.safetensors``
+    and named there by model.safetensors.index.json (a layout hub repositories ship), while ``decoy``'s
+    safetensors (another model of the same shapes) lie at the top level under the same names: a reader
+    that takes a shard's base name instead of the index's path reads the decoy's weights. (No top-level
+    model.safetensors: transformers would load that before the index.) Returns ``out``."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    source, out = Path(source), Path(out)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    (out / folder).mkdir()
+    files, decoys = sorted(source.glob("*.safetensors")), sorted(Path(decoy).glob("*.safetensors"))
+    weight_map = {}
+    for i, (file, other) in enumerate(zip(files, decoys, strict=True), 1):
+        name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        shutil.copyfile(file, out / folder / name)
+        shutil.copyfile(other, out / name)
+        with safe_open(str(file), framework="numpy") as handle:
+            weight_map.update({tensor: f"{folder}/{name}" for tensor in handle.keys()})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return out
+
+
 # A byte-level BPE needs its 256 byte symbols + 3 specials + merges: pass vocab_size=TINY_TOKENIZER_VOCAB
 # to make_tiny_checkpoint so every token id has a row.
 TINY_TOKENIZER_VOCAB = 300

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from exporter.errors import ExportError
+from exporter.packaging.source_files import shard_names
 from exporter.request import EP, ExportRequest
 from exporter.resources import GiB, Capacity, ResourceEstimate, estimate_resources
 from services.settings import Settings
@@ -91,7 +92,8 @@ def _size(queue: QueueClass) -> tuple:
 
 
 def checkpoint_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    """The checkpoint's safetensors on disk: its index's shards, wherever it puts them."""
+    return sum((directory / name).stat().st_size for name in shard_names(directory))
 
 
 def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource,

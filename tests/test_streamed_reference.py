@@ -204,3 +204,15 @@ def test_a_pass_that_fails_leaves_no_layer_behind(checkpoint):
         streamed(input_ids=torch.tensor([_ids(10)]), use_cache=False)
     assert streamed.materialized_layers() == [] and not streamed._pending
     assert streamed.embedding.weight.device.type == "meta"
+
+
+def test_a_checkpoint_sharded_into_a_subfolder_streams_the_weights_transformers_loads(checkpoint, tmp_path):
+    """The index names ``sub/model-00001-of-00001.safetensors``; a top-level file of that name holds another model's
+    weights. transformers loads the sub/ shard, and so must the reference validation holds an export to."""
+    from exporter.tiny_checkpoint import shards_in_subfolder
+
+    source = shards_in_subfolder(checkpoint("llama"), tmp_path / "ckpt", checkpoint("llama", seed=1))
+    ids = torch.tensor([_ids(16)])
+    with torch.no_grad():
+        want = load_reference(source)(input_ids=ids, use_cache=False).logits
+    assert torch.equal(StreamedReference(source)(input_ids=ids, use_cache=False).logits, want)

@@ -136,3 +136,37 @@ def test_the_exact_test_takes_the_conversion_only_bit_for_bit_and_finite(source,
     assert not weights._exact_part(big.T.copy() if transposed else big, transposed, 0, checkpoint, overflowing,
                                    np.dtype(np.float16))
     assert weights.converted(checkpoint.array("k"), np.dtype(np.float16)).view(np.uint16)[0, 0] == 0x7C00
+
+
+def test_shards_in_a_subfolder_are_read_from_where_the_index_names_them(checkpoint, tmp_path):
+    """A model.safetensors.index.json naming ``sub/model-00001-of-00001.safetensors`` while another
+    model's weights lie in a top-level file of that name: the export takes the sub/ weights (the gate
+    holds it to the model they came from), and the gate, reading this checkpoint, fails the export of
+    the top-level weights."""
+    from safetensors import safe_open
+
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.tiny_checkpoint import shards_in_subfolder
+    from exporter.validation.gates.weights import weight_integrity
+
+    own, decoy = checkpoint("llama"), checkpoint("llama", seed=1)
+    source = shards_in_subfolder(own, tmp_path / "ckpt", decoy)
+    loaded = Checkpoint(source)
+    with safe_open(str(source / "sub" / "model-00001-of-00001.safetensors"), framework="numpy") as handle:
+        names = list(handle.keys())
+        for name in names:
+            np.testing.assert_array_equal(loaded.array(name), handle.get_tensor(name), err_msg=name)
+    assert loaded.names() == sorted(names)
+
+    def export(model, out):
+        request = ExportRequest(model=str(model), dtype="fp32", ep="cpu", variant="attn_dynamic")
+        return export_model(request, tmp_path / out, validate=False)
+
+    def gate(result, against) -> list[str]:
+        results, _ = weight_integrity(result.out_dir / "model.onnx", result.manifest.data, Checkpoint(against),
+                                      "fp32", "fp32")
+        return [f"{r.check}: {r.message}" for r in results if not r.passed]
+
+    assert gate(export(source, "ours"), own) == []
+    assert gate(export(decoy, "decoys"), source)  # another model's weights never pass for this checkpoint

@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from exporter.errors import ExportError
 from exporter.packaging import prequantized
-from exporter.packaging.source_files import checkpoint_file
+from exporter.packaging.source_files import shard_names
 
 # Upper bound on the bytes one read/convert/write block holds.
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -65,31 +65,27 @@ class Checkpoint:
         from safetensors import safe_open
 
         self.directory = directory
-        files = [checkpoint_file(directory, p.name) for p in sorted(directory.glob("*.safetensors"))]
+        # Each file by its path from the directory, the index's (sub/model-00001.safetensors), so that
+        # a tensor's bytes are read from the file its header came from.
+        files = shard_names(directory)
         if not files:
             raise ExportError(f"{directory} has no *.safetensors files: export needs safetensors weights")
-        index_path = checkpoint_file(directory, "model.safetensors.index.json", required=False)
-        if index_path is not None:
-            weight_map = json.loads(index_path.read_text()).get("weight_map", {})
-            missing = sorted({f for f in weight_map.values() if not (directory / f).exists()})
-            if missing:
-                raise ExportError(f"{index_path.name} names shards that are not there: {', '.join(missing)}")
-            files = sorted({checkpoint_file(directory, f) for f in weight_map.values()})
         self._where: dict[str, str] = {}
         self._entries: dict[str, dict] = {}
         self._data_start: dict[str, int] = {}
         self._maps: dict[str, np.ndarray] = {}
-        for path in files:
+        for file in files:
+            path = directory / file
             try:
                 # Only validates: safe_open checks that the header's offsets cover the file exactly
                 # (truncation). The "numpy" framework reads headers without importing torch.
                 with safe_open(str(path), framework="numpy") as handle:
                     names = list(handle.keys())
-                header, self._data_start[path.name] = _read_header(path)
+                header, self._data_start[file] = _read_header(path)
             except Exception as err:  # safetensors raises its own error types for bad headers/sizes
-                raise ExportError(f"{path.name} is not a readable safetensors file ({err}): re-download it") from None
+                raise ExportError(f"{file} is not a readable safetensors file ({err}): re-download it") from None
             for name in names:
-                self._where[name] = path.name
+                self._where[name] = file
                 self._entries[name] = header[name]
         # A GPTQ / AWQ checkpoint's packed linears, shown as the float tensors they stand for
         # (prequantized.py); their own tensors are read through ``packed_codes``.

@@ -4,15 +4,18 @@ An export reads config.json and the safetensors shards, and publishes the genera
 the tokenizer files beside the model (the genai package, the hf layout). Each is opened through
 ``checkpoint_file``: a name that climbs out of the checkpoint, or a link that leads out of it (a
 generation_config.json linked to /proc/self/environ would publish the worker's environment), is
-refused.
+refused. A shard is found where the index names it, relative to the checkpoint (``shard_names``),
+by everything that reads one.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+from pathlib import Path, PurePosixPath
 
 from exporter.errors import ExportError
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Tokenizer files a checkpoint may carry; copied (their sha256 lands in the manifest), a genai
 # package's tokenizer_config.json then given the special-token flags genai reads (align_special_tokens).
@@ -56,6 +59,30 @@ def checkpoint_file(directory: Path, name: str, required: bool = True) -> Path |
     if not real.is_file():
         raise ExportError(f"{name} in {Path(directory).name} is not a regular file")
     return path
+
+
+def shard_names(directory: Path) -> list[str]:
+    """The checkpoint's safetensors files as paths relative to ``directory`` (sorted): those
+    model.safetensors.index.json maps tensors to, else every top-level ``*.safetensors``. An index's
+    name is a path from the checkpoint directory (hub repositories ship ``sub/model-00001.safetensors``),
+    read whole, never by its base name, and passes ``checkpoint_file``; a shard it names that is not
+    there is refused."""
+    directory = Path(directory)
+    index = checkpoint_file(directory, SAFETENSORS_INDEX, required=False)
+    if index is None:
+        return [path.name for path in sorted(directory.glob("*.safetensors"))]
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ExportError(f"{SAFETENSORS_INDEX} has no weight_map of tensor names to shard files: re-download it")
+    # "./sub//x" and "sub/x" are one file; ".." is kept, for checkpoint_file to refuse
+    names = sorted({str(PurePosixPath(name)) for name in weight_map.values()})
+    missing = [name for name in names if checkpoint_file(directory, name, required=False) is None]
+    if missing:
+        raise ExportError(f"{SAFETENSORS_INDEX} names shards that are not there: {', '.join(missing)}")
+    return names
 
 
 def tokenizer_file_names(directory: Path) -> list[str]:
