@@ -16,6 +16,7 @@ from pathlib import Path
 
 from exporter.errors import ExportError
 from exporter.packaging.resolve import local_fingerprint
+from exporter.packaging.source_files import source_file_names
 from services.settings import Settings
 
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(@[A-Za-z0-9][A-Za-z0-9_./-]{0,99})?")
@@ -73,8 +74,10 @@ def locate_model(settings: Settings, model: str) -> ModelSource:
 
 
 def directory_signature(directory: Path) -> tuple:
-    """Names, sizes and mtimes of a checkpoint's files: cheap to read, changes when any file does."""
-    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir() if p.is_file()))
+    """Names, sizes and mtimes of the checkpoint files its revision covers (``source_file_names``:
+    shards in a folder the index names too): cheap to read, changes when any of them does."""
+    files = ((name, directory / name) for name in source_file_names(directory))
+    return tuple((name, p.stat().st_size, p.stat().st_mtime_ns) for name, p in files if p.is_file())
 
 
 @functools.lru_cache(maxsize=512)

@@ -318,6 +318,44 @@ def make_app(tmp_path, checkpoint=None, **overrides):
     return client
 
 
+def test_a_fixed_chat_template_is_a_new_revision_not_the_old_export(tmp_path, checkpoint):
+    """The same request for a local model whose chat_template.jinja changed is a new export: the
+    revision in its cache key covers every file the export publishes, not only the JSON ones."""
+    import shutil
+
+    client = make_app(tmp_path)
+    model = shutil.copytree(checkpoint("llama"), client.settings.models_dir / "tiny-chat")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    body = {"model": "tiny-chat", "dtype": "fp32", "ep": "cpu"}
+    first = client.post("/exports", json=body)
+    assert first.status_code == 202, first.text
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    again = client.post("/exports", json=body)
+    assert again.status_code == 202, again.text
+    assert again.json()["revision"] != first.json()["revision"]
+    assert again.json()["cache_key"] != first.json()["cache_key"] and again.json()["id"] != first.json()["id"]
+
+
+def test_new_weights_in_a_shard_the_index_puts_in_a_subfolder_are_a_new_revision(tmp_path, checkpoint):
+    """The API keys a local model's revision on a signature of its files: a shard the index puts in a
+    folder is one of them, or the export of the old weights comes back."""
+    import shutil
+
+    from exporter.tiny_checkpoint import shards_in_subfolder
+
+    client = make_app(tmp_path)
+    model = shards_in_subfolder(checkpoint("llama"), client.settings.models_dir / "tiny-sub",
+                                checkpoint("llama", seed=1))
+    body = {"model": "tiny-sub", "dtype": "fp32", "ep": "cpu"}
+    first = client.post("/exports", json=body)
+    assert first.status_code == 202, first.text
+    shard = model / "sub" / "model-00001-of-00001.safetensors"
+    shutil.copyfile(checkpoint("llama", seed=2) / "model.safetensors", shard)  # other weights, same shapes
+    again = client.post("/exports", json=body)
+    assert again.status_code == 202, again.text
+    assert again.json()["revision"] != first.json()["revision"]
+
+
 def test_changing_admin_token_revokes_the_previous_one(tmp_path):
     first = make_app(tmp_path)
     assert first.get("/exports").status_code == 200

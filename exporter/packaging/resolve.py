@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from exporter.errors import ExportError
+from exporter.packaging.source_files import source_file_names
 
 # Files an export needs from a hub repository (weights, config, tokenizer, chat template, generation defaults).
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -31,16 +32,21 @@ class ResolvedSource:
 def local_fingerprint(directory: Path) -> str:
     """A content fingerprint of a local checkpoint without reading gigabytes of weights.
 
-    config.json in full plus each safetensors file's header (names, dtypes, shapes, offsets), size
-    and modification time: editing any of them changes the revision, and so the cache key.
+    Every file the export reads or publishes (``source_file_names``: config.json, the shards
+    wherever the index puts them, generation_config.json, every tokenizer file and chat template)
+    by name, size and modification time, the safetensors by their headers (names, dtypes, shapes,
+    offsets) and the rest in full: editing any of them changes the revision, and so the cache key.
+    A checkpoint with none of the files first covered here (side files, shards in a folder) keeps
+    the revision it had.
     """
     digest = hashlib.sha256()
-    for path in sorted(directory.iterdir()):
-        if path.suffix not in (".json", ".safetensors") or not path.is_file():
+    for name in source_file_names(directory):
+        path = directory / name
+        if not path.is_file():
             continue
         stat = path.stat()
-        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        if path.suffix == ".json":
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        if path.suffix != ".safetensors":
             digest.update(path.read_bytes())
         else:
             with path.open("rb") as f:

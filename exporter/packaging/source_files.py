@@ -5,7 +5,10 @@ the tokenizer files beside the model (the genai package, the hf layout). Each is
 ``checkpoint_file``: a name that climbs out of the checkpoint, or a link that leads out of it (a
 generation_config.json linked to /proc/self/environ would publish the worker's environment), is
 refused. A shard is found where the index names it, relative to the checkpoint (``shard_names``),
-by everything that reads one.
+by everything that reads one. The same lists say what a local checkpoint's revision covers
+(``source_file_names``), so no file an export reads or publishes is left out of its cache key.
+
+Standard library only: the API fingerprints a local checkpoint on every request.
 """
 
 from __future__ import annotations
@@ -102,3 +105,12 @@ def side_file_names(directory: Path) -> list[str]:
     directory = Path(directory)
     generation = (directory / GENERATION_CONFIG_FILE).exists() or (directory / GENERATION_CONFIG_FILE).is_symlink()
     return sorted({*tokenizer_file_names(directory), *([GENERATION_CONFIG_FILE] if generation else [])})
+
+
+def source_file_names(directory: Path) -> list[str]:
+    """Every file of ``directory`` an export reads or publishes, relative to it (sorted): the
+    top-level JSON files (config.json, the index, the tokenizer's), every top-level safetensors and
+    the shards the index names, and the side files. What a local checkpoint's revision covers."""
+    directory = Path(directory)
+    top = {path.name for path in directory.iterdir() if path.suffix in (".json", ".safetensors")}
+    return sorted(top | set(shard_names(directory)) | set(side_file_names(directory)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from exporter.packaging.source_files import tokenizer_file_names
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # The parity run's real-text prompt: one user turn through the chat template (plain text, special
 # tokens as the tokenizer adds them, where there is no template).
@@ -26,7 +28,10 @@ def load_tokenizer(checkpoint: Path):
     its files are unchanged (parity, the quality gate and the genai gate of one export share it)."""
     if not has_tokenizer(checkpoint):
         return None
-    stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(Path(checkpoint).glob("tokenizer*")))
+    # Every tokenizer file packaging copies (the chat template, merges.txt ... too): one changed is a
+    # different tokenizer.
+    files = [Path(checkpoint) / name for name in tokenizer_file_names(Path(checkpoint))]
+    stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.is_file())
     return _load_tokenizer(Path(checkpoint).resolve(), stamp)
 
 
