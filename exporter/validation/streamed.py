@@ -90,6 +90,9 @@ class StreamedReference:
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
+        # (checkpoint name, array, read for the embedding) -> the array to use: what a quantized
+        # export stores instead (validation/quant_advice.py); None reads the checkpoint as it is.
+        self.transform = None
         if self.device.type == "cuda":
             # The reference is fp32: TF32 matmuls would round their inputs to 10 mantissa bits.
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -255,9 +258,10 @@ class StreamedReference:
             found[target] = ("merged", groups, ops[1].dim if len(ops) > 1 else None)
         return found
 
-    def _tensor(self, name: str, rows=None):
+    def _tensor(self, name: str, rows=None, embedding: bool = False):
         """A checkpoint tensor (or rows of it) in the reference's dtype on its device, or one that
-        transformers merges from several (``_converted_names``)."""
+        transformers merges from several (``_converted_names``); ``embedding``: read for the
+        embedding's gather (``transform`` may treat a tied table's two uses apart)."""
         import torch
 
         merged = self._merged.get(name)
@@ -277,6 +281,8 @@ class StreamedReference:
         array = self.source.array(name)
         if rows is not None:
             array = array[rows]
+        if self.transform is not None:
+            array = self.transform(name, array, embedding)
         stored = self.source.stored_dtype(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the memory map is read-only; nothing writes it
@@ -286,10 +292,10 @@ class StreamedReference:
         tensor = tensor.to(self.device)
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
-    def _parameter(self, name: str, rows=None):
+    def _parameter(self, name: str, rows=None, embedding: bool = False):
         import torch
 
-        return torch.nn.Parameter(self._tensor(name, rows), requires_grad=False)
+        return torch.nn.Parameter(self._tensor(name, rows, embedding), requires_grad=False)
 
     # --- decoder layers --------------------------------------------------------------------------
 
@@ -331,7 +337,7 @@ class StreamedReference:
                 if 0 not in self._pending:
                     self._pending[0] = self._pool.submit(self._load_layer, 0)
         rows, inverse = torch.unique(ids, return_inverse=True)
-        module.weight = self._parameter(self._names[id(self._embedding_meta)], rows.cpu().numpy())
+        module.weight = self._parameter(self._names[id(self._embedding_meta)], rows.cpu().numpy(), embedding=True)
         # padding_idx only keeps a row's gradient at zero; renumbered, it would name another row.
         self._padding_idx, module.padding_idx = getattr(module, "padding_idx", None), None
         inverse = inverse.reshape(ids.shape)

@@ -195,8 +195,12 @@ def validate_export(
     quality_thresholds: dict | None = None,
     reference_cache: Path | None = None,
     shared_references=None,
+    advise: bool = True,
 ) -> ValidationReport:
     """Run every gate on ``export_dir``; ``reference`` defaults to the checkpoint it was built from.
+
+    An int4 export that fails its quality verdict gets advice (``advise``): the int4 recipe that would
+    pass on this model, measured (quant_advice.py); it costs a few reference passes, only on failure.
 
     Reference runs are kept in ``reference_cache`` and, given ``shared_references`` (a
     ``reference.SharedReferences``, e.g. the farm's object store), shared beyond this machine.
@@ -248,6 +252,11 @@ def validate_export(
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
                                          shared_references, runtime, timings, own, compat)
         checkpoints.checkpoint()
+        if quality is not None and advise:
+            t0 = time.perf_counter()
+            if _advise_quantization(runtime, quality, manifest, dtype, activations, ref_source, cfg,
+                                    quality_thresholds, reference_cache, shared_references):
+                timings["quality_advice"] = time.perf_counter() - t0
         if captures(variant, ep):  # the benchmark and serving runtimes capture CUDA graphs: rehearse that
             t0 = time.perf_counter()
             runtime.append(rehearsal_gate(manifest, cfg, activations, ep))
@@ -262,6 +271,47 @@ def validate_export(
         (weight_results, _), timings["weights"] = weights.result()
     gates += weight_results + runtime + genai_results
     return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality, genai)
+
+
+def _advise_quantization(gates, quality, manifest, dtype, activations, ref_source, cfg, thresholds,
+                         reference_cache, shared) -> bool:
+    """An int4 export that fails its quality verdict on real text: measure which int4 recipe would pass
+    on this model (validation/quant_advice.py) and say so in each failed check and the report.
+    Nothing for an export that passed, one scored on byte tokens (no tokenizer) or whose reference
+    failed its own check (no verdict), or one whose codes came from a GPTQ / AWQ checkpoint."""
+    verdicts = ("next-token agreement", "mean KL", "perplexity increase")
+    failed = [g for g in gates if g.gate == "quality" and g.status == "fail" and g.check.startswith(verdicts)]
+    unmeasured = any(g.gate == "quality" and "measurement check" in g.check and g.status == "fail" for g in gates)
+    if (dtype != "int4" or not failed or unmeasured or quality.get("tokenizer") != "checkpoint" or not manifest.get("request")
+            or (manifest.get("quantization") or {}).get("imported")):
+        return False
+    from exporter.request import DType, ExportRequest
+    from exporter.validation import quant_advice, reference
+    from exporter.validation.gates.quality import DEFAULT_THRESHOLDS
+    from exporter.validation.activation_range import quality_windows
+
+    chunks = quality_windows(Path(ref_source.path), cfg["vocab_size"], cfg.get("max_seq_len"))
+    _, ref = reference.cached_window_logits(reference_cache, ref_source.revision, chunks, shared)
+    request = ExportRequest(**{**manifest["request"], "model": str(ref_source.path)})
+    if ref is None:  # no cache: the quality gate's pass is gone; measure it again
+        from exporter.validation.activation_range import measure
+
+        _, ref = measure(Path(ref_source.path), request.ep.value, chunks, cfg["num_layers"])
+    limits = {**DEFAULT_THRESHOLDS["int4"], **((thresholds or {}).get("int4", {}))}
+    try:
+        advice = quant_advice.advise(request, ref_source, DType(activations), chunks, ref, quality["tokenizer"], limits)
+    except Exception as err:  # advice, not a gate: the failure stands without it
+        if checkpoints.is_stop(err):
+            raise
+        import logging
+
+        logging.getLogger(__name__).warning("could not measure other int4 recipes: %s", err)
+        return False
+    sentence = quant_advice.describe(advice)
+    for gate in failed:
+        gate.message = f"{gate.message}; {sentence}" if gate.message else sentence
+    quality["advice"] = advice
+    return True
 
 
 def _eos_ids(export_dir: Path) -> list[int]:

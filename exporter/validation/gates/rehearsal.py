@@ -105,6 +105,13 @@ def rehearsal_gate(manifest: dict, config: dict, activations: str, ep: str, runn
                               "would crash the same way", details={"phase": crash.phase, "frames": crash.frames})
         except ProcessLost as lost:
             return GateResult("runtime", check, False, "lost", "no crash, replay == normal run", str(lost))
+        except Exception as err:  # the runtime refused the pattern: the finding, as the probe's
+            from exporter import checkpoints
+
+            if checkpoints.is_stop(err):
+                raise
+            return GateResult("runtime", check, False, "error", "no crash, replay == normal run",
+                              f"onnxruntime could not run the tiny twin under capture: {str(err)[:300]}")
     limit = REPLAY_TOLERANCE.get(activations, REPLAY_TOLERANCE["fp16"])
     ok = found["max_diff"] <= limit
     return GateResult("runtime", check, ok, found["max_diff"], limit,
