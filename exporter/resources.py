@@ -11,7 +11,8 @@ model's geometry and the request, term by term, each term named so a refusal can
   - validation: the export's own session where it holds weights on the host (the CPU EP makes
     fp32 copies of fp16 / bf16 weights, 4 bytes a parameter, and repacks quantized ones), the
     streamed reference (one decoder layer in fp32, two while the next is read ahead on a GPU, a
-    block of LM-head rows, the logits it returns), the weight check's blocks, the quality
+    block of LM-head rows, the logits it returns; a GPTQ / AWQ checkpoint's linear or block of
+    one beside its codes while it is decoded), the weight check's blocks, the quality
     gate's logits; parity holds the session and the reference at once, the quality gate one
     after the other;
   - the benchmark (CPU EP: a serving session, weights repacked);
@@ -30,6 +31,7 @@ import dataclasses
 import math
 
 from exporter.graph.config import ModelConfig
+from exporter.packaging.prequantized import decode_bytes, read_format
 from exporter.request import DType, EP, ExportRequest, QuantSpec, activation_dtype
 from exporter.validation.gates.quality import MAX_TOKENS as QUALITY_TOKENS, WINDOW as QUALITY_WINDOW
 from exporter.validation.streamed import VOCAB_BLOCK_BYTES  # the LM head's blocks, two at once
@@ -199,6 +201,24 @@ def _quantized_bytes(k: int, n: int, bits: int, spec: QuantSpec, scale_bytes: in
     return packed + n * blocks * scale_bytes + zero_points
 
 
+def _packed_decode(config: ModelConfig, geometry: Geometry) -> tuple[int, int] | None:
+    """For a GPTQ / AWQ checkpoint, the most weights the streamed reference decodes at once (a
+    layer's largest linear, or a block of vocabulary rows of a packed LM head) and the group size;
+    None for a float checkpoint."""
+    quant = getattr(config.hf_config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
+    fmt = read_format({"quantization_config": quant}) if isinstance(quant, dict) else None
+    if fmt is None:
+        return None
+    moe = config.moe
+    widths = [config.q_size, config.intermediate_size, *((moe.expert_intermediate, moe.shared_expert_intermediate or 0)
+                                                         if moe else ())]
+    values = config.hidden_size * max(widths)
+    if quant.get("lm_head") and geometry.lm_head:  # GPTQModel's lm_head: the head is packed too
+        values = max(values, min(VOCAB_BLOCK_BYTES // (4 * config.hidden_size) * config.hidden_size, geometry.lm_head))
+    return values, fmt.group_size
+
+
 def _rope_bytes(config: ModelConfig, request: ExportRequest, elem: int) -> int:
     positions = request.max_seq_len or config.max_position_embeddings
     # One cos / sin pair per rope (gemma3: local and global), two for longrope (short and long factors).
@@ -246,6 +266,12 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
         # layer's bytes), about 0.1 GiB for the 15 GiB of an 8B fp16 one (benchmarks/results/h200/scale_*).
         validation_session = serving_session = int((0.1 if dtype.quantized else 0.02) * data)
     host_reference = {} if reference_on_gpu else reference
+    if (packed := _packed_decode(config, geometry)) is not None:
+        # A GPTQ / AWQ linear is decoded on the host, held beside its codes while it is: on top of
+        # the fp32 counted above, or whole where the reference then copies it to the GPU.
+        values, group_size = packed
+        decoding = decode_bytes(values, group_size) - (0 if reference_on_gpu else 4 * values)
+        host_reference = {**host_reference, "decoding packed weights": decoding}
     weight_check = {"weight check": int(WEIGHT_CHECK_HOST)}
     if dtype.quantized:
         # The quality gate computes the reference's logits first and makes the export's session

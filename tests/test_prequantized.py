@@ -144,3 +144,80 @@ def test_a_quantized_lm_head_on_request(tmp_path):
     decisions = json.loads((result.out_dir / "manifest.json").read_text())["quantization"]["weights"]
     head = decisions["lm_head.weight.T"]
     assert head["quantized"] and head["bits"] == 8 and "imported" not in head
+
+
+def _packed_head_checkpoint(float_checkpoint: Path, out: Path, group_size: int) -> Path:
+    """``float_checkpoint`` with its LM head GPTQ-packed (GPTQModel's ``lm_head: true``): random 4-bit
+    codes, zero points 8, small fp16 scales. What is measured is memory, not numbers."""
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir(parents=True)
+    tensors = load_file(str(float_checkpoint / "model.safetensors"))
+    vocab, hidden = tensors.pop("lm_head.weight").shape
+    rng = np.random.default_rng(0)
+    tensors["lm_head.qweight"] = rng.integers(0, 2**32, (hidden // 8, vocab), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    tensors["lm_head.qzeros"] = np.full((hidden // group_size, vocab // 8), 0x77777777, np.uint32).view(np.int32)
+    tensors["lm_head.scales"] = rng.uniform(1e-3, 2e-3, (hidden // group_size, vocab)).astype(np.float16)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((float_checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True,
+                                     "checkpoint_format": "gptq", "desc_act": False, "lm_head": True}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_packed_lm_head_is_decoded_a_block_at_a_time_within_the_estimate(checkpoint, tmp_path):
+    """The streamed reference reads a GPTQ-packed LM head a block of vocabulary rows at a time and
+    decodes that block alone: its peak is the block's fp32 values and codes (``decode_bytes``, what
+    the estimate counts), not the whole head decoded with uint32 and fp32 intermediates (an 8B's
+    0.25 GiB block took 4.45 GiB). Eight blocks to the head, as an 8B's head has."""
+    import tracemalloc
+
+    import torch
+
+    from exporter.geometries import write_geometry_config
+    from exporter.graph.architectures import ARCHITECTURES
+    from exporter.graph.config import load_model_config
+    from exporter.packaging.prequantized import decode_bytes
+    from exporter.resources import estimate_resources
+    from exporter.validation.streamed import VOCAB_BLOCK_BYTES, StreamedReference
+
+    vocab, hidden, group = 16384, 256, 32
+    source = _packed_head_checkpoint(checkpoint("llama", vocab_size=vocab, hidden_size=hidden), tmp_path / "ckpt", group)
+    block = vocab * hidden * 4 // 8
+    streamed = StreamedReference(source, vocab_block_bytes=block)
+    tracemalloc.start()  # numpy's allocations: the decoding (torch's own are not traced, nor mapped files)
+    try:
+        with torch.no_grad():
+            streamed(input_ids=torch.tensor([[1, 5, 7, 9]]), use_cache=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        streamed.close()
+    assert peak <= decode_bytes(block // 4, group) <= 1.5 * block, (peak, block)
+
+    # The estimate of an 8B with such a head (on a GPU worker whose reference runs on the host, the
+    # reference's phase is the peak): its head blocks and their decoding cover the measured peak
+    # scaled to the reference's own block size.
+    eight_b = write_geometry_config("llama-3.1-8b", tmp_path / "8b")
+    config = json.loads((eight_b / "config.json").read_text())
+    config["quantization_config"] = json.loads((source / "config.json").read_text())["quantization_config"]
+    (eight_b / "config.json").write_text(json.dumps(config))
+    host = estimate_resources(load_model_config(eight_b, ARCHITECTURES),
+                              ExportRequest(model="m", dtype="int4", ep="cuda")).terms["host"]
+    covered = host["reference LM head blocks"] + host["decoding packed weights"]
+    assert covered >= peak / block * VOCAB_BLOCK_BYTES, (covered, peak / block)
+
+
+@pytest.mark.parametrize("name", sorted(IMPORTED))
+def test_blocks_of_a_packed_linear_are_its_values_decoded_whole(name):
+    """``rows`` (the export's and the reference's blocks) and ``columns`` (a transposed initializer's)
+    decode a block alone, group boundaries or not, to the same bits as the whole linear."""
+    checkpoint = Checkpoint(DATA / name)
+    for linear in checkpoint.linears:
+        whole = checkpoint.array(linear)
+        n, k = whole.shape
+        for a, b in ((0, n), (3, 17), (n - 5, n)):
+            np.testing.assert_array_equal(checkpoint.rows(linear, a, b), whole[a:b])
+        for a, b in ((0, k), (5, 17), (32, 64), (7, k - 1)):
+            np.testing.assert_array_equal(checkpoint.columns(linear, a, b), whole[:, a:b])

@@ -14,11 +14,9 @@ an ``add``) go through torch, as before.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,8 +107,6 @@ class Checkpoint:
                                   f"{sorted(str(k) for k in kinds)}: the exporter imports one float dtype for all")
         # fp16, bf16 or fp32: what a MatMulNBits node must compute in to hold them exactly.
         self.packed_scales_dtype = next(iter(kinds)) if self.linears else None
-        self._decoded: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
-        self._decoded_lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self._where or name in self.linears
@@ -156,26 +152,15 @@ class Checkpoint:
         zeros = prequantized.zero_points(self.array, self.linears[name], self.prequantized)
         return bool(np.all(zeros == 1 << (self.prequantized.bits - 1)))
 
-    def _dequantized(self, name: str) -> np.ndarray:
-        """A packed linear's float values [out, in], the last two kept: blocks read it again and again."""
-        with self._decoded_lock:
-            if name in self._decoded:
-                self._decoded.move_to_end(name)
-                return self._decoded[name]
-        linear = self.linears[name]
-        values = prequantized.dequantized(*self.packed_codes(name, 0, linear.n), self.prequantized.group_size)
-        values.flags.writeable = False
-        with self._decoded_lock:
-            self._decoded[name] = values
-            while len(self._decoded) > 2:
-                self._decoded.popitem(last=False)
-        return values
+    def _packed(self, name: str) -> bool:
+        return name in self.linears and name not in self._where
 
     def array(self, name: str) -> np.ndarray:
         """One tensor as a read-only view of the memory-mapped file (bf16: its raw uint16 bits); a
-        packed linear's values decoded (fp32)."""
-        if name in self.linears and name not in self._where:
-            return self._dequantized(name)
+        packed linear's values decoded whole (fp32, 4 bytes a value: read blocks of one with ``rows``
+        or ``columns``, which decode only the block)."""
+        if self._packed(name):
+            return self.rows(name, 0, self.linears[name].n)
         entry = self._entry(name)
         file = self._where[name]
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
@@ -186,10 +171,27 @@ class Checkpoint:
         begin, end = (self._data_start[file] + o for o in entry["data_offsets"])
         return self._maps[file][begin:end].view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
+    def rows(self, name: str, a: int, b: int) -> np.ndarray:
+        """Rows [a, b) of one tensor: a view of the memory-mapped file, or a packed linear's output
+        rows decoded alone (decoding the whole linear to read a block of it, as ``array`` once did,
+        held 18 times a block of a packed LM head's vocabulary rows)."""
+        if self._packed(name):
+            return prequantized.dequantized(*self.packed_codes(name, a, b), self.prequantized.group_size)
+        return self.array(name)[a:b]
+
+    def columns(self, name: str, a: int, b: int) -> np.ndarray:
+        """Columns [a, b) of a 2-D tensor (a transposed read's block): a view of the memory-mapped
+        file, or a packed linear's input columns decoded alone."""
+        if self._packed(name):
+            q, zeros, scales = prequantized.input_codes(self.array, self.linears[name], self.prequantized, a, b)
+            if self.packed_scales_dtype is ir.DataType.BFLOAT16:
+                scales = scales.view(ml_dtypes.bfloat16)
+            return prequantized.dequantized(q, zeros, scales, self.prequantized.group_size, first=a)
+        return self.array(name)[:, a:b]
+
     def read(self, name: str, rows: tuple[int, int] | None = None):
         """Rows [a, b) (or all) of one tensor as a torch tensor in its stored dtype."""
-        array = self.array(name)
-        return _as_torch(array[rows[0] : rows[1]] if rows else array, self.stored_dtype(name))
+        return _as_torch(self.rows(name, *rows) if rows else self.array(name), self.stored_dtype(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +232,17 @@ class WeightPart:
             blocks, scales = (self._slab(checkpoint, n) for n in (self.name, self.mxfp4_scales))
             return mxfp4_values(blocks[start + a : start + b], scales[start + a : start + b])
         if not self.transposed:
+            if self.expert is None:
+                return checkpoint.rows(self.name, start + a, start + b)
             return self.source(checkpoint)[start + a : start + b]
         return transpose(self._slab(checkpoint, self.name)[:, start + a : start + b])
+
+    def read_columns(self, checkpoint: Checkpoint, a: int, b: int) -> np.ndarray:
+        """Columns [a, b) of ``source``, every row (a transposed read's block; a packed linear's
+        columns decoded alone)."""
+        if self.expert is None and not self.transposed:
+            return checkpoint.columns(self.name, a, b)
+        return self.source(checkpoint)[:, a:b]
 
     def shape(self, checkpoint: Checkpoint) -> tuple[int, ...]:
         shape = checkpoint.shape(self.name)
@@ -420,7 +431,7 @@ class CheckpointTensor(ir.LazyTensor):
             pieces = []
             for part in self.parts:
                 rows = part.rows or (0, self._part_shape(part)[0])
-                source = part.source(self.checkpoint)[rows[0] : rows[1], c0:c1]
+                source = part.read_columns(self.checkpoint, c0, c1)[rows[0] : rows[1]]
                 stored = self.checkpoint.stored_dtype(part.name)
                 pieces.append(np.ascontiguousarray(convert(transpose(source), stored, self.dtype, part.add)))
             yield pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)

@@ -165,9 +165,15 @@ def _words(array: np.ndarray) -> np.ndarray:
 
 
 def _unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
-    """[..., w] uint32 -> [..., w, 32 / bits] codes, the lowest bits first."""
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    return ((words[..., None] >> shifts) & np.uint32((1 << bits) - 1)).astype(np.uint8)
+    """[..., w] uint32 -> [..., w, 32 / bits] codes, the lowest bits first: one field at a time
+    through one word-sized buffer (shifting every field at once held 8 bytes a code in uint32s)."""
+    fields = np.empty((*words.shape, 32 // bits), np.uint8)
+    field = np.empty(words.shape, np.uint32)
+    for i in range(32 // bits):
+        np.right_shift(words, np.uint32(i * bits), out=field)
+        np.bitwise_and(field, np.uint32((1 << bits) - 1), out=field)
+        fields[..., i] = field
+    return fields
 
 
 def _column_words(a: int, b: int, per_word: int) -> tuple[int, int, int]:
@@ -206,11 +212,43 @@ def zero_points(arrays, linear: PackedLinear, fmt: PrequantizedFormat, a: int = 
     return np.ascontiguousarray(zeros.reshape(zeros.shape[0], -1)[:, skip : skip + b - a].T)
 
 
-def dequantized(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """``scale * (q - z)`` per group, fp32 [n, k] (exact: an fp16 scale times a small integer)."""
-    n, k = q.shape
-    values = q.reshape(n, k // group_size, group_size).astype(np.float32) - zeros[..., None].astype(np.float32)
-    return (values * scales.astype(np.float32)[..., None]).reshape(n, k)
+def input_codes(arrays, linear: PackedLinear, fmt: PrequantizedFormat, a: int, b: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Input columns [a, b) of ``linear`` for every output row: codes [n, b - a] (uint8), and the zero
+    points and scales [n, groups] of the groups those columns fall in (a transposed read's block)."""
+    per_word = 32 // fmt.bits
+    g0, g1 = a // fmt.group_size, -(-b // fmt.group_size)
+    if fmt.method == "gptq":  # packed along the inputs: the words of rows [a, b)
+        w0, w1, skip = _column_words(a, b, per_word)
+        q = _unpack_words(_words(arrays(linear.tensor(".qweight"))[w0:w1]), fmt.bits)  # [words, n, per_word]
+        q = q.transpose(1, 0, 2).reshape(linear.n, -1)[:, skip : skip + b - a]
+    else:
+        q = _unpack_words(_words(arrays(linear.tensor(".qweight"))[a:b]), fmt.bits)[..., _AWQ_COLUMNS]
+        q = q.reshape(b - a, linear.n).T
+    zeros = zero_points(arrays, linear, fmt)[:, g0:g1]
+    scales = np.asarray(arrays(linear.tensor(".scales"))[g0:g1]).T
+    return np.ascontiguousarray(q), np.ascontiguousarray(zeros), np.ascontiguousarray(scales)
+
+
+def dequantized(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group_size: int, first: int = 0) -> np.ndarray:
+    """``scale * (q - z)`` per group, fp32 [n, width] (exact: an fp16 scale times a small integer) for
+    codes of inputs [first, first + width) and the zero points and scales of the groups they fall in.
+    In place, group by group: one fp32 array beside the codes, not one for each step of the sum."""
+    width = q.shape[1]
+    values = q.astype(np.float32)
+    lead = first % group_size  # columns of the first group before ``first``
+    for g in range(zeros.shape[1]):
+        columns = slice(max(0, g * group_size - lead), min(width, (g + 1) * group_size - lead))
+        values[:, columns] -= zeros[:, g : g + 1]
+        values[:, columns] *= scales[:, g : g + 1].astype(np.float32)
+    return values
+
+
+def decode_bytes(values: int, group_size: int) -> int:
+    """Host memory ``dequantized`` holds at its peak for ``values`` weights of a packed linear: each
+    value's fp32 result and its uint8 code (unpacking them held less: the words, one field's buffer
+    and the codes), and per group its zero point and scale (as stored, transposed and in fp32)."""
+    return values * 5 + values // group_size * 16
 
 
 def matmul_nbits_layout(q: np.ndarray, zeros: np.ndarray, bits: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -278,9 +278,11 @@ class StreamedReference:
             stacks = [torch.stack([self._tensor(n) for n in group]) for group in groups]
             tensor = stacks[0] if dim is None else torch.cat(stacks, dim=dim)
             return tensor if rows is None else tensor[rows]
-        array = self.source.array(name)
-        if rows is not None:
-            array = array[rows]
+        if isinstance(rows, slice):  # a block of rows (a packed linear's decoded alone)
+            array = self.source.rows(name, rows.start, rows.stop)
+        else:
+            array = self.source.array(name)
+            array = array if rows is None else array[rows]
         if self.transform is not None:
             array = self.transform(name, array, embedding)
         stored = self.source.stored_dtype(name)

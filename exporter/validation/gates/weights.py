@@ -248,8 +248,22 @@ class _Mxfp4Rows:
         return values.reshape(values.shape[0], -1).astype(np.float32)
 
 
+class _PackedRows:
+    """A GPTQ / AWQ linear's values as rows, decoded when sliced (``Checkpoint.rows``): decoding the
+    whole linear for each part compared would hold 5 bytes a value of it in every comparing thread."""
+
+    def __init__(self, checkpoint: Checkpoint, name: str):
+        self.checkpoint, self.name = checkpoint, name
+        self.shape = checkpoint.shape(name)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.checkpoint.rows(self.name, rows.start, rows.stop)
+
+
 def _source(checkpoint: Checkpoint, part: dict) -> np.ndarray:
     """A part's source tensor as stored (one expert's slab of a 3-D tensor where the part names one)."""
+    if part["tensor"] in checkpoint.linears:
+        return _PackedRows(checkpoint, part["tensor"])
     if part.get("mxfp4_scales"):
         blocks, scales = checkpoint.array(part["tensor"]), checkpoint.array(part["mxfp4_scales"])
         if part.get("expert") is not None:
