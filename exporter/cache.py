@@ -45,12 +45,17 @@ def cache_key(payload: dict) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all: concurrent readers never see half a file."""
+    """Write ``path`` whole or not at all: concurrent readers never see half a file, and a write
+    that fails (a full disk) leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    Path(name).replace(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        Path(name).replace(path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
 
 
 def write_npz(path: Path, **arrays: np.ndarray) -> bytes:

@@ -73,3 +73,27 @@ def reference(checkpoint):
         return reference_greedy(model, prompt, DECODE_STEPS)
 
     return make
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """small_filesystem(size) -> an empty directory on a tmpfs of ``size`` ("256k", "96m"): a real
+    filesystem that fills up (ENOSPC) and reports its own free space. Skipped where this process
+    may not mount one (mount needs root or CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"filesystem-{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "--lazy", str(where)], check=False)

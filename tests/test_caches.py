@@ -4,13 +4,15 @@ huggingface_hub's own cache scan and delete). Nothing used in the last hour is e
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from exporter.cache import read_npz, trim_hub_cache, trim_lru, write_npz
+from exporter.cache import read_npz, trim_hub_cache, trim_lru, write_atomic, write_npz
 
 HOUR = 3600
 
@@ -75,3 +77,15 @@ def test_trim_hub_cache_deletes_whole_least_recently_used_revisions(tmp_path):
     assert trim_hub_cache(0, cache_dir=cache, keep_repos={"org/kept"}) == ([], 0)  # its ref not resolved yet
     removed, _ = trim_hub_cache(0, cache_dir=cache)  # no budget at all: still nothing used in the last hour
     assert removed == ["org/kept@" + "b" * 40] and [p.name for p in cache.iterdir()] == ["models--org--recent"]
+
+
+def test_a_write_that_fills_the_disk_leaves_no_temporary_file(small_filesystem):
+    """ENOSPC half way through a cache write: the error comes out as it is, and neither the file
+    nor its temporary is left taking the space."""
+    root = small_filesystem("256k")
+    with pytest.raises(OSError) as raised:
+        write_atomic(root / "rope" / "table.npz", os.urandom(1 << 20))
+    assert raised.value.errno == errno.ENOSPC
+    assert list((root / "rope").iterdir()) == []
+    write_atomic(root / "rope" / "table.npz", b"fits")  # the space is back
+    assert [p.name for p in (root / "rope").iterdir()] == ["table.npz"]
