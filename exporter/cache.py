@@ -3,11 +3,14 @@
 Each cache holds pure functions of their key (reference runs, rope tables), so a file is either
 the right answer or not there; writers replace files atomically, readers recompute anything torn.
 A read marks a file used (its mtime), and ``trim_lru`` keeps a cache within a size by deleting
-what was used least recently; ``trim_hub_cache`` does the same for downloaded checkpoints.
+what was used least recently; ``trim_hub_cache`` does the same for downloaded checkpoints. Each
+trim is planned first (``plan_lru``, ``plan_hub_cache``): a worker counts the space a trim frees
+as its own before it takes a job whose first stage trims.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -16,6 +19,7 @@ import os
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +92,27 @@ def mark_used(path: Path) -> None:
         pass  # read-only or gone: eviction just sees it as older
 
 
-def trim_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> tuple[int, int]:
-    """Delete the least recently used files under ``root`` until it holds at most ``max_bytes``,
-    never one used in the last ``in_use_s``; returns (files deleted, bytes freed)."""
+@dataclasses.dataclass(frozen=True)
+class Trim:
+    """What keeping one cache within its size deletes now, found before anything is deleted: a worker
+    counts the space as its own before a job (``freed_on``), and the job's trim then deletes it."""
+
+    root: Path  # the cache's directory: the filesystem the space is freed on
+    names: tuple[str, ...]  # files, or "repo@commit" revisions
+    freed: int  # bytes
+    delete: Callable[[], tuple[int, int]] = dataclasses.field(repr=False, compare=False)  # -> (deleted, bytes freed)
+
+    def freed_on(self, directory: Path) -> int:
+        """The bytes this trim frees on ``directory``'s filesystem (none where the cache is elsewhere)."""
+        try:
+            return self.freed if os.stat(self.root).st_dev == os.stat(directory).st_dev else 0
+        except OSError:
+            return 0
+
+
+def plan_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> Trim:
+    """The least recently used files under ``root`` to delete for it to hold at most ``max_bytes``,
+    never one used in the last ``in_use_s``."""
     entries = []
     for path in Path(root).rglob("*"):
         try:
@@ -100,32 +122,47 @@ def trim_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> tuple[in
         except OSError:
             continue  # removed meanwhile
     total = sum(size for _, size, _ in entries)
-    deleted = freed = 0
     cutoff = time.time() - in_use_s
+    chosen = []
     for mtime, size, path in sorted(entries, key=lambda e: e[0]):
         if total <= max_bytes or mtime > cutoff:
             break
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        total, deleted, freed = total - size, deleted + 1, freed + size
-    return deleted, freed
+        chosen.append((path, size))
+        total -= size
+
+    def delete() -> tuple[int, int]:
+        deleted = freed = 0
+        for path, size in chosen:
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            deleted, freed = deleted + 1, freed + size
+        return deleted, freed
+
+    return Trim(Path(root), tuple(str(path) for path, _ in chosen), sum(size for _, size in chosen), delete)
 
 
-def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float = IN_USE_S,
-                   cache_dir: Path | None = None, keep_repos: set[str] = frozenset()) -> tuple[list[str], int]:
-    """Delete downloaded checkpoint revisions (huggingface_hub's cache) least recently used first
-    until the cache holds at most ``max_bytes``, never a commit in ``keep``, a revision of a repository
-    in ``keep_repos``, nor one used in the last ``in_use_s``; returns ("repo@commit" deleted, bytes
-    freed). huggingface_hub scans and deletes (blobs shared with a kept revision stay)."""
-    from huggingface_hub import scan_cache_dir
+def trim_lru(root: Path, max_bytes: int, in_use_s: float = IN_USE_S) -> tuple[int, int]:
+    """Delete the least recently used files under ``root`` until it holds at most ``max_bytes``,
+    never one used in the last ``in_use_s``; returns (files deleted, bytes freed)."""
+    return plan_lru(root, max_bytes, in_use_s).delete()
 
+
+def plan_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float = IN_USE_S,
+                   cache_dir: Path | None = None, keep_repos: set[str] = frozenset()) -> Trim:
+    """The downloaded checkpoint revisions (huggingface_hub's cache) to delete, least recently used
+    first, for the cache to hold at most ``max_bytes``: never a commit in ``keep``, a revision of a
+    repository in ``keep_repos``, nor one used in the last ``in_use_s``. huggingface_hub scans, and
+    counts and deletes (blobs shared with a kept revision stay)."""
+    from huggingface_hub import constants, scan_cache_dir
+
+    root = Path(cache_dir or constants.HF_HUB_CACHE)
     try:
-        info = scan_cache_dir(cache_dir)
+        info = scan_cache_dir(root)
     except Exception as err:  # no cache yet, or one it cannot read: nothing to trim
         log.info("hub cache not trimmed: %s", err)
-        return [], 0
+        return Trim(root, (), 0, lambda: (0, 0))
     total = info.size_on_disk
     cutoff = time.time() - in_use_s
     candidates = sorted(
@@ -141,7 +178,18 @@ def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float
         names.append(f"{repo.repo_id}@{revision.commit_hash}")
         total -= revision.size_on_disk
     if not chosen:
-        return [], 0
+        return Trim(root, (), 0, lambda: (0, 0))
     strategy = info.delete_revisions(*chosen)
-    strategy.execute()
-    return names, strategy.expected_freed_size
+
+    def delete() -> tuple[int, int]:
+        strategy.execute()
+        return len(chosen), strategy.expected_freed_size
+
+    return Trim(root, tuple(names), strategy.expected_freed_size, delete)
+
+
+def trim_hub_cache(max_bytes: int, keep: set[str] = frozenset(), in_use_s: float = IN_USE_S,
+                   cache_dir: Path | None = None, keep_repos: set[str] = frozenset()) -> tuple[list[str], int]:
+    """Delete what ``plan_hub_cache`` chooses; returns ("repo@commit" deleted, bytes freed)."""
+    trim = plan_hub_cache(max_bytes, keep, in_use_s, cache_dir, keep_repos)
+    return list(trim.names), trim.delete()[1]

@@ -16,8 +16,10 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
+from exporter.cache import Trim
 from exporter.errors import ExportError
 from exporter.packaging.source_files import shard_names
 from exporter.request import EP, ExportRequest
@@ -206,12 +208,15 @@ def _gpu_total(settings: Settings) -> int | None:
     return memory.total_bytes if memory is not None else None
 
 
-def machine_capacity(settings: Settings, holder: str = "this worker", own_work: Path | None = None) -> Capacity:
+def machine_capacity(settings: Settings, holder: str = "this worker", own_work: Path | None = None,
+                     trims: Iterable[Trim] = ()) -> Capacity:
     """What this process can use for its next job: host memory (WORKER_MEMORY_GB, else its cgroup's
     limit, else the machine's); GPU memory (WORKER_GPU_MEMORY_GB, else its GPU's free memory from
     NVML plus what this process itself holds there, which it gives back between jobs; none on a CPU
     host); disk (WORKER_DISK_GB, else the free space under its work directory plus what this worker's
-    own earlier work directories, ``own_work``, take: it prunes or resumes them before the job runs)."""
+    own earlier work directories, ``own_work``, take: it prunes or resumes them before the job runs;
+    and what its caches' ``trims`` free on that filesystem: the job's resolve stage deletes it
+    before the job writes anything)."""
     host = _host_memory(settings)
     gpu_bytes = _gib(settings.worker_gpu_memory_gb)
     if gpu_bytes is None and (memory := _bound_gpu()) is not None:
@@ -221,7 +226,8 @@ def machine_capacity(settings: Settings, holder: str = "this worker", own_work: 
         scratch = settings.scratch_dir
         while not scratch.exists() and scratch != scratch.parent:
             scratch = scratch.parent
-        disk = shutil.disk_usage(scratch).free + (_tree_bytes(own_work) if own_work is not None else 0)
+        disk = (shutil.disk_usage(scratch).free + (_tree_bytes(own_work) if own_work is not None else 0)
+                + sum(trim.freed_on(scratch) for trim in trims))
     return Capacity(holder, host, gpu_bytes, disk)
 
 

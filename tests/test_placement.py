@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -214,6 +217,43 @@ def test_queue_classes_are_checked_when_the_settings_load():
         with pytest.raises(ValueError, match=words):
             Settings(queue_classes=bad)
     assert json.dumps(GEOMETRIES)  # the geometries stay plain config.json
+
+
+@pytest.mark.parametrize("classes", [{}, {"queue_classes": {"cpu": {"ep": "cpu"}}}], ids=["embedded", "unsized"])
+def test_a_job_that_fits_once_the_caches_are_trimmed_is_claimed_and_runs(small_filesystem, checkpoint, tmp_path,
+                                                                         classes):
+    """A disk mostly taken by reference runs of earlier jobs, used hours ago and beyond CACHE_MAX_GB:
+    the job's resolve stage deletes them before the job writes anything, so the worker counts that
+    space as free and claims the job. Counted as used, the job waited forever for a worker of its
+    class with room (embedded: the class is sized as this machine), or was refused (unsized classes)."""
+    from workers.job import WorkerIdentity, run_export_job
+
+    disk = small_filesystem("96m")
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny").symlink_to(checkpoint("llama"))
+    settings = Settings(data_dir=disk / "data", models_dir=models, admin_token=ADMIN, cache_max_gb=1 / 1024,
+                        bench_contexts=[16], bench_steps=4, **classes)
+    upgrade_schema(settings.catalog_url)
+    client = TestClient(create_app(settings))
+    client.headers["Authorization"] = f"Bearer {ADMIN}"
+    export = client.post("/exports", json={"model": "tiny", "dtype": "fp32", "ep": "cpu"}).json()
+    need = estimate_resources(_config(models / "tiny"), ExportRequest(model="tiny", dtype="fp32", ep="cpu"),
+                              local_store=True).disk_bytes
+    free = shutil.disk_usage(disk).free
+    assert free > need + (1 << 20) * 4, (free, need)  # room once the cache is within its 1 MiB
+    references, stale = settings.data_dir / "references", time.time() - 3 * 3600
+    references.mkdir(parents=True)
+    for i in range(8):  # leave half the job's need free
+        run = references / f"run-{i}.npz"
+        run.write_bytes(bytes((free - need // 2) // 8))
+        os.utime(run, (stale, stale))
+    assert shutil.disk_usage(disk).free < need
+
+    assert run_export_job(settings, export["id"], WorkerIdentity("worker", os.getpid())) in ("ready", "quarantined")
+    got = client.get(f"/exports/{export['id']}").json()
+    assert got["attempts"] == 1 and got["worker"] == "worker", got["error"]
+    assert not [p.name for p in references.iterdir() if p.name.startswith("run-")]  # trimmed by its resolve stage
 
 
 # --- real worker processes on Redis and PostgreSQL ---------------------------------------------------

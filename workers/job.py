@@ -32,7 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from exporter import __version__, checkpoints
-from exporter.cache import trim_hub_cache, trim_lru
+from exporter.cache import Trim, plan_hub_cache, plan_lru
 from exporter.runtime.isolated import ProcessLost, run_isolated
 from exporter.reports.bench_report import write_report
 from exporter.contract import BENCH_FILE, DATA_FILE
@@ -292,30 +292,45 @@ class CatalogProgress(Progress):
 # --- the stages -------------------------------------------------------------------------------------
 
 
-def trim_caches(settings: Settings, keep_revision: str | None, keep_repo: str | None) -> None:
-    """Keep this worker's caches within their sizes before a job adds to them (least recently used
-    first; nothing another job on this host used in the last hour, nothing of the model this job
-    is about to read: its commit, or every revision of its repository while the ref is unresolved)."""
+def cache_trims(settings: Settings, keep: set[str] = frozenset(),
+                keep_repos: set[str] = frozenset()) -> dict[str, Trim]:
+    """What keeping this worker's caches within their sizes deletes now: rope tables and reference runs
+    (least recently used first, within CACHE_MAX_GB each) and downloaded hub revisions (within
+    HUB_CACHE_MAX_GB); never a file or revision used in the last hour, a commit in ``keep`` nor a
+    revision of a repository in ``keep_repos``."""
     budget = int(settings.cache_max_gb * 2**30)
-    for name in ("rope", "references"):
-        deleted, freed = trim_lru(settings.data_dir / name, budget)
-        if deleted:
+    trims = {name: plan_lru(settings.data_dir / name, budget) for name in ("rope", "references")}
+    if settings.hub_cache_max_gb is not None:
+        trims["hub"] = plan_hub_cache(int(settings.hub_cache_max_gb * 2**30), keep=keep, keep_repos=keep_repos)
+    return trims
+
+
+def _keep(revision: str, repo: str | None) -> tuple[set[str], set[str]]:
+    """What no trim may delete for a job of ``revision`` (of hub repository ``repo``): its commit, or
+    every revision of its repository while the ref is unresolved."""
+    if not revision.startswith(UNRESOLVED_PREFIX):
+        return {revision}, set()
+    return set(), {repo} if repo else set()
+
+
+def trim_caches(settings: Settings, revision: str, repo: str | None) -> None:
+    """Keep this worker's caches within their sizes before a job adds to them (``cache_trims``),
+    keeping what this job needs (``_keep``)."""
+    for name, trim in cache_trims(settings, *_keep(revision, repo)).items():
+        deleted, freed = trim.delete()
+        if deleted and name == "hub":
+            log.info("hub cache: deleted %s (%.1f GB) to stay within HUB_CACHE_MAX_GB", ", ".join(trim.names),
+                     freed / 2**30)
+        elif deleted:
             log.info("cache %s: deleted %d least recently used files (%.1f MB) to stay within CACHE_MAX_GB",
                      name, deleted, freed / 2**20)
-    if settings.hub_cache_max_gb is not None:
-        removed, freed = trim_hub_cache(int(settings.hub_cache_max_gb * 2**30),
-                                        keep={keep_revision} if keep_revision else set(),
-                                        keep_repos={keep_repo} if keep_repo and not keep_revision else set())
-        if removed:
-            log.info("hub cache: deleted %s (%.1f GB) to stay within HUB_CACHE_MAX_GB", ", ".join(removed), freed / 2**30)
 
 
 def resolve(job: Job, record: JobRecord) -> None:
     """Find the checkpoint (only under MODELS_DIR, or on the hub when HUB_ACCESS allows), record its
     exact revision: a hub ref becomes the commit downloaded, so catalog and manifest keys agree."""
     source = locate_model(job.settings, record.request["model"])
-    trim_caches(job.settings, None if record.revision.startswith(UNRESOLVED_PREFIX) else record.revision,
-                None if source.local else source.repo_id)
+    trim_caches(job.settings, record.revision, None if source.local else source.repo_id)
     resolved = resolve_source(str(source.directory)) if source.local else resolve_hub_source(
         f"{source.repo_id}@{_commit_or_ref(record.revision, source.ref)}")
     if resolved.revision != record.revision:
@@ -539,7 +554,8 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
         return f"skipped: it is placed on worker class {export.queue}"
     request = request_of(export)
     try:
-        estimate = placement.job_estimate(settings, request, locate_model(settings, request.model),
+        source = locate_model(settings, request.model)
+        estimate = placement.job_estimate(settings, request, source,
                                           reference_on_gpu=_reference_on_gpu(settings, request),
                                           fetch_config=settings.hub_access)
     except Exception as err:  # the resolve stage names what is wrong with the model
@@ -547,7 +563,10 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
         return None
     if estimate is None:
         return None
-    have = placement.machine_capacity(settings, "this worker", own_work=_work_root(settings, identity))
+    # The job's resolve stage trims the caches before anything is written: that space is the job's.
+    trims = cache_trims(settings, *_keep(export.revision, None if source.local else source.repo_id))
+    have = placement.machine_capacity(settings, "this worker", own_work=_work_root(settings, identity),
+                                      trims=trims.values())
     why = placement.worker_refusal(estimate, have, request)
     if why is None:
         return None
