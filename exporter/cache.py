@@ -26,6 +26,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 # A file (or checkpoint) used this recently is never evicted: a job on the same host may be reading it.
+# A file's times say little of a checkpoint's use (a resumed job reads one it downloaded hours ago):
+# the revisions live jobs need are the caller's ``keep`` (workers.job.revisions_in_use).
 IN_USE_S = 3600.0
 
 

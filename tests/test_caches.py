@@ -89,3 +89,63 @@ def test_a_write_that_fills_the_disk_leaves_no_temporary_file(small_filesystem):
     assert list((root / "rope").iterdir()) == []
     write_atomic(root / "rope" / "table.npz", b"fits")  # the space is back
     assert [p.name for p in (root / "rope").iterdir()] == ["table.npz"]
+
+
+def _hub_job(settings, model: str, worker: str, done: list[str]) -> str:
+    """An export of hub revision ``model`` claimed by ``worker``, with the work directory the worker
+    keeps for it (its record after ``done``, where a later attempt resumes), as workers/job.py writes it."""
+    from services import lifecycle
+    from services.catalog.database import session_scope
+    from services.jobs import submit_export
+    from workers.job import JobRecord, WorkerIdentity, _work_root, current_runtime
+
+    from exporter.request import ExportRequest
+
+    repo, _, commit = model.partition("@")
+    with session_scope(settings.catalog_url) as session:
+        export, _ = submit_export(session, settings, ExportRequest(model=model, dtype="fp32", ep="cpu"), force=True)
+        export_id = export.id
+        lifecycle.claim(session, export_id, worker, 100, "1.31.1", 60.0)
+    work = _work_root(settings, WorkerIdentity(worker, 100)) / export_id
+    work.mkdir(parents=True)
+    source = {"path": str(settings.data_dir / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / commit),
+              "kind": "hub", "repo_id": repo, "revision": commit}
+    JobRecord(export_id, {"model": model, "dtype": "fp32", "ep": "cpu"}, commit, None, current_runtime(),
+              done=done, source=source).save(work)
+    return export_id
+
+
+def test_a_revision_a_resumable_job_needs_survives_another_job_s_trim(tmp_path, monkeypatch):
+    """HUB_CACHE_MAX_GB: a worker's trim deletes least recently used hub revisions, but never one a
+    live job on this host still reads, however long ago its files were last touched: here a job
+    whose worker died after its build (its next attempt resumes at validate, reading the checkpoint
+    without downloading it again). A revision no live job needs is still trimmed, and so is one whose
+    job has ended, its work directory not yet pruned."""
+    from huggingface_hub import constants
+
+    from services import lifecycle
+    from services.catalog.database import session_scope, upgrade_schema
+    from services.catalog.models import Export, ExportStatus
+    from services.settings import Settings
+    from workers.job import trim_caches
+
+    cache = tmp_path / "data" / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # the HF_HUB_CACHE variable, as read at start
+    settings = Settings(data_dir=tmp_path / "data", hub_access=True, hub_cache_max_gb=0.001)
+    upgrade_schema(settings.catalog_url)
+    mb = 1 << 20
+    resumed, free, ended = "a" * 40, "c" * 40, "e" * 40
+    _hub_revision(cache, "org/resumed", resumed, mb, hours_ago=3)
+    _hub_revision(cache, "org/free", free, mb, hours_ago=2)
+    _hub_revision(cache, "org/ended", ended, mb, hours_ago=4)
+    lost = _hub_job(settings, f"org/resumed@{resumed}", "w1", done=["resolve", "build"])
+    with session_scope(settings.catalog_url) as session:  # its worker died: the sweeper will queue it again
+        assert lifecycle.release_lost(session, lost, "w1", 100, "killed during validate")
+    over = _hub_job(settings, f"org/ended@{ended}", "w2", done=["resolve"])
+    with session_scope(settings.catalog_url) as session:
+        session.get(Export, over).status = ExportStatus.FAILED
+
+    trim_caches(settings, "d" * 40, "org/other")  # another job's resolve stage, on another worker
+
+    assert sorted(p.name for p in cache.iterdir()) == ["models--org--resumed"]
+    assert (cache / "models--org--resumed" / "snapshots" / resumed / "model.safetensors").is_file()

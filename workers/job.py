@@ -305,18 +305,54 @@ def cache_trims(settings: Settings, keep: set[str] = frozenset(),
     return trims
 
 
-def _keep(revision: str, repo: str | None) -> tuple[set[str], set[str]]:
+def revisions_in_use(settings: Settings, session=None) -> tuple[set[str], set[str]]:
+    """The hub commits, and for a ref not resolved yet the repositories, that live jobs on this host
+    need: those of every work directory under the scratch directory (each worker's, one per export
+    it claimed) whose export is queued or running. A resumed attempt reads its checkpoint again
+    without resolving it, whenever it last touched the files; with no ``session`` (the catalog
+    unreachable) every work directory counts."""
+    records = {}
+    for path in settings.scratch_dir.glob(f"*/*/{RECORD_FILE}"):
+        record = JobRecord.load(path.parent)
+        if record is not None and record.export_id == path.parent.name:
+            records[record.export_id] = record
+    live = set(records) if session is None or not records else set(session.scalars(select(Export.id).where(
+        Export.id.in_(list(records)), Export.status.in_((ExportStatus.QUEUED, ExportStatus.RUNNING)))))
+    commits, repos = set(), set()
+    for export_id in live:
+        record = records[export_id]
+        if record.source:
+            commits.add(record.source["revision"])
+        elif record.revision.startswith(UNRESOLVED_PREFIX):
+            repos.add(record.request["model"].partition("@")[0])
+        else:
+            commits.add(record.revision)
+    return commits, repos
+
+
+def _keep(settings: Settings, revision: str, repo: str | None, session=None) -> tuple[set[str], set[str]]:
     """What no trim may delete for a job of ``revision`` (of hub repository ``repo``): its commit, or
-    every revision of its repository while the ref is unresolved."""
+    every revision of its repository while the ref is unresolved, and what live jobs on this host need
+    (read in ``session``, else in a session of its own)."""
+    try:
+        if session is not None:
+            commits, repos = revisions_in_use(settings, session)
+        else:
+            with session_scope(settings.catalog_url) as own:
+                commits, repos = revisions_in_use(settings, own)
+    except SQLAlchemyError:
+        commits, repos = revisions_in_use(settings)
     if not revision.startswith(UNRESOLVED_PREFIX):
-        return {revision}, set()
-    return set(), {repo} if repo else set()
+        commits.add(revision)
+    elif repo:
+        repos.add(repo)
+    return commits, repos
 
 
 def trim_caches(settings: Settings, revision: str, repo: str | None) -> None:
     """Keep this worker's caches within their sizes before a job adds to them (``cache_trims``),
-    keeping what this job needs (``_keep``)."""
-    for name, trim in cache_trims(settings, *_keep(revision, repo)).items():
+    keeping what this job and the other live jobs on this host need (``_keep``)."""
+    for name, trim in cache_trims(settings, *_keep(settings, revision, repo)).items():
         deleted, freed = trim.delete()
         if deleted and name == "hub":
             log.info("hub cache: deleted %s (%.1f GB) to stay within HUB_CACHE_MAX_GB", ", ".join(trim.names),
@@ -564,7 +600,7 @@ def _fits(session, settings: Settings, export_id: str, identity: WorkerIdentity)
     if estimate is None:
         return None
     # The job's resolve stage trims the caches before anything is written: that space is the job's.
-    trims = cache_trims(settings, *_keep(export.revision, None if source.local else source.repo_id))
+    trims = cache_trims(settings, *_keep(settings, export.revision, None if source.local else source.repo_id, session))
     have = placement.machine_capacity(settings, "this worker", own_work=_work_root(settings, identity),
                                       trims=trims.values())
     why = placement.worker_refusal(estimate, have, request)
@@ -625,6 +661,7 @@ def run_export_job(settings: Settings, export_id: str, identity: WorkerIdentity 
     else:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    record.save(work)  # from its claim on, the job's revision is in use on this host (revisions_in_use)
     try:
         _prune(settings, root, keep=export_id)
     except SQLAlchemyError:
