@@ -21,6 +21,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -50,26 +51,26 @@ def cache_key(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all: concurrent readers never see half a file, and a write
-    that fails (a full disk) leaves no temporary file behind."""
+def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` (``data``: its bytes, or a function that writes them to the open file) whole or
+    not at all: concurrent readers never see half a file, and a write that fails (a full disk)
+    leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            data(f) if callable(data) else f.write(data)
         Path(name).replace(path)
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
 
 
-def write_npz(path: Path, **arrays: np.ndarray) -> bytes:
-    """Keep ``arrays`` at ``path`` (atomically); returns the file's bytes."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
-    return buffer.getvalue()
+def write_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Keep ``arrays`` at ``path`` (atomically), numpy writing them to the file a buffer at a time:
+    the whole file in memory first held the arrays' size again (1 GiB for the rope tables of 2^20
+    positions of a 256-wide head)."""
+    write_atomic(path, lambda file: np.savez(file, **arrays))
 
 
 def read_npz(source: Path | bytes) -> dict[str, np.ndarray] | None:

@@ -7,7 +7,8 @@ model's geometry and the request, term by term, each term named so a refusal can
 
 - host memory (resident, anonymous: what the kernel cannot drop under pressure) is the worker's
   own process (Python, torch, transformers, onnxruntime, CUDA), plus the largest of
-  - the export: a few bounded blocks, whatever the model's size;
+  - the export: a few bounded blocks, whatever the model's size, and the rope tables (positions x
+    rotary width, in fp32 and in the export's activations);
   - validation: the export's own session where it holds weights on the host (the CPU EP makes
     fp32 copies of fp16 / bf16 weights, 4 bytes a parameter, and repacks quantized ones), the
     streamed reference (one decoder layer in fp32, two while the next is read ahead on a GPU, a
@@ -19,7 +20,7 @@ model's geometry and the request, term by term, each term named so a refusal can
 - GPU memory (CUDA EP): the export's weights with onnxruntime's allocator overhead, the CUDA
   context, the caches the benchmark fills, and the streamed reference where torch runs on that GPU;
 - disk: the checkpoint when it is downloaded, the export (its size follows from the shapes the
-  exporter writes, tested against real exports), a local store's copy, the reference caches.
+  exporter writes, tested against real exports), a local store's copy, the reference and rope caches.
 
 ``benchmarks/scale.py`` measures the same stages on depth-truncated checkpoints of real
 geometries (8B, 32B, 70B) and prints these predictions beside the measured peaks.
@@ -283,7 +284,10 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
         # reference departs from the export's tokens).
         validate = {"parity": {"export's session": validation_session, **host_reference, **weight_check,
                                "gate's logits": scoring}}
-    stages = {"export": {"export blocks": int(EXPORT_HOST)},
+    # The rope tables are computed in fp32 and held by the graph in the export's activations (a cast
+    # copy beside the fp32 ones where those are narrower) until the weights are written.
+    rope = _rope_bytes(config, request, 4) + (_rope_bytes(config, request, act) if act != 4 else 0)
+    stages = {"export": {"export blocks": int(EXPORT_HOST), "rope tables": rope},
               **{f"validate ({phase})": terms for phase, terms in validate.items()},
               "bench": {"benchmark session": serving_session}}
     peak = max(stages, key=lambda stage: sum(stages[stage].values()))
@@ -302,7 +306,8 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
             gpu_terms.update(reference)
     gpu = sum(gpu_terms.values())
 
-    disk_terms = {"export": data, "reference caches": QUALITY_TOKENS * config.vocab_size * 4 + 64 * 1024 * 1024}
+    disk_terms = {"export": data, "reference caches": QUALITY_TOKENS * config.vocab_size * 4 + 64 * 1024 * 1024,
+                  "rope table cache": _rope_bytes(config, request, 4)}
     if download and checkpoint_bytes:
         disk_terms["checkpoint download"] = checkpoint_bytes
     if local_store:

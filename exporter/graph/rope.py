@@ -41,13 +41,17 @@ def _inv_freq(config: ModelConfig, rope: RopeConfig, seq_len: int | None) -> tup
     return freq.float(), float(scaling)
 
 
-def _table(inv_freq, scaling: float, length: int) -> tuple[np.ndarray, np.ndarray]:
+def _table(inv_freq, scaling: float, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Fill ``cos`` and ``sin`` ([positions, rotary_dim / 2] float32) with the same arithmetic as the
+    transformers rotary module: fp32 outer product, then cos / sin, then scale. In place, in the
+    tables themselves: the angles, cosines and scaled copies each took a table's size beside them
+    (2^20 positions of a 256-wide head: 0.5 GiB each)."""
     import torch
 
-    # Same arithmetic as the transformers rotary module: fp32 outer product, then cos/sin, then scale.
-    positions = torch.arange(length, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
+    cos_, sin_ = torch.from_numpy(cos), torch.from_numpy(sin)
+    torch.outer(torch.arange(cos.shape[0], dtype=torch.float32), inv_freq, out=sin_)  # the angles
+    torch.cos(sin_, out=cos_).mul_(scaling)
+    sin_.sin_().mul_(scaling)
 
 
 def rope_tables(config: ModelConfig, table_len: int, rope: RopeConfig | None = None,
@@ -102,9 +106,11 @@ def _store(path: Path, tables: RopeTables) -> None:
 
 
 def _compute(config: ModelConfig, table_len: int, rope: RopeConfig) -> RopeTables:
-    if rope.rope_type != "longrope":
-        inv_freq, scaling = _inv_freq(config, rope, None)
-        cos, sin = _table(inv_freq, scaling, table_len)
+    longrope = rope.rope_type == "longrope"
+    shape = ((2 if longrope else 1) * table_len, rope.rotary_dim // 2)
+    cos, sin = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    if not longrope:
+        _table(*_inv_freq(config, rope, None), cos, sin)
         return RopeTables(cos, sin, table_len, None)
     original = rope.original_max_position_embeddings
     short_freq, scaling = _inv_freq(config, rope, None)
@@ -114,8 +120,6 @@ def _compute(config: ModelConfig, table_len: int, rope: RopeConfig) -> RopeTable
         # transformers' PhimoeRotaryEmbedding scales by short_mscale / long_mscale, chosen by the same
         # length test, and computes its frequencies without a length: the short factors at any length.
         long_freq, short_scale, long_scale = short_freq, rope.parameters["short_mscale"], rope.parameters["long_mscale"]
-    short_cos, short_sin = _table(short_freq, short_scale, table_len)
-    long_cos, long_sin = _table(long_freq, long_scale, table_len)
-    return RopeTables(
-        np.concatenate([short_cos, long_cos]), np.concatenate([short_sin, long_sin]), table_len, original
-    )
+    _table(short_freq, short_scale, cos[:table_len], sin[:table_len])  # short, then long: one table each
+    _table(long_freq, long_scale, cos[table_len:], sin[table_len:])
+    return RopeTables(cos, sin, table_len, original)

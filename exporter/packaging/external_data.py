@@ -30,6 +30,8 @@ from exporter.contract import DATA_FILE, MODEL_FILE
 INLINE_MAX_BYTES = 256
 # Blocks waiting for the writer; with blocks of at most ~BLOCK_BYTES this bounds the bytes in flight.
 QUEUE_BLOCKS = 3
+# The blocks an in-memory tensor is written in (views of its bytes, not copies).
+WRITE_BLOCK_BYTES = 32 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,20 @@ def write_tensor(tensor: ir.TensorProtocol, writer: _HashingWriter) -> None:
     if chunks is not None:  # CheckpointTensor: fresh C-contiguous blocks in output order
         for block in chunks():
             writer.write(block)
-    else:  # computed tensors, quantized weights: their own tofile onto an append-only file
+    elif (array := _in_memory_bytes(tensor)) is not None:
+        # A computed array (rope tables, folded constants): views of its bytes, a block at a time.
+        # ir.Tensor.tofile hands over a copy of the whole (tobytes), and the queue holds several.
+        for start in range(0, array.size, WRITE_BLOCK_BYTES):
+            writer.write(array[start : start + WRITE_BLOCK_BYTES])
+    else:  # quantized weights: their own tofile onto an append-only file
         tensor.tofile(_SequentialFile(writer))
 
+
+def _in_memory_bytes(tensor: ir.TensorProtocol) -> np.ndarray | None:
+    """An in-memory tensor's bytes as a flat uint8 view, where they are its numpy array's as it is
+    (C order, whole bytes per element, little-endian); else None."""
+    raw = tensor.raw if isinstance(tensor, ir.Tensor) else None
+    if (not isinstance(raw, np.ndarray) or raw.dtype != tensor.dtype.numpy() or tensor.dtype.bitwidth % 8
+            or not raw.flags.c_contiguous or raw.dtype.byteorder == ">"):
+        return None
+    return raw.reshape(-1).view(np.uint8)

@@ -153,9 +153,9 @@ def _keep(path: Path | None, shared: SharedReferences | None, **arrays: np.ndarr
     """Write ``arrays`` at ``path`` and publish the file to ``shared``."""
     if path is None:
         return
-    data = write_npz(path, **arrays)
+    write_npz(path, **arrays)
     if shared is not None:
-        shared.publish(path.name, data)
+        shared.publish(path.name, path.read_bytes())
 
 
 def _read_run(data: dict[str, np.ndarray] | None, prompt: list[int], steps: int) -> ReferenceRun | None:

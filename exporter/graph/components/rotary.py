@@ -25,9 +25,11 @@ class Rotary:
 def rope_constants(b: GraphBuilder, tables: RopeTables, layer_type: str | None = None) -> tuple[ir.Value, ir.Value]:
     dtype = b.dtype.numpy()
     prefix = f"rope.{layer_type}." if layer_type else "rope."
+    # fp32 exports take the tables as they are (a copy each would double them: 2^20 positions of a
+    # 256-wide head are 1 GiB).
     return (
-        b.constant(tables.cos.astype(dtype), prefix + "cos_cache"),
-        b.constant(tables.sin.astype(dtype), prefix + "sin_cache"),
+        b.constant(tables.cos.astype(dtype, copy=False), prefix + "cos_cache"),
+        b.constant(tables.sin.astype(dtype, copy=False), prefix + "sin_cache"),
     )
 
 
