@@ -419,3 +419,46 @@ def test_the_weight_gate_quantizes_independently_as_onnxruntime_does_bit_for_bit
     assert np.array_equal(got[1].view(np.uint8), want[1].reshape(got[1].shape).view(np.uint8))
     if not symmetric:
         assert np.array_equal(got[2], want[2].reshape(got[2].shape))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_parallel_quantizer_gives_the_serial_ones_bytes_on_a_real_weight(dtype, monkeypatch):
+    """A trained weight (Qwen2.5-Coder-0.5B's first gate/up projection, packed as the export packs
+    it) quantized block by block on several threads at once gives the bytes one thread gives, and
+    those onnxruntime's quantizer gives for the whole weight in one call: the blocks are only a
+    way to bound memory and spread the work."""
+    import threading
+
+    import onnx_ir as ir
+
+    import exporter.graph.passes.quantize as quantize
+    from exporter.packaging.checkpoint import Checkpoint, CheckpointTensor, WeightPart
+    from tests.real_model import real_checkpoint
+
+    checkpoint = Checkpoint(real_checkpoint("qwen2.5-coder-0.5b-instruct"))
+    parts = tuple(WeightPart(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up"))
+    weight = CheckpointTensor(checkpoint, parts, {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16}[dtype],
+                              transposed=True, name="gate_up.T")
+    scheme = quantize.QuantScheme(4, 32, False)
+    threads = set()
+    block = quantize.quantize_block
+
+    def seen(weight_kn, scheme):
+        threads.add(threading.current_thread().name)
+        return block(weight_kn, scheme)
+
+    monkeypatch.setattr(quantize, "quantize_block", seen)
+
+    def joined(workers: int) -> list[np.ndarray]:
+        pieces = list(quantize._Quantization(weight, scheme).blocks(workers=workers))
+        return [np.concatenate([p[i] for p in pieces]) for i in (1, 2, 3)]
+
+    serial = joined(1)
+    assert threads == {threading.current_thread().name}
+    threads.clear()
+    parallel = joined(4)
+    assert len(threads) > 1 and threading.current_thread().name not in threads  # the workers quantized
+    whole = block(weight.numpy(), scheme)  # [K, N] in one call
+    for one, many, once in zip(serial, parallel, whole):
+        assert one.dtype == many.dtype and np.array_equal(one.view(np.uint8), many.view(np.uint8))
+        assert np.array_equal(one.view(np.uint8), once.reshape(one.shape).view(np.uint8))

@@ -15,9 +15,11 @@ an ``add``) go through torch, as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -393,26 +395,39 @@ class CheckpointTensor(ir.LazyTensor):
         """Rows of the 2-D view (the concatenated rows; experts times rows per expert)."""
         return sum(self._part_shape(p)[0] for p in self.parts)
 
-    def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
+    def blocks(self, block_bytes: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(offset, block) pairs covering the output in order: row offset of the 2-D view (interleaved
         groups already interleaved), or column offset if transposed."""
+        for offset, read in self.block_reads(block_bytes):
+            yield offset, read()
+
+    def block_reads(self, block_bytes: int | None = None) -> list[tuple[int, Callable[[], np.ndarray]]]:
+        """``blocks`` as (offset, read) pairs, each ``read()`` reading and converting its block when
+        called, on any thread: a caller may compute several blocks at once. A block holds at most
+        about ``block_bytes`` (default ``BLOCK_BYTES``) as fp32."""
+        reads = []
         offset = 0
         k = self.interleave
         for g in range(0, len(self.parts), k):
             group = self.parts[g : g + k]
             shape = self._part_shape(group[0])
             row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4 * k)
-            step = max(1, BLOCK_BYTES // row_bytes)
+            step = max(1, (block_bytes or BLOCK_BYTES) // row_bytes)
             for r0 in range(0, shape[0], step):
                 r1 = min(shape[0], r0 + step)
-                pieces = [convert(p.read_rows(self.checkpoint, r0, r1), p.stored(self.checkpoint), self.dtype,
-                                  p.add) for p in group]
-                if k == 1:
-                    block = pieces[0]
-                    yield offset + r0, (block.T if self.transposed else block)
-                else:  # row j of each part, in turn: [r, k, cols] -> [r * k, cols]
-                    yield offset + k * r0, np.stack(pieces, axis=1).reshape(k * (r1 - r0), *shape[1:])
+                at = offset + k * r0
+                reads.append((at, functools.partial(self._read_block, group, r0, r1, shape[1:])))
             offset += k * shape[0]
+        return reads
+
+    def _read_block(self, group: tuple[WeightPart, ...], r0: int, r1: int, row_shape: tuple[int, ...]) -> np.ndarray:
+        """Rows [r0, r1) of one group of parts, converted (and interleaved, or viewed transposed)."""
+        pieces = [convert(p.read_rows(self.checkpoint, r0, r1), p.stored(self.checkpoint), self.dtype, p.add)
+                  for p in group]
+        if len(group) == 1:
+            return pieces[0].T if self.transposed else pieces[0]
+        # row j of each part, in turn: [r, k, cols] -> [r * k, cols]
+        return np.stack(pieces, axis=1).reshape(len(group) * (r1 - r0), *row_shape)
 
     def chunks(self) -> Iterator[np.ndarray]:
         """The tensor's bytes in file order: C-contiguous blocks of at most about BLOCK_BYTES.

@@ -28,7 +28,8 @@ import onnx_ir as ir
 from exporter.errors import ExportError
 from exporter.request import QUANT_METHODS
 from exporter.packaging import prequantized
-from exporter.packaging.checkpoint import BLOCK_BYTES, CheckpointTensor
+from exporter.cores import in_order, usable_cores
+from exporter.packaging.checkpoint import BLOCK_BYTES, CheckpointTensor, transpose
 from exporter.graph.passes.dtype import make_initializer
 
 MS_DOMAIN = "com.microsoft"
@@ -97,6 +98,11 @@ def quantize_block(weight_kn: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarr
         return packed, scales, zero_points
     if k_blocks * scheme.block_size != k:  # ORT's tool pads K the same way
         weight_kn = np.pad(weight_kn, ((0, k_blocks * scheme.block_size - k), (0, 0)))
+    if not weight_kn.flags.c_contiguous and weight_kn.T.flags.c_contiguous:
+        # a block of the checkpoint's [n, K] rows, viewed as [K, n]: copied in cache-sized tiles
+        # (2048 x 4096 fp16: 41 ms of CPU against 73 ms for numpy's element-strided copy, which
+        # took 24 of the 58 s an int4 export of 4 layers of the 8B geometry spent quantizing)
+        weight_kn = transpose(weight_kn.T)
     weight_kn = np.ascontiguousarray(weight_kn)
     packed = np.zeros((n, k_blocks, blob), np.uint8)
     scales = np.zeros((n, k_blocks), weight_kn.dtype)
@@ -221,10 +227,29 @@ class _Quantization:
         self._lock = threading.Lock()
         self._small: tuple[np.ndarray, np.ndarray] | None = None
 
-    def blocks(self):
-        """(column offset, packed, scales, zero points) per source block."""
-        for offset, block in self.source.blocks():  # transposed: block is [K, n] of output columns; else [n, K] rows
-            yield (offset, *quantize_block(block if self.source.transposed else block.T, self.scheme))
+    def blocks(self, workers: int | None = None):
+        """(column offset, packed, scales, zero points) per source block, in order.
+
+        Round to nearest quantizes every output column on its own, so the blocks are independent
+        and ``workers`` threads (default: the cores this process may use) read, convert, transpose
+        and quantize several at once, in blocks a quarter of ``BLOCK_BYTES`` so that what they hold
+        together stays bounded; the bytes are the same whatever the blocks. onnxruntime's quantizer
+        holds the GIL but spreads each call over the cores itself; the reading, the casts and the
+        transposes around it are numpy, which releases it. HQQ's codes depend on the rows optimized
+        together, and its torch ops use every core already: it keeps one block of ``BLOCK_BYTES``
+        at a time."""
+        if self.scheme.method == "hqq":
+            workers, block_bytes = 1, BLOCK_BYTES
+        else:
+            workers = usable_cores() if workers is None else workers
+            block_bytes = BLOCK_BYTES // 4 if workers > 1 else BLOCK_BYTES
+
+        def quantized(item):
+            offset, read = item
+            block = read()  # transposed: [K, n] of output columns; else [n, K] rows
+            return (offset, *quantize_block(block if self.source.transposed else block.T, self.scheme))
+
+        yield from in_order(quantized, self.source.block_reads(block_bytes), workers, name="quantize")
 
     def run(self, packed_file=None) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
