@@ -462,3 +462,47 @@ def test_the_parallel_quantizer_gives_the_serial_ones_bytes_on_a_real_weight(dty
     for one, many, once in zip(serial, parallel, whole):
         assert one.dtype == many.dtype and np.array_equal(one.view(np.uint8), many.view(np.uint8))
         assert np.array_equal(one.view(np.uint8), once.reshape(one.shape).view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int4"])
+def test_the_weight_gate_checks_a_long_slice_on_several_threads_and_still_finds_one_wrong_element(
+        checkpoint, tmp_path, monkeypatch, dtype):
+    """The weight gate splits a slice into spans of rows, checked on every thread it has (an LM head
+    is not left to one thread at the end), and a wrong element in the last span still fails it."""
+    import threading
+
+    from exporter.packaging.checkpoint import Checkpoint
+    from exporter.validation.gates import weights
+
+    out = _export(checkpoint("llama"), tmp_path / dtype, dtype=dtype)
+    manifest = json.loads((out / "manifest.json").read_text())
+    head = next(name for name, entry in manifest["initializers"].items()
+                if [p["tensor"] for p in entry.get("parts", [])] == ["lm_head.weight"])
+    monkeypatch.setattr(weights, "BLOCK_BYTES", 64 * 8 * 8)  # quantized: 8 rows of K = 64 a block
+    monkeypatch.setattr(weights, "EXACT_BLOCK_ELEMS", 64 * 8)  # float: 8 rows a block
+    monkeypatch.setattr(weights, "SPAN_BLOCKS", 2, raising=False)
+    monkeypatch.setattr(weights, "compare_threads", lambda: 3)
+    seen = []
+    for check, part in (("_exact_part", 4), ("_exact_quantized", 5)):  # where each takes the checkpoint part
+        def spy(*args, _check=getattr(weights, check), _part=part, **kwargs):
+            seen.append((args[_part]["tensor"], threading.current_thread().name))
+            return _check(*args, **kwargs)
+
+        monkeypatch.setattr(weights, check, spy)
+
+    def gate():
+        return weights.weight_integrity(out / "model.onnx", manifest, Checkpoint(checkpoint("llama")), dtype,
+                                        "fp32" if dtype == "int4" else dtype)[0][0]
+
+    assert gate().passed
+    head_checks = [thread for tensor, thread in seen if tensor == "lm_head.weight"]
+    assert len(head_checks) > 2 and len(set(head_checks)) > 1  # spans of the one slice, on several threads
+    stored = np.float16 if dtype == "fp16" else np.uint8
+
+    def last_wrong(values):
+        values[-1] = values[-1] + 1 if dtype == "fp16" else values[-1] ^ 0xFF
+        return values
+
+    _edit_external(out, head, stored, last_wrong)
+    result = gate()
+    assert not result.passed and head in result.message

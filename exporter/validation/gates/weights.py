@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import ml_dtypes
@@ -44,6 +43,7 @@ import onnx
 import onnx_ir as ir
 
 from exporter import checkpoints
+from exporter.cores import usable_cores
 from exporter.graph.passes.quantize import quantize_rows  # noqa: F401 (the gate's exact answer; tests use it here)
 
 from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint, _as_torch
@@ -160,6 +160,11 @@ def _as_float(array: np.ndarray) -> np.ndarray:
 # Elements per block of the exact test: the block's cast and comparison stay in cache, and each
 # numpy call is long enough that threads comparing side by side rarely wait for the GIL.
 EXACT_BLOCK_ELEMS = 1 << 19
+# Blocks of a slice one thread checks in a row: a long slice (an LM head of 525M elements) is
+# checked by several threads rather than left to one at the end. Each span starts on memory the
+# allocator gave back after the last one (a 4096-wide fp32 span re-faults about 4 MB), so a span
+# is long enough for that to be a small part of its work.
+SPAN_BLOCKS = 32
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Exponent bits all set: inf or NaN.
 _NON_FINITE = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float32): 0x7F800000,
@@ -181,16 +186,17 @@ def converted(block: np.ndarray, dtype: np.dtype, add: float | None = None) -> n
 
 
 def _exact_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
-                storage: np.dtype, stride: int = 1) -> bool:
-    """Whether one part's slice of ``out`` is stored as ``storage`` and is its source converted to
-    it (``converted``) bit for bit, and finite. The transposed case compares against the output's
-    columns as a strided view (numpy's own transpose, not the exporter's tiled one). A weight in
-    another dtype is not exact whatever its bytes: the statistics judge it against the build's bounds."""
+                storage: np.dtype, stride: int = 1, span: tuple[int, int] | None = None) -> bool:
+    """Whether one part's slice of ``out`` (its rows ``span`` of the part's, default all) is stored
+    as ``storage`` and is its source converted to it (``converted``) bit for bit, and finite. The
+    transposed case compares against the output's columns as a strided view (numpy's own transpose,
+    not the exporter's tiled one). A weight in another dtype is not exact whatever its bytes: the
+    statistics judge it against the build's bounds."""
     bits = _BITS.get(out.dtype.itemsize)
     if bits is None or out.dtype != storage:
         return False
     non_finite = _NON_FINITE.get(out.dtype)
-    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, EXACT_BLOCK_ELEMS, stride):
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, EXACT_BLOCK_ELEMS, stride, span):
         want = converted(source, out.dtype, part.get("add")).view(bits)
         got = got.view(bits)
         if want.shape != got.shape or not np.array_equal(want, got):
@@ -303,17 +309,19 @@ def _part_rows(checkpoint: Checkpoint, part: dict) -> int:
 
 
 def _part_blocks(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
-                 block_elems: int, stride: int = 1):
-    """One part, block by block of about ``block_elems`` elements: (source rows as
-    ``Checkpoint.array`` gives them, the slice of ``out`` made from them in the source's row order).
-    A transposed initializer's columns come as numpy's transposed view, not through the exporter's
-    own tiled transpose, so a fault in that code cannot cancel out here."""
+                 block_elems: int, stride: int = 1, span: tuple[int, int] | None = None):
+    """One part (its rows ``span`` of the part's, default all), block by block of about
+    ``block_elems`` elements: (source rows as ``Checkpoint.array`` gives them, the slice of ``out``
+    made from them in the source's row order). A transposed initializer's columns come as numpy's
+    transposed view, not through the exporter's own tiled transpose, so a fault in that code cannot
+    cancel out here."""
     a, b = _part_range(checkpoint, part)
+    first, end = span or (0, b - a)
     source = _source(checkpoint, part)
     row_elems = max(1, int(np.prod(source.shape[1:], dtype=np.int64)))
     step = max(1, block_elems // row_elems)
-    for r0 in range(0, b - a, step):
-        r1 = min(b - a, r0 + step)
+    for r0 in range(first, end, step):
+        r1 = min(end, r0 + step)
         got = out[:, offset + r0 : offset + r1].T if transposed else out[offset + r0 * stride : offset + r1 * stride : stride]
         yield source[a + r0 : a + r1], got
 
@@ -481,9 +489,10 @@ def _compare_imported(arrays, name: str, quant: dict, offset: int, checkpoint: C
 
 
 def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
-                     activations: str, stride: int = 1) -> bool:
-    """Whether the weight's columns for one checkpoint part are exactly ``quantize_rows`` of their
-    source (cast to the activations by numpy / ml_dtypes), block of rows by block of rows."""
+                     activations: str, stride: int = 1, span: tuple[int, int] | None = None) -> bool:
+    """Whether the weight's columns for one checkpoint part (its rows ``span`` of the part's, default
+    all) are exactly ``quantize_rows`` of their source (cast to the activations by numpy /
+    ml_dtypes), block of rows by block of rows."""
     if activations not in ("fp32", "fp16"):
         return False
     k, n_total, bits = quant["K"], quant["N"], quant["bits"]
@@ -496,8 +505,9 @@ def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Ch
     first, end = _part_range(checkpoint, part)
     source = _source(checkpoint, part)
     step = max(1, BLOCK_BYTES // (k * 8))
-    for r0 in range(0, end - first, step):
-        r1 = min(end - first, r0 + step)
+    span = span or (0, end - first)
+    for r0 in range(span[0], span[1], step):
+        r1 = min(span[1], r0 + step)
         rows = np.ascontiguousarray(converted(source[first + r0 : first + r1], STORAGE_DTYPES[activations], part.get("add")))
         if not np.all(np.isfinite(rows)):
             return False
@@ -511,12 +521,23 @@ def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Ch
 
 
 def compare_threads() -> int:
-    """Threads for the comparison: half the cores this process may use (at least one), leaving the
-    other half to onnxruntime and the reference, which validation runs at the same time: one on a
-    2-core machine (alone, two threads take a 0.5B check from 4.6 to 2.7 s there, but they then slow
-    the onnxruntime session beside them by as much)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, usable // 2))
+    """Threads for the comparison: the cores this process may use but one (at least one), which
+    the gates that run the export beside it keep. One on a 2-core machine (alone, two threads take
+    a 0.5B check from 4.6 to 2.7 s there, but they then slow the onnxruntime session beside them by
+    as much); on a larger host the check of a big quantized export is what validation waits for
+    once the other gates are done (an 8B int4 check: 110 of a 114 s validation on 16 cores)."""
+    return max(1, usable_cores() - 1)
+
+
+def _spans(checkpoint: Checkpoint, part: dict, quant: dict | None) -> list[tuple[int, int]]:
+    """A part's rows in spans of ``SPAN_BLOCKS`` of the exact test's blocks (one span at least)."""
+    rows = _part_rows(checkpoint, part)
+    if quant:
+        block = max(1, BLOCK_BYTES // (quant["K"] * 8))  # as _exact_quantized reads them
+    else:
+        block = max(1, EXACT_BLOCK_ELEMS // max(1, int(np.prod(_source(checkpoint, part).shape[1:], dtype=np.int64))))
+    step = block * SPAN_BLOCKS
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, max(rows, 1), step)]
 
 
 def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str,
@@ -551,29 +572,47 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             if part.get("mxfp4_scales"):
                 used_sources.add(part["mxfp4_scales"])
 
-    def compare(job):
-        """The slice's accumulator, or None when it is bit-exact."""
+    def exact(job, span) -> bool:
+        """Whether rows ``span`` of the slice are bit-exact (False where the slice has no exact test)."""
         checkpoints.checkpoint()
         name, data, transposed, offset, part, stride = job
         quant = sources[name].get("quantization")
         if quant and quant.get("method") in IMPORTED_METHODS:
-            return _compare_imported(arrays, name, quant, offset, checkpoint, part, stride)
+            return False  # held to the checkpoint's own dequantization instead
         if quant:
             # a bf16 weight, or a block onnxruntime's quantizer does not take (an expert's int8 rows,
             # one block per row), was quantized by quantize_rows itself: the exact answer would be the
             # exporter's own, so it is bounded by value instead
             exact_possible = activations != "bf16" and quant["block_size"] in ORT_BLOCK_SIZES \
                 and quant.get("method", "rtn") == "rtn"  # HQQ's codes are not reproducible this way
-            if exact_possible and _exact_quantized(arrays, name, quant, offset, checkpoint, part, activations, stride):
-                return None
+            return exact_possible and _exact_quantized(arrays, name, quant, offset, checkpoint, part, activations,
+                                                       stride, span)
+        return _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations], stride, span)
+
+    def compare(job) -> _Accumulator | None:
+        """The figures of a slice that is not bit-exact (None: imported, and equal to the checkpoint's own)."""
+        checkpoints.checkpoint()
+        name, data, transposed, offset, part, stride = job
+        quant = sources[name].get("quantization")
+        if quant and quant.get("method") in IMPORTED_METHODS:
+            return _compare_imported(arrays, name, quant, offset, checkpoint, part, stride)
+        if quant:
             return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations, stride)
-        if _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations], stride):
-            return None
         return _compare_part(data, transposed, offset, checkpoint, part, stride)
 
-    # Slices are independent, and numpy releases the GIL inside each pass over a sub-block.
+    # Slices and spans of their rows are independent, and numpy releases the GIL inside each pass
+    # over a block: the exact test runs span by span on every thread; then the slices it did not
+    # find bit-exact (in a sound export only those it has no exact answer for: GPTQ / AWQ codes,
+    # HQQ and bf16 quantized weights) are compared by statistics, slice by slice.
+    spans = [(j, span) for j, job in enumerate(jobs)
+             for span in _spans(checkpoint, job[4], sources[job[0]].get("quantization"))]
     with concurrent.futures.ThreadPoolExecutor(max_workers=compare_threads(), thread_name_prefix="weights") as pool:
-        accumulators = list(pool.map(compare, jobs))
+        bit_exact = [True] * len(jobs)
+        for (j, _), ok in zip(spans, pool.map(lambda item: exact(jobs[item[0]], item[1]), spans)):
+            bit_exact[j] = bit_exact[j] and ok
+        inexact = [job for job, ok in zip(jobs, bit_exact) if not ok]
+        figures = iter(list(pool.map(compare, inexact)))
+        accumulators = [None if ok else next(figures) for ok in bit_exact]
     for (name, _, transposed, offset, part, stride), acc in zip(jobs, accumulators):
         n = _part_rows(checkpoint, part)
         quant = sources[name].get("quantization")
