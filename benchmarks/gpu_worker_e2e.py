@@ -49,7 +49,7 @@ def run(args) -> dict:
     for arch in args.archs:
         make_tiny_checkpoint(arch, models / f"tiny-{arch}")
     settings = Settings(
-        data_dir=root / "data", models_dir=models, validate_ep=args.ep, bench_contexts=args.contexts,
+        data_dir=root / "data", models_dir=models, validate_ep=args.ep, worker_queues="cpu,gpu", bench_contexts=args.contexts,
         bench_batches=args.batches, bench_steps=args.steps, signing_secret="gpu-worker-e2e-signing-secret-0123456789",
     )
     upgrade_schema(settings.catalog_url)

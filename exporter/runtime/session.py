@@ -450,9 +450,10 @@ class Decoder:
             y.name, y.type, y.shape = "y", ir.TensorType(ir.DataType.FLOAT), ir.Shape(["d0", "d1", "d2"])
             graph = ir.Graph([x], [y], nodes=[node], opset_imports={"": 21})
             proto = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
-            # Never captured: its input is a new buffer and its output a host copy at every call, and a
-            # replayed graph would read and write the first call's addresses (a graph-enabled Cast
-            # session here crashed every bf16 bench with SIGSEGV on its third call: onnxruntime-gpu 1.31.1).
+            # Never captured: its input is a new buffer and its output a host copy at every call. Made with
+            # the decoder's graph-enabled providers, onnxruntime-gpu 1.31.1 replayed its captured graph
+            # from the third call on and left the bound output unallocated: every bf16 bench died of
+            # SIGSEGV in copy_outputs_to_cpu (benchmarks/bf16_bench_crash.py, results/h100/).
             providers = [cuda_provider()] if self.device == "cuda" else ["CPUExecutionProvider"]
             self._cast = self.ort.InferenceSession(proto, providers=providers)
         binding = self._cast.io_binding()
