@@ -114,17 +114,27 @@ def quantized_tensors(request, source, activations) -> dict[str, tuple]:
 def _roundtrip(array: np.ndarray, scheme, transposed: bool, dtype) -> np.ndarray:
     """``array``'s quantize-dequantize as the export stores it (rows along the last axis, or the
     second to last for a transposed [experts, in, out] weight), in the reference's float32."""
+    from exporter.cores import in_order, usable_cores
     from exporter.graph.passes.quantize import dequantize, quantize_hqq, quantize_rows
 
     w = np.asarray(array, np.float32)
     if transposed:
         w = np.ascontiguousarray(w.swapaxes(-1, -2))
     rows = w.reshape(-1, w.shape[-1]).astype(dtype)  # scales in the activation dtype, as the export's
-    if scheme.method == "hqq":
-        packed, scales, zero = quantize_hqq(rows, scheme.bits, scheme.block_size)
-    else:
-        packed, scales, zero = quantize_rows(rows, scheme.bits, scheme.block_size, scheme.symmetric)
-    back = dequantize(packed, scales, None if scheme.symmetric else zero, scheme, rows.shape[1]).reshape(w.shape)
+
+    def roundtrip(span: slice) -> np.ndarray:
+        part = rows[span]
+        if scheme.method == "hqq":
+            packed, scales, zero = quantize_hqq(part, scheme.bits, scheme.block_size)
+        else:
+            packed, scales, zero = quantize_rows(part, scheme.bits, scheme.block_size, scheme.symmetric)
+        return dequantize(packed, scales, None if scheme.symmetric else zero, scheme, part.shape[1])
+
+    # Rows quantize independently (blocks run along K): spread over the cores, a bounded span at a
+    # time. HQQ's optimizer stops on the mean error of the rows it is given: one call, as the export's.
+    step = rows.shape[0] if scheme.method == "hqq" else max(1, (1 << 22) // max(1, rows.shape[1]))
+    spans = [slice(a, a + step) for a in range(0, rows.shape[0], step)]
+    back = np.concatenate(list(in_order(roundtrip, spans, usable_cores(), "advice")), axis=0).reshape(w.shape)
     return np.ascontiguousarray(back.swapaxes(-1, -2) if transposed else back)
 
 
