@@ -60,13 +60,14 @@ def genai_export(tmp_path_factory, tokenized_checkpoint):
     root = tmp_path_factory.mktemp("genai-exports")
 
     @functools.cache
-    def make(arch: str, variant: str, dtype: str = "fp32", ep: str = "cpu"):
+    def make(arch: str, variant: str, dtype: str, ep: str):
         request = ExportRequest(
             model=str(tokenized_checkpoint(arch)), dtype=dtype, ep=ep, variant=variant, max_seq_len=MAX_SEQ_LEN
         )
         return export_model(request, root / f"{arch}-{variant}-{dtype}-{ep}", validate=False).out_dir
 
-    return make
+    # one export per request however it is spelled (dtype given or left to its default)
+    return lambda arch, variant, dtype="fp32", ep="cpu": make(arch, variant, dtype, ep)
 
 
 def _genai_config(export_dir) -> dict:
@@ -335,3 +336,79 @@ def test_a_unigram_tokenizer_genai_reads_as_bpe_is_named_unusable(tokenized_chec
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GemmaTokenizerFast"}))
     written, reason = align_special_tokens(tokenized_checkpoint("llama"), out)
     assert written == {} and "holds a Unigram model" in reason and "type must be object, but is array" in reason
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int4"])
+def test_the_genai_gate_makes_its_session_as_validation_makes_its_own(genai_export, monkeypatch, capfd, dtype):
+    """Validation gives onnxruntime-genai's session of the package the options of its own session:
+    a float export's weights are not repacked for the few dozen steps the gate runs (0.5B fp16 on
+    the CPU: 5.1 s of CPU to make that session with them, 2.4 s without), a quantized one's are
+    (MatMulNBits runs on them), and no thread spins. onnxruntime's log says what it was given."""
+    import re
+
+    from exporter.validation.validate import validate_export
+
+    export_dir = genai_export("llama", "gqa", dtype)
+    real = og.Model
+
+    def logged(config):  # the config genai is given, onnxruntime asked to log the session's options
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"log_severity_level": 1}}}}))
+        return real(config)
+
+    monkeypatch.setattr(og, "Model", logged)
+    report = validate_export(export_dir)
+    assert report.genai["loads"], report.summary()
+    [options] = re.findall(r"config_options: \{([^}]*)\}", capfd.readouterr().err)
+    assert ("session.disable_prepacking: 1" in options) == (dtype != "int4"), options
+    assert "session.intra_op.allow_spinning: 0" in options, options
+
+
+def test_a_validation_whose_tokenizer_questions_were_answered_before_loads_neither_transformers_nor_torch(
+        bos_checkpoint, tmp_path):
+    """transformers' answers about the checkpoint's tokenizer (the parity prompt, the genai gate's
+    texts) are kept beside the reference runs: validating again in a fresh process gives the same
+    gates without importing transformers or torch (3.5 s of CPU of a 0.5B validation's 26)."""
+    import subprocess
+    import sys
+
+    request = ExportRequest(model=str(bos_checkpoint), dtype="fp32", ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    export_dir = export_model(request, tmp_path / "e", validate=False).out_dir
+    code = ("import json, sys; from pathlib import Path; from exporter.validation.validate import validate_export; "
+            f"r = validate_export(Path({str(export_dir)!r}), reference_cache=Path({str(tmp_path / 'cache')!r})); "
+            "print(json.dumps({'gates': [g.to_dict() for g in r.gates if g.gate != 'weights'], "
+            "'loaded': sorted({'torch', 'transformers'} & set(sys.modules))}))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["loaded"] == ["torch", "transformers"]  # the first asks transformers (and runs the reference)
+    assert runs[1]["loaded"] == [] and runs[1]["gates"] == runs[0]["gates"]
+    genai = [g for g in runs[1]["gates"] if g["gate"] == "genai"]
+    assert len(genai) == 3 and all(g["status"] == "pass" for g in genai), genai
+
+
+def test_kept_tokenizer_answers_are_transformers_own_and_follow_the_checkpoints_files(tokenized_checkpoint, tmp_path):
+    """What ``KeptAnswers`` gives is what transformers' tokenizer says, asked or read back from the
+    file; a tokenizer file changed in the checkpoint is another key, so a kept answer never stands
+    for a tokenizer that would now say something else."""
+    from transformers import AutoTokenizer
+
+    from exporter.validation.gates.genai import CONVERSATION, TEXTS
+    from exporter.validation.text import KeptAnswers, load_tokenizer
+
+    source = shutil.copytree(tokenized_checkpoint("llama"), tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    hf = AutoTokenizer.from_pretrained(str(source))
+    for kept in (load_tokenizer(source, cache), KeptAnswers(source, cache)):  # asked, then read back
+        assert isinstance(kept, KeptAnswers) and kept.chat_template is None
+        for text in TEXTS:
+            ids = hf.encode(text, add_special_tokens=False)
+            assert kept.encode(text) == hf.encode(text) and kept.encode(text, add_special_tokens=False) == ids
+            assert kept.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}"
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    changed = load_tokenizer(source, cache)
+    assert changed.path != kept.path and changed.chat_template == config["chat_template"]
+    want = AutoTokenizer.from_pretrained(str(source)).apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                                                           tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert changed.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True) == list(want)

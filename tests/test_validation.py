@@ -419,6 +419,36 @@ def test_the_reference_loaded_beside_the_session_gives_the_same_report(exported,
     assert len(loads) == 1 and loads[0].startswith("reference")
 
 
+def test_the_export_session_is_made_while_the_prompts_are_tokenized(exported, tmp_path, monkeypatch):
+    """onnxruntime makes the export's session on a thread (it releases the GIL meanwhile) while the
+    validating thread tokenizes the prompts and looks up the reference, mostly Python: each starts
+    before the other is done, and the report is what making them in turn gives."""
+    import threading
+
+    import exporter.validation.validate as validate
+
+    export_dir = exported("qwen3", "gqa")
+    in_turn = validate_export(export_dir, reference_cache=tmp_path / "r")
+    making, tokenizing = threading.Event(), threading.Event()
+    real = validate.parity_prompts
+
+    def session(d, ep):
+        making.set()
+        assert tokenizing.wait(timeout=30), "the prompts waited for the session"
+        return validate.validation_session(d, ep, "fp32")
+
+    def prompts(*args, **kwargs):
+        tokenizing.set()
+        assert making.wait(timeout=30), "the session waited for the prompts"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validate, "parity_prompts", prompts)
+    beside = validate_export(export_dir, reference_cache=tmp_path / "r", lm_factory=session)
+    assert beside.passed and in_turn.passed and beside.parity == in_turn.parity
+    assert [g.to_dict() for g in beside.gates if g.gate != "weights"] == [g.to_dict() for g in in_turn.gates
+                                                                         if g.gate != "weights"]
+
+
 def test_a_session_that_fails_does_not_wait_for_the_reference_loading_beside_it(exported, tmp_path, monkeypatch):
     """The parity gate fails at once when the export's session cannot be made; the reference model
     loading on its thread is not waited for (it is dropped when done)."""

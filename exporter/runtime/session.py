@@ -51,6 +51,18 @@ def read_metadata(model_path: Path) -> dict:
     return meta
 
 
+def session_config_entries(prepack: bool = True, spin: bool = True) -> dict[str, str]:
+    """onnxruntime's session config entries for ``Decoder``'s ``prepack`` and ``spin`` (see there), as
+    another runtime's session of the same export takes them too (onnxruntime-genai: its config's
+    ``session_options``)."""
+    entries = {}
+    if not prepack:
+        entries["session.disable_prepacking"] = "1"
+    if not spin:
+        entries["session.intra_op.allow_spinning"] = "0"
+    return entries
+
+
 def cache_mode(input_names: set[str]) -> str:
     """Which cache contract a model's inputs describe (ours or another builder's)."""
     if WRITE_INDICES in input_names:
@@ -139,10 +151,8 @@ class Decoder:
             session_options = ort.SessionOptions()
             # TensorScatter warns on every copy when caches are not bound in place; keep errors only.
             session_options.log_severity_level = 3
-            if not prepack:
-                session_options.add_session_config_entry("session.disable_prepacking", "1")
-            if not spin:
-                session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            for key, value in session_config_entries(prepack, spin).items():
+                session_options.add_session_config_entry(key, value)
         self.ep, self.device, self.cuda_graph = ep, "cuda" if ep == "cuda" else "cpu", cuda_graph
         self.device_id = int(providers[0][1]["device_id"]) if ep == "cuda" else 0
         self.providers = providers
@@ -463,4 +473,4 @@ class Decoder:
         return binding.copy_outputs_to_cpu()[0]
 
 
-__all__ = ["Decoder", "CacheState", "read_metadata", "cache_mode", "run_bound", "host_ortvalue"]
+__all__ = ["Decoder", "CacheState", "read_metadata", "cache_mode", "run_bound", "host_ortvalue", "session_config_entries"]

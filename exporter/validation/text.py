@@ -9,11 +9,20 @@ the tokenizer adds them, chat turns through the checkpoint's chat template.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import threading
 from pathlib import Path
 
 from exporter.packaging.source_files import tokenizer_file_names
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# Files of a checkpoint directory that are weights, not what its tokenizer reads.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".ot", ".tflite",
+                   ".onnx", ".data", ".npz", ".npy", ".pkl")
+# What decides transformers' answers besides the files: its version, its tokenizers' and the chat
+# templates' renderer's.
+TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2")
 # The parity run's real-text prompt: one user turn through the chat template (plain text, special
 # tokens as the tokenizer adds them, where there is no template).
 CHAT_MESSAGE = "Write one sentence about why the sea is salty."
@@ -23,11 +32,15 @@ def has_tokenizer(checkpoint: Path) -> bool:
     return any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(checkpoint: Path):
+def load_tokenizer(checkpoint: Path, answers: Path | None = None):
     """transformers' tokenizer of ``checkpoint`` (None where it has no tokenizer files); kept while
-    its files are unchanged (parity, the quality gate and the genai gate of one export share it)."""
+    its files are unchanged (parity, the quality gate and the genai gate of one export share it).
+    With ``answers`` (a cache directory): a ``KeptAnswers`` in its place, which gives what it
+    answered before without loading it."""
     if not has_tokenizer(checkpoint):
         return None
+    if answers is not None:
+        return KeptAnswers(Path(checkpoint), Path(answers))
     # Every tokenizer file packaging copies (the chat template, merges.txt ... too): one changed is a
     # different tokenizer.
     files = [Path(checkpoint) / name for name in tokenizer_file_names(Path(checkpoint))]
@@ -40,6 +53,82 @@ def _load_tokenizer(checkpoint: Path, stamp: tuple):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+class KeptAnswers:
+    """transformers' tokenizer of a checkpoint, asked through what validation asks of it (``encode``,
+    ``decode``, ``apply_chat_template`` with ``tokenize=True``, ``chat_template``), its answers kept
+    in a file of the cache directory: a validation in a fresh process whose questions were all
+    answered before imports neither transformers nor torch nor parses the tokenizer (a 0.5B's:
+    3.5 s of CPU of its validation's 26). The file is keyed by the content of every file of the
+    checkpoint that is not weights and by the versions of ``TOKENIZER_PACKAGES``: the answers are a
+    function of those and of the question, like the reference runs kept beside them. A question
+    not in the file loads the tokenizer and asks it (what it raises, the caller gets)."""
+
+    def __init__(self, checkpoint: Path, cache_dir: Path):
+        self.checkpoint = checkpoint
+        self.path = cache_dir / f"tokenizer-{_answers_key(checkpoint)}.json"
+        self._lock = threading.Lock()
+        try:
+            self._answers = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self._answers = {}
+        if not isinstance(self._answers, dict):
+            self._answers = {}
+
+    def _ask(self, question: list, answer):
+        key = json.dumps(question, sort_keys=True, ensure_ascii=False)
+        with self._lock:
+            if key in self._answers:
+                return self._answers[key]
+        value = answer(load_tokenizer(self.checkpoint))
+        with self._lock:
+            self._answers[key] = value
+            from exporter.cache import write_atomic
+
+            write_atomic(self.path, json.dumps(self._answers, ensure_ascii=False).encode())
+        return value
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._ask(["chat_template"], lambda t: getattr(t, "chat_template", None) or None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._ask(["encode", text, add_special_tokens],
+                         lambda t: [int(i) for i in t.encode(text, add_special_tokens=add_special_tokens)])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        return self._ask(["decode", ids, skip_special_tokens],
+                         lambda t: t.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> list[int]:
+        if not tokenize:
+            raise ValueError("KeptAnswers keeps the ids of a chat template, not its text")
+
+        def ids(t) -> list[int]:
+            out = t.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            out = out["input_ids"] if hasattr(out, "keys") else out  # a BatchEncoding in some versions
+            return [int(i) for i in out]
+
+        return self._ask(["apply_chat_template", messages, add_generation_prompt], ids)
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self._ask(["convert_ids_to_tokens", int(token_id)], lambda t: t.convert_ids_to_tokens(int(token_id)))
+
+
+def _answers_key(checkpoint: Path) -> str:
+    """What the tokenizer's answers depend on, hashed: every file of ``checkpoint`` but its weights,
+    name and content (a tokenizer.json of a few MB hashes in milliseconds), and the versions."""
+    from exporter.cache import cache_key
+    from exporter.versions import package_version
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(checkpoint).iterdir()):
+        if path.is_file() and path.suffix not in WEIGHT_SUFFIXES:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return cache_key({"files": digest.hexdigest(), **{name: package_version(name) for name in TOKENIZER_PACKAGES}})
 
 
 def added_special_ids(tokenizer) -> tuple[list[int], list[int]] | None:

@@ -47,9 +47,10 @@ class ValidationReport:
     reference: str
     gates: list[GateResult]
     # Seconds per stage. Some overlap and some include others: weights runs beside everything;
-    # parity includes parity_session (creating the export's session); reference is what the
-    # validating thread spent on the reference (the cache, the forward pass, and the load where it
-    # waited for it), reference_load the load itself, which for an export on a device ran beside
+    # parity_session (making the export's session) runs beside the prompts' tokenizer, the
+    # reference cache and the probe, and parity includes what it waited for it; reference is what
+    # the validating thread spent on the reference (the cache, the forward pass, and the load where
+    # it waited for it), reference_load the load itself, which for an export on a device ran beside
     # the probe and the export's session. They do not add up to the wall time.
     timings_s: dict[str, float]
     parity: dict | None = None
@@ -203,13 +204,14 @@ def validate_export(
     pass on this model, measured (quant_advice.py); it costs a few reference passes, only on failure.
 
     Reference runs are kept in ``reference_cache`` and, given ``shared_references`` (a
-    ``reference.SharedReferences``, e.g. the farm's object store), shared beyond this machine.
+    ``reference.SharedReferences``, e.g. the farm's object store), shared beyond this machine; so
+    are the checkpoint tokenizer's answers (``text.KeptAnswers``), locally.
 
     ``manifest`` is the export's manifest when the caller holds it in memory (the pipeline writes
     it once, after validation); otherwise it is read from ``export_dir``. ``lm_factory(export_dir,
     ep)`` builds the runtime driver (tests pass a deliberately wrong one).
     """
-    from exporter.runtime.session import read_metadata
+    from exporter.runtime.session import read_metadata, session_config_entries
 
     export_dir = Path(export_dir)
     manifest_path = export_dir / MANIFEST_FILE
@@ -265,7 +267,9 @@ def validate_export(
         own = own or {}
         genai_results, genai = genai_gates(export_dir, manifest, Path(ref_source.path), ep, own.get("prompt"),
                                            own.get("tokens"), _eos_ids(export_dir), own.get("gaps"),
-                                           NEAR_TIE_MARGIN[activations])
+                                           NEAR_TIE_MARGIN[activations],
+                                           session_config_entries(**validation_session_options(dtype)),
+                                           reference_cache)
         if genai is not None:
             timings["genai"] = time.perf_counter() - t0
         (weight_results, _), timings["weights"] = weights.result()
@@ -361,39 +365,49 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         probe()
         return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
                               quality_thresholds, reference_cache, shared_references, own,
-                              parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [])[-1][1]
+                              parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [], reference_cache)[-1][1]
                               if own is not None else None, steps)
 
-    prompts = parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, gates)
-    t0 = time.perf_counter()
-    cached = [reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
-              for _, prompt in prompts]
-    timings["reference"] = time.perf_counter() - t0
-    timings["reference_cached"] = float(all(ref is not None for _, ref in cached))
+    # The export's session is made on a thread from the start: onnxruntime releases the GIL while it
+    # makes one, and what comes before parity needs it (the prompts, whose tokenizer imports
+    # transformers and torch where its answers are not kept yet; the reference cache; the probe) is
+    # mostly Python that holds it. 0.5B fp16 on the CPU: 2.2 s of CPU for the session, 3.5 s for
+    # that import and the tokenizer, one after the other before.
+    sessions = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="session")
+    making = sessions.submit(_timed, factory, export_dir, ep)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
     try:
+        prompts = parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, gates, reference_cache)
+        t0 = time.perf_counter()
+        cached = [reference.cached_reference(reference_cache, ref_source.revision, prompt, steps, shared_references)
+                  for _, prompt in prompts]
+        timings["reference"] = time.perf_counter() - t0
+        timings["reference_cached"] = float(all(ref is not None for _, ref in cached))
         missing = any(ref is None for _, ref in cached)
         loading = pool.submit(_loaded, ref_source.path, ep) if missing and reference_beside_session(ep) else None
         probe()
-        return _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
-                       reference_cache, shared_references, gates, timings, own), None
+        return _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
+                       reference_cache, shared_references, gates, timings, own, factory), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
         pool.shutdown(wait=False, cancel_futures=True)
+        sessions.shutdown(wait=True)  # a session still being made is not left making beside the next job
 
 
-def parity_prompts(checkpoint: Path, cfg: dict, prompt_len: int, steps: int, gates: list) -> list[tuple[str, list[int]]]:
+def parity_prompts(checkpoint: Path, cfg: dict, prompt_len: int, steps: int, gates: list,
+                   answers: Path | None = None) -> list[tuple[str, list[int]]]:
     """The parity runs' prompts: ``prompt_len`` random token ids (every part of the vocabulary), and
     where the checkpoint has a tokenizer, one user turn through its chat template (plain text with
     the tokenizer's special tokens where it has none), if it fits the export's context with the
-    decode steps; an informational gate says when it does not."""
+    decode steps; an informational gate says when it does not. ``answers``: where the tokenizer's
+    answers are kept (``text.load_tokenizer``)."""
     from exporter.validation import text
 
     rng = np.random.default_rng(0)
     prompts = [("", [int(t) for t in rng.integers(3, cfg["vocab_size"], size=prompt_len)])]
     try:
-        tokenizer = text.load_tokenizer(checkpoint)
+        tokenizer = text.load_tokenizer(checkpoint, answers)
         if tokenizer is None:
             return prompts
         ids, kind = text.chat_prompt(tokenizer)
@@ -427,13 +441,19 @@ def _loaded(checkpoint: Path, ep: str) -> list:
 
 
 def validation_session(export_dir: Path, ep: str, dtype: str):
-    """The session parity and the quality gate run the export in. It runs a few dozen steps:
-    repacking the weights first would cost more than it saves (quantized exports keep it:
-    MatMulNBits runs its CPU kernels on the repacked layout). It shares the cores with the weight
-    check and the reference, so its threads sleep between ops rather than spin."""
+    """The session parity and the quality gate run the export in (``validation_session_options``)."""
     from exporter.runtime.session import Decoder
 
-    return Decoder(export_dir, ep=ep, prepack=dtype in QUANTIZED, spin=False)
+    return Decoder(export_dir, ep=ep, **validation_session_options(dtype))
+
+
+def validation_session_options(dtype: str) -> dict[str, bool]:
+    """How validation makes a session of the export, its own and onnxruntime-genai's alike
+    (``Decoder``'s ``prepack`` and ``spin``). It runs a few dozen steps: repacking the weights first
+    would cost more than it saves (quantized exports keep it: MatMulNBits runs its CPU kernels on
+    the repacked layout). It shares the cores with the weight check and the reference, so its
+    threads sleep between ops rather than spin."""
+    return {"prepack": dtype in QUANTIZED, "spin": False}
 
 
 def reference_beside_session(ep: str) -> bool:
@@ -444,22 +464,22 @@ def reference_beside_session(ep: str) -> bool:
     return ep != "cpu"
 
 
-def _parity(factory, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
-            shared_references, gates, timings, own) -> dict | None:
+def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
+            shared_references, gates, timings, own, factory) -> dict | None:
     """For each prompt, the export decodes teacher-forced on the reference's tokens and is judged;
     without a cached reference it decodes freely first and transformers checks those tokens (the
     streamed model set up by ``loading``, a future of ``_loaded``, or here), from a departure on
     checking the export's continuation of the reference's own tokens. A half-precision export is
     read beside transformers in its own dtype (``yardstick``); an export whose logits are not
     finite is probed for where they stop being finite (``overflow``). Returns the first prompt's
-    result, with the others' under ``prompts``."""
+    result, with the others' under ``prompts``. ``making``: the future of ``_timed(factory, export_dir,
+    ep)``, the export's session being made; ``factory`` makes the peer's."""
     from exporter.validation import reference
     from exporter.validation.parity import export_decode
 
-    timings["parity_session"] = 0.0
     t0 = time.perf_counter()
-    lm = _session(factory, export_dir, ep, "parity", gates)
-    timings["parity_session"] += time.perf_counter() - t0
+    made = _session(making.result, ep, "parity", gates)  # (the driver, the seconds making it took)
+    lm, timings["parity_session"] = made or (None, 0.0)
     if lm is None:
         timings["parity"] = time.perf_counter() - t0
         return None
@@ -601,10 +621,11 @@ def _probe_overflow(export_dir, ep, tokens, timings):
 QUANTIZED = ("int4", "int8")
 
 
-def _session(factory, export_dir, ep, gate: str, gates: list):
-    """The runtime driver for the export, or None with a failed gate saying why it would not load."""
+def _session(make, ep, gate: str, gates: list):
+    """What ``make()`` returns (the runtime driver for the export), or None with a failed gate saying
+    why the export would not load."""
     try:
-        return factory(export_dir, ep)
+        return make()
     except Exception as err:
         gates.append(GateResult(gate, f"session on {ep}", False, "error", "a session",
                                 f"onnxruntime could not load the model on {ep}: {str(err)[:300]}"))
@@ -622,7 +643,7 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
 
     t0 = time.perf_counter()
     checkpoint = Path(ref_source.path)
-    tokens, tokenizer, prefix = text_tokens(checkpoint, cfg["vocab_size"])
+    tokens, tokenizer, prefix = text_tokens(checkpoint, cfg["vocab_size"], answers=reference_cache)
     chunks = windows(tokens, min(WINDOW, cfg.get("max_seq_len") or WINDOW), prefix)
     cache_path, ref = reference.cached_window_logits(reference_cache, ref_source.revision, chunks, shared_references)
     timings["reference_cached"] = float(ref is not None)
@@ -637,7 +658,7 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
         reference.store_window_logits(cache_path, chunks, ref, shared_references)
     timings["reference"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lm = _session(factory, export_dir, ep, "quality", gates)
+    lm = _session(lambda: factory(export_dir, ep), ep, "quality", gates)
     if lm is None:
         return None
     got = export_logits(lm, chunks)

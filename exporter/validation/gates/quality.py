@@ -64,16 +64,18 @@ class QualityResult:
 IMPLAUSIBLE_PPL_FRACTION = 0.5
 
 
-def text_tokens(checkpoint: Path, vocab_size: int, limit: int = MAX_TOKENS) -> tuple[list[int], str, list[int]]:
+def text_tokens(checkpoint: Path, vocab_size: int, limit: int = MAX_TOKENS,
+                answers: Path | None = None) -> tuple[list[int], str, list[int]]:
     """The quality text as token ids, the tokenization, and the ids every window starts with.
 
     With the checkpoint's tokenizer: the text's ids, and the special tokens that tokenizer puts
     before a text it encodes for the model (BOS for most models): each window starts with them,
-    as every sequence the model sees does. Without one: bytes mapped into the vocabulary, no prefix."""
+    as every sequence the model sees does. Without one: bytes mapped into the vocabulary, no prefix.
+    ``answers``: where the tokenizer's answers are kept (``text.load_tokenizer``)."""
     from exporter.validation import text as real_text
 
     text = TEXT_PATH.read_text()
-    tokenizer = real_text.load_tokenizer(Path(checkpoint))
+    tokenizer = real_text.load_tokenizer(Path(checkpoint), answers)
     if tokenizer is not None:
         ids = tokenizer.encode(text, add_special_tokens=False)
         prefix, _ = real_text.special_affixes(tokenizer)
