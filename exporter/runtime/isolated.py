@@ -8,8 +8,9 @@ stage function in a child process instead and watches it:
 - what the child reports goes to the caller as it happens: progress (``stage`` waits for the caller,
   which may stop the work there) and ``phase`` (what it is doing now, e.g. "decode ctx 128: CUDA graph
   replay"), so a crash can be named by the step it happened in;
-- the child's checkpoints (``exporter.checkpoints``) stop it once the caller has not confirmed, within
-  the time it last promised (``owned_until``), that the work may go on: a farm worker's lease;
+- the child's checkpoints (``exporter.checkpoints``) hold it once the caller has not confirmed, within
+  the time it last promised (``owned_until``), that the work may go on (a farm worker's lease), until
+  it does;
 - the caller's ``poll`` runs while the child works; what it raises (a cancel, a lost lease, a soft time
   limit) kills the child and is raised again;
 - the child's result, or the exception it raised, comes back as if the function had run here;
@@ -64,17 +65,12 @@ class ProcessLost(Exception):
     """The child process was killed from outside (SIGKILL: out of memory, an operator) or vanished."""
 
 
-class Stopped(Exception):
-    """In the child: the caller stopped the work, or has not confirmed in time that it may go on."""
-
-
 @dataclasses.dataclass
 class _Channel:
     """The child's end: messages to the caller, and what the caller last said."""
 
     conn: object
     owned_until: float | None = None
-    stop_reason: str | None = None
     acked: threading.Event = dataclasses.field(default_factory=threading.Event)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -120,10 +116,12 @@ class _ChildProgress:
 
 
 def _check(channel: _Channel) -> None:
-    if channel.stop_reason is not None:
-        raise Stopped(channel.stop_reason)
-    if channel.owned_until is not None and time.monotonic() > channel.owned_until:
-        raise Stopped("the caller has not confirmed in time that the work may go on")
+    """A checkpoint in the child: go on while the caller's last word allows it; past that, wait for
+    its next (a farm worker renewing its lease late, or waiting for its catalog, as its own check
+    waits) rather than go on unconfirmed. The caller kills the child when the work must end, and a
+    child whose caller died exits (``_listen``)."""
+    while channel.owned_until is not None and time.monotonic() > channel.owned_until:
+        time.sleep(POLL_S / 4)
 
 
 def _listen(channel: _Channel) -> None:
@@ -138,8 +136,6 @@ def _listen(channel: _Channel) -> None:
             channel.owned_until = message[1]
         elif kind == "ack":
             channel.acked.set()
-        elif kind == "stop":
-            channel.stop_reason = message[1]
 
 
 def _child_main(conn, crash_log: str, owned_until: float | None, target: Callable, args: tuple, kwargs: dict,
@@ -284,7 +280,14 @@ def run_isolated(target: Callable, *args, what: str, progress=None, poll: Callab
     last_phase: str | None = None
     outcome: tuple | None = None
     try:
+        polled = 0.0
         while outcome is None:
+            if time.monotonic() - polled >= POLL_S:  # whatever the child sends, at this pace at least
+                if poll is not None:
+                    poll()  # raises when the work must stop
+                if owned_until is not None:
+                    parent_end.send(("owned_until", owned_until()))
+                polled = time.monotonic()
             if parent_end.poll(POLL_S):
                 try:
                     message = parent_end.recv()
@@ -299,15 +302,8 @@ def run_isolated(target: Callable, *args, what: str, progress=None, poll: Callab
                         parent_end.send(("ack",))
                 else:
                     outcome = message
-                continue
-            if not process.is_alive():
-                if not parent_end.poll(0):
-                    break
-                continue  # what it sent before it ended is read first
-            if poll is not None:
-                poll()
-            if owned_until is not None:
-                parent_end.send(("owned_until", owned_until()))
+            elif not process.is_alive() and not parent_end.poll(0):
+                break  # ended, and everything it sent was read
         process.join()
     except BaseException:
         # A stop raised here (a cancel, a lost lease, a time limit): the child has nothing more to do.
@@ -322,12 +318,6 @@ def run_isolated(target: Callable, *args, what: str, progress=None, poll: Callab
         _discard(crash_log.name)
         if outcome[0] == "result":
             return outcome[1]
-        if isinstance(outcome[1], Stopped):
-            # It stopped itself, not hearing in time that it may go on (this process was held up,
-            # by a catalog it could not reach, say): the caller says why, or the attempt is lost.
-            if poll is not None:
-                poll()
-            raise ProcessLost(f"{what}: stopped ({outcome[1]})")
         raise outcome[1]
     code = process.exitcode
     dump = _read(crash_log.name)
@@ -361,4 +351,4 @@ def _discard(path: str) -> None:
         pass
 
 
-__all__ = ["run_isolated", "phase", "in_child", "NativeCrash", "ProcessLost", "Stopped", "crash_frames"]
+__all__ = ["run_isolated", "phase", "in_child", "NativeCrash", "ProcessLost", "crash_frames"]
