@@ -46,7 +46,7 @@ from exporter import checkpoints
 from exporter.cores import usable_cores
 from exporter.graph.passes.quantize import quantize_rows  # noqa: F401 (the gate's exact answer; tests use it here)
 
-from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint, _as_torch
+from exporter.packaging.checkpoint import BLOCK_BYTES, Checkpoint
 from exporter.validation.gates import GateResult
 
 # bf16's 8-bit significand alone puts a norm weight near 1.0 with spread 0.1 at correlation ~0.9998
@@ -103,29 +103,53 @@ class _Accumulator:
     ``SUB_BLOCK`` elements so that every pass runs in cache; the L2 error is summed from the
     differences themselves, with no cancellation."""
 
-    def __init__(self):
+    def __init__(self, kept: bool = False):
         self.n = 0
         self.sx = self.sy = self.sxx = self.syy = self.sxy = self.sdd = 0.0
         self.max_abs = 0.0
+        # kept: each sub-block's sums kept in turn rather than summed, for ``extend`` (one span of
+        # a slice's rows, the spans checked on several threads)
+        self.sums: list[tuple[int, float, float, float, float, float, float]] | None = [] if kept else None
 
     def add(self, got: np.ndarray, want: np.ndarray) -> None:
-        """``got`` and ``want``: numpy arrays of one shape, any float dtype numpy converts exactly."""
+        """``got`` and ``want``: numpy arrays of one shape, any float dtype numpy converts exactly.
+        The casts, differences and extremes go ``SUB_BLOCKS_A_PASS`` sub-blocks at a time (each numpy
+        call holds the GIL for its Python part: threads comparing side by side waited on it), the
+        dot products sub-block by sub-block as before (the same sums, bit for bit)."""
         x_all, y_all = got.reshape(-1), want.reshape(-1)
-        for start in range(0, x_all.size, SUB_BLOCK):
-            x = x_all[start : start + SUB_BLOCK].astype(np.float64)
-            y = y_all[start : start + SUB_BLOCK].astype(np.float64)
-            d = x - y
-            if d.size:
-                worst = max(float(d.max()), -float(d.min()))
+        span = SUB_BLOCK * SUB_BLOCKS_A_PASS
+        for outer in range(0, x_all.size, span):
+            xs = x_all[outer : outer + span].astype(np.float64)
+            ys = y_all[outer : outer + span].astype(np.float64)
+            ds = xs - ys
+            if ds.size:
+                worst = max(float(ds.max()), -float(ds.min()))
                 self.max_abs = max(self.max_abs, worst if math.isfinite(worst) else math.inf)  # NaN never passes
-            ones = _ones(x.size)
-            self.n += x.size
-            self.sdd += float(np.dot(d, d))
-            self.sx += float(np.dot(x, ones))
-            self.sy += float(np.dot(y, ones))
-            self.sxx += float(np.dot(x, x))
-            self.syy += float(np.dot(y, y))
-            self.sxy += float(np.dot(x, y))
+            for start in range(0, xs.size, SUB_BLOCK):
+                x, y, d = (a[start : start + SUB_BLOCK] for a in (xs, ys, ds))
+                ones = _ones(x.size)
+                self._take((x.size, float(np.dot(d, d)), float(np.dot(x, ones)), float(np.dot(y, ones)),
+                            float(np.dot(x, x)), float(np.dot(y, y)), float(np.dot(x, y))))
+
+    def _take(self, sums: tuple[int, float, float, float, float, float, float]) -> None:
+        if self.sums is not None:
+            self.sums.append(sums)
+            return
+        n, sdd, sx, sy, sxx, syy, sxy = sums
+        self.n += n
+        self.sdd += sdd
+        self.sx += sx
+        self.sy += sy
+        self.sxx += sxx
+        self.syy += syy
+        self.sxy += sxy
+
+    def extend(self, span: _Accumulator) -> None:
+        """A kept span's sums added after this one's, sub-block by sub-block: the figures of adding
+        its blocks here in turn, bit for bit (float sums depend on their order)."""
+        for sums in span.sums:
+            self._take(sums)
+        self.max_abs = max(self.max_abs, span.max_abs)
 
     def correlation(self) -> float | None:
         vx = self.n * self.sxx - self.sx**2
@@ -143,6 +167,9 @@ class _Accumulator:
 # own, which oversubscribe the cores that onnxruntime, running the other gates, already uses).
 SUB_BLOCK = 8192
 _ONES = np.ones(SUB_BLOCK)
+# Sub-blocks whose casts, differences and extremes the accumulator takes in one numpy call each
+# (float64: 4 MB an array).
+SUB_BLOCKS_A_PASS = 64
 
 
 def _ones(n: int) -> np.ndarray:
@@ -327,10 +354,11 @@ def _part_blocks(out: np.ndarray, transposed: bool, offset: int, checkpoint: Che
 
 
 def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Checkpoint, part: dict,
-                  stride: int = 1) -> _Accumulator:
-    """Every element of one part against its source, in the source's row order."""
-    acc = _Accumulator()
-    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, BLOCK_BYTES // 8, stride):
+                  stride: int = 1, span: tuple[int, int] | None = None) -> _Accumulator:
+    """Every element of one part (its rows ``span`` of the part's, default all; then its sums
+    kept) against its source, in the source's row order."""
+    acc = _Accumulator(kept=span is not None)
+    for source, got in _part_blocks(out, transposed, offset, checkpoint, part, BLOCK_BYTES // 8, stride, span):
         want = _as_float(source)
         if part.get("add"):
             want = want.astype(np.float32) + np.float32(part["add"])  # the recipe's offset, in fp32 as it was built
@@ -338,30 +366,13 @@ def _compare_part(out: np.ndarray, transposed: bool, offset: int, checkpoint: Ch
     return acc
 
 
-def _torch_rows(checkpoint: Checkpoint, part: dict, a: int, b: int):
-    """Source rows [a, b) of a part as a torch tensor in the stored dtype (bf16 from its raw bits;
-    MXFP4 as the fp32 values this module decodes)."""
-    stored = ir.DataType.FLOAT if part.get("mxfp4_scales") else checkpoint.stored_dtype(part["tensor"])
-    return _as_torch(_source(checkpoint, part)[a:b], stored)
-
-
-def _numpy(tensor) -> np.ndarray:
-    """A torch tensor as numpy, bf16 as ml_dtypes' bfloat16 (torch's .numpy() refuses it)."""
-    import torch
-
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
 def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Checkpoint, part: dict,
-                       activations: str, stride: int = 1) -> _Accumulator:
+                       activations: str, stride: int = 1, span: tuple[int, int] | None = None) -> _Accumulator:
     """Dequantize output columns [offset, offset + rows) of a MatMulNBits weight (one checkpoint
-    part's rows) and compare them with the source as it was quantized (cast to the activations)."""
-    import torch
-
+    part's rows; its rows ``span`` of the part's, then its sums kept) and compare them with the
+    source as it was quantized (cast to the activations by numpy / ml_dtypes, ``converted``: torch's
+    rounding, bit for bit, without torch's threads, which every comparing thread's casts set going
+    on every core)."""
     from exporter.graph.passes.quantize import QuantScheme, dequantize, quantize_block, quantize_rows
 
     scheme = QuantScheme.of(quant)
@@ -372,45 +383,45 @@ def _compare_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: 
     packed = arrays[name].reshape(n_total, k_blocks, -1)  # QMoE's [experts, N, K / pack]: the same bytes
     scales = np.asarray(arrays[f"{stem}.scales"]).reshape(n_total, k_blocks)
     zero_points = None if scheme.symmetric else np.asarray(arrays[f"{stem}.zero_points"]).reshape(n_total, zp_bytes)
-    acc = _Accumulator()
+    acc = _Accumulator(kept=span is not None)
     acc.bound_ratio, acc.requantized_equal = 0.0, None if hqq else True
     acc.l2_vs_rtn = 0.0 if hqq else None
     first, end = _part_range(checkpoint, part)
-    n = end - first
-    step = max(1, BLOCK_BYTES // (k * 16))
-    cast = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[activations]
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        want = _torch_rows(checkpoint, part, first + r0, first + r1)
-        if part.get("add"):
-            want = want.float() + part["add"]
-        want = want.to(cast).float()
+    step = _stats_block_rows(checkpoint, part, quant)
+    source = _source(checkpoint, part)
+    span = span or (0, end - first)
+    for r0 in range(span[0], span[1], step):
+        r1 = min(span[1], r0 + step)
+        rows = converted(source[first + r0 : first + r1], STORAGE_DTYPES[activations], part.get("add"))
+        want = rows.astype(np.float32)
         cols = slice(offset + r0 * stride, offset + r1 * stride, stride)
         got_packed, got_scales = np.asarray(packed[cols]), scales[cols]
         got_zero = None if zero_points is None else zero_points[cols]
         got = dequantize(got_packed, got_scales, got_zero, scheme, k)
-        step_size = np.repeat(np.abs(got_scales.astype(np.float32)), scheme.block_size, axis=1)[:, :k]
-        err = np.abs(got - want.numpy())
-        ratio = float((err / np.maximum(step_size, 1e-30)).max()) if err.size else 0.0
+        err = np.abs(got - want)
+        # each block's worst error over its step (the division is monotonic: the worst element's own
+        # ratio), with no step repeated over the block's elements
+        worst = np.pad(err, ((0, 0), (0, k_blocks * scheme.block_size - k))).reshape(-1, k_blocks, scheme.block_size)
+        step_size = np.maximum(np.abs(got_scales.astype(np.float32)), 1e-30)
+        ratio = float((worst.max(axis=-1) / step_size).max()) if err.size else 0.0
         if hqq:
-            rows = np.ascontiguousarray(want.numpy(), dtype=np.float32)
             rtn = QuantScheme(scheme.bits, scheme.block_size, False)
-            back = dequantize(*quantize_rows(rows, rtn.bits, rtn.block_size, False), rtn, k)
-            rtn_l2 = float(np.linalg.norm(back - rows))
-            ratio_l2 = float(np.linalg.norm(got - rows)) / max(rtn_l2, 1e-30)
+            back = dequantize(*quantize_rows(want, rtn.bits, rtn.block_size, False), rtn, k)
+            rtn_l2 = float(np.linalg.norm(back - want))
+            ratio_l2 = float(np.linalg.norm(got - want)) / max(rtn_l2, 1e-30)
             acc.l2_vs_rtn = max(acc.l2_vs_rtn, ratio_l2 if math.isfinite(ratio_l2) else math.inf)
             acc.bound_ratio = max(acc.bound_ratio, ratio if math.isfinite(ratio) else math.inf)
-            acc.add(got, want.numpy())
+            acc.add(got, want)
             continue
         # The bound alone trusts the file's own scales (a scale 5% off still bounds its block), so
         # the source is quantized again the same deterministic way and must give the same bytes.
-        again = quantize_block(np.ascontiguousarray(_numpy(want.to(cast)).T), scheme)
+        again = quantize_block(rows.T, scheme)  # [K, n] as a view of the rows it quantizes
         same = np.array_equal(again[0], got_packed) and np.array_equal(again[1].reshape(got_scales.shape), got_scales) \
             and (got_zero is None or np.array_equal(again[2].reshape(got_zero.shape), got_zero))
         if not same:
             acc.requantized_equal = False
         acc.bound_ratio = max(acc.bound_ratio, ratio if math.isfinite(ratio) and same else math.inf)
-        acc.add(got, want.numpy())
+        acc.add(got, want)
     return acc
 
 
@@ -529,15 +540,47 @@ def compare_threads() -> int:
     return max(1, usable_cores() - 1)
 
 
-def _spans(checkpoint: Checkpoint, part: dict, quant: dict | None) -> list[tuple[int, int]]:
-    """A part's rows in spans of ``SPAN_BLOCKS`` of the exact test's blocks (one span at least)."""
-    rows = _part_rows(checkpoint, part)
+def _row_elems(checkpoint: Checkpoint, part: dict) -> int:
+    return max(1, int(np.prod(_source(checkpoint, part).shape[1:], dtype=np.int64)))
+
+
+def _exact_block_rows(checkpoint: Checkpoint, part: dict, quant: dict | None) -> int:
+    """Rows of a block of the exact test (``_exact_quantized``, ``_exact_part``)."""
     if quant:
-        block = max(1, BLOCK_BYTES // (quant["K"] * 8))  # as _exact_quantized reads them
-    else:
-        block = max(1, EXACT_BLOCK_ELEMS // max(1, int(np.prod(_source(checkpoint, part).shape[1:], dtype=np.int64))))
-    step = block * SPAN_BLOCKS
+        return max(1, BLOCK_BYTES // (quant["K"] * 8))
+    return max(1, EXACT_BLOCK_ELEMS // _row_elems(checkpoint, part))
+
+
+def _stats_block_rows(checkpoint: Checkpoint, part: dict, quant: dict | None) -> int:
+    """Rows of a block of the statistics (``_compare_quantized``, ``_compare_part``)."""
+    if quant:
+        return max(1, BLOCK_BYTES // (quant["K"] * 16))
+    return max(1, BLOCK_BYTES // 8 // _row_elems(checkpoint, part))
+
+
+def _spans(checkpoint: Checkpoint, part: dict, block_rows: int) -> list[tuple[int, int]]:
+    """A part's rows in spans of ``SPAN_BLOCKS`` blocks of ``block_rows`` (one span at least): the
+    blocks of a span are those a pass over all the part's rows reads."""
+    rows = _part_rows(checkpoint, part)
+    step = block_rows * SPAN_BLOCKS
     return [(r0, min(rows, r0 + step)) for r0 in range(0, max(rows, 1), step)]
+
+
+def _joined(spans: list[_Accumulator | None]) -> _Accumulator | None:
+    """A slice's figures from those of its spans of rows, in order, as one pass over them all gives
+    them: the sums added in turn, the worst figures the worst of the spans'. An imported slice's
+    one comparison stands as it is (None: equal to the checkpoint's own)."""
+    if len(spans) == 1 and (spans[0] is None or spans[0].sums is None):
+        return spans[0]
+    acc = _Accumulator()
+    first = spans[0]
+    if hasattr(first, "bound_ratio"):  # a quantized weight's
+        acc.bound_ratio = max(s.bound_ratio for s in spans)
+        acc.requantized_equal = None if first.requantized_equal is None else all(s.requantized_equal for s in spans)
+        acc.l2_vs_rtn = None if first.l2_vs_rtn is None else max(s.l2_vs_rtn for s in spans)
+    for span in spans:
+        acc.extend(span)
+    return acc
 
 
 def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str,
@@ -589,30 +632,47 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
                                                        stride, span)
         return _exact_part(data, transposed, offset, checkpoint, part, STORAGE_DTYPES[activations], stride, span)
 
-    def compare(job) -> _Accumulator | None:
-        """The figures of a slice that is not bit-exact (None: imported, and equal to the checkpoint's own)."""
+    def compare(job, span) -> _Accumulator | None:
+        """The figures of rows ``span`` of a slice that is not bit-exact (None: imported, and equal
+        to the checkpoint's own; an imported slice is compared whole, ``span`` None)."""
         checkpoints.checkpoint()
         name, data, transposed, offset, part, stride = job
         quant = sources[name].get("quantization")
         if quant and quant.get("method") in IMPORTED_METHODS:
             return _compare_imported(arrays, name, quant, offset, checkpoint, part, stride)
         if quant:
-            return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations, stride)
-        return _compare_part(data, transposed, offset, checkpoint, part, stride)
+            return _compare_quantized(arrays, name, quant, offset, checkpoint, part, activations, stride, span)
+        return _compare_part(data, transposed, offset, checkpoint, part, stride, span)
+
+    def in_spans(selected, block_rows) -> list[tuple[int, tuple[int, int] | None]]:
+        """(job, span of its rows) for each span of the jobs ``selected`` in blocks of ``block_rows(job)``
+        rows (span None: the slice compared whole, where ``block_rows`` gives None)."""
+        spans = []
+        for j in selected:
+            rows = block_rows(jobs[j])
+            spans += [(j, span) for span in (_spans(checkpoint, jobs[j][4], rows) if rows else [None])]
+        return spans
+
+    def quant_of(job) -> dict | None:
+        return sources[job[0]].get("quantization")
 
     # Slices and spans of their rows are independent, and numpy releases the GIL inside each pass
     # over a block: the exact test runs span by span on every thread; then the slices it did not
     # find bit-exact (in a sound export only those it has no exact answer for: GPTQ / AWQ codes,
-    # HQQ and bf16 quantized weights) are compared by statistics, slice by slice.
-    spans = [(j, span) for j, job in enumerate(jobs)
-             for span in _spans(checkpoint, job[4], sources[job[0]].get("quantization"))]
+    # HQQ and bf16 quantized weights) are compared by statistics, span by span too, each slice's
+    # spans summed in their order (the figures one pass over the slice gives).
+    exact_spans = in_spans(range(len(jobs)), lambda job: _exact_block_rows(checkpoint, job[4], quant_of(job)))
     with concurrent.futures.ThreadPoolExecutor(max_workers=compare_threads(), thread_name_prefix="weights") as pool:
         bit_exact = [True] * len(jobs)
-        for (j, _), ok in zip(spans, pool.map(lambda item: exact(jobs[item[0]], item[1]), spans)):
+        for (j, _), ok in zip(exact_spans, pool.map(lambda item: exact(jobs[item[0]], item[1]), exact_spans)):
             bit_exact[j] = bit_exact[j] and ok
-        inexact = [job for job, ok in zip(jobs, bit_exact) if not ok]
-        figures = iter(list(pool.map(compare, inexact)))
-        accumulators = [None if ok else next(figures) for ok in bit_exact]
+        stats_spans = in_spans([j for j, ok in enumerate(bit_exact) if not ok], lambda job: (
+            None if (quant_of(job) or {}).get("method") in IMPORTED_METHODS
+            else _stats_block_rows(checkpoint, job[4], quant_of(job))))
+        figures: dict[int, list] = {}
+        for (j, _), acc in zip(stats_spans, pool.map(lambda item: compare(jobs[item[0]], item[1]), stats_spans)):
+            figures.setdefault(j, []).append(acc)
+    accumulators = [_joined(figures[j]) if j in figures else None for j in range(len(jobs))]
     for (name, _, transposed, offset, part, stride), acc in zip(jobs, accumulators):
         n = _part_rows(checkpoint, part)
         quant = sources[name].get("quantization")
