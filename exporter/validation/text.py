@@ -14,7 +14,9 @@ import json
 import threading
 from pathlib import Path
 
+from exporter.cache import cache_key, mark_used, write_atomic
 from exporter.packaging.source_files import tokenizer_file_names
+from exporter.versions import package_version
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # Files of a checkpoint directory that are weights, not what its tokenizer reads.
@@ -75,6 +77,8 @@ class KeptAnswers:
             self._answers = {}
         if not isinstance(self._answers, dict):
             self._answers = {}
+        if self._answers:
+            mark_used(self.path)  # a hit, as the reference runs beside it count theirs (LRU eviction)
 
     def _ask(self, question: list, answer):
         key = json.dumps(question, sort_keys=True, ensure_ascii=False)
@@ -84,8 +88,6 @@ class KeptAnswers:
         value = answer(load_tokenizer(self.checkpoint))
         with self._lock:
             self._answers[key] = value
-            from exporter.cache import write_atomic
-
             write_atomic(self.path, json.dumps(self._answers, ensure_ascii=False).encode())
         return value
 
@@ -114,16 +116,10 @@ class KeptAnswers:
 
         return self._ask(["apply_chat_template", messages, add_generation_prompt], ids)
 
-    def convert_ids_to_tokens(self, token_id: int) -> str:
-        return self._ask(["convert_ids_to_tokens", int(token_id)], lambda t: t.convert_ids_to_tokens(int(token_id)))
-
 
 def _answers_key(checkpoint: Path) -> str:
     """What the tokenizer's answers depend on, hashed: every file of ``checkpoint`` but its weights,
     name and content (a tokenizer.json of a few MB hashes in milliseconds), and the versions."""
-    from exporter.cache import cache_key
-    from exporter.versions import package_version
-
     digest = hashlib.sha256()
     for path in sorted(Path(checkpoint).iterdir()):
         if path.is_file() and path.suffix not in WEIGHT_SUFFIXES:
