@@ -48,8 +48,9 @@ PROCESS_HOST = {EP.CPU: 0.5 * GiB, EP.CUDA: 1.5 * GiB}
 # What the export stage holds beyond that: its writer's queue of bounded blocks (0.49 GB RssAnon for
 # an 8B fp16 export on the H200, all of it included).
 EXPORT_HOST = 0.75 * GiB
-# The weight check: a few blocks per thread (up to 8 threads) and float64 statistics on slices that
-# are not bit-exact; measured on the 16-core H200 host, an int4 check holds about 2 GiB.
+# The weight check: a few blocks per thread (up to 16 threads, 80-90 MiB each measured on 4 layers of
+# the 8B geometry in int4) and float64 statistics on slices that are not bit-exact; measured on the
+# 16-core H200 host with 8 threads and the heavier statistics of before, an int4 check held about 2 GiB.
 WEIGHT_CHECK_HOST = 2 * GiB
 # onnxruntime's CUDA allocator rounds every allocation up, and the CUDA context and cuBLAS
 # workspaces come on top: 16.8 GB of GPU memory held for the 16 GB of an 8B fp16 export.

@@ -238,17 +238,17 @@ class _Quantization:
 
         Round to nearest quantizes every output column on its own, so the blocks are independent
         and ``workers`` threads (default: the cores this process may use) read, convert, transpose
-        and quantize several at once, in blocks a quarter of ``BLOCK_BYTES`` so that what they hold
-        together stays bounded; the bytes are the same whatever the blocks. onnxruntime's quantizer
-        holds the GIL but spreads each call over the cores itself; the reading, the casts and the
-        transposes around it are numpy, which releases it. HQQ's codes depend on the rows optimized
-        together, and its torch ops use every core already: it keeps one block of ``BLOCK_BYTES``
-        at a time."""
+        and quantize several at once, in blocks the smaller the more workers there are, so that what
+        they hold together stays about two serial blocks (up to 32 workers); the bytes are the same
+        whatever the blocks. onnxruntime's quantizer holds the GIL but spreads each call over the
+        cores itself; the reading, the casts and the transposes around it are numpy, which releases
+        it. HQQ's codes depend on the rows optimized together, and its torch ops use every core
+        already: it keeps one block of ``BLOCK_BYTES`` at a time."""
         if self.scheme.method == "hqq":
             workers, block_bytes = 1, BLOCK_BYTES
         else:
             workers = usable_cores() if workers is None else workers
-            block_bytes = BLOCK_BYTES // 4 if workers > 1 else BLOCK_BYTES
+            block_bytes = max(BLOCK_BYTES // 16, min(BLOCK_BYTES, 2 * BLOCK_BYTES // workers))
 
         def quantized(item):
             offset, read = item

@@ -187,6 +187,10 @@ def _as_float(array: np.ndarray) -> np.ndarray:
 # Elements per block of the exact test: the block's cast and comparison stay in cache, and each
 # numpy call is long enough that threads comparing side by side rarely wait for the GIL.
 EXACT_BLOCK_ELEMS = 1 << 19
+# Each comparing thread holds its blocks and their float temporaries: 80-90 MiB measured (an int4
+# check of the 8B geometry, fp32 or bf16 activations); so many keep the check within the 2 GiB
+# exporter.resources counts for it.
+MAX_COMPARE_THREADS = 16
 # Blocks of a slice one thread checks in a row: a long slice (an LM head of 525M elements) is
 # checked by several threads rather than left to one at the end. Each span starts on memory the
 # allocator gave back after the last one (a 4096-wide fp32 span re-faults about 4 MB), so a span
@@ -533,11 +537,12 @@ def _exact_quantized(arrays, name: str, quant: dict, offset: int, checkpoint: Ch
 
 def compare_threads() -> int:
     """Threads for the comparison: the cores this process may use but one (at least one), which
-    the gates that run the export beside it keep. One on a 2-core machine (alone, two threads take
-    a 0.5B check from 4.6 to 2.7 s there, but they then slow the onnxruntime session beside them by
-    as much); on a larger host the check of a big quantized export is what validation waits for
-    once the other gates are done (an 8B int4 check: 110 of a 114 s validation on 16 cores)."""
-    return max(1, usable_cores() - 1)
+    the gates that run the export beside it keep, and at most ``MAX_COMPARE_THREADS``. One on a
+    2-core machine (alone, two threads take a 0.5B check from 4.6 to 2.7 s there, but they then
+    slow the onnxruntime session beside them by as much); on a larger host the check of a big
+    quantized export is what validation waits for once the other gates are done (an 8B int4 check:
+    110 of a 114 s validation on 16 cores)."""
+    return max(1, min(MAX_COMPARE_THREADS, usable_cores() - 1))
 
 
 def _row_elems(checkpoint: Checkpoint, part: dict) -> int:
