@@ -21,26 +21,28 @@ What is measured (every step a fresh process of the checkout under test, as a us
 
 For every run: wall time, CPU time (user + system of the process and the children it waited for,
 from ``wait4``), peak RssAnon of its process tree (sampled every 20 ms), and the stage timings the
-manifest or parity_report.json records. The result JSON names the command, the checkout measured
-(``--repo``: its commit, and whether its tree had changes), the package versions it imported and
-the machine (cores, the affinity mask, CPU model, memory, load average before and after): figures
-from another machine or another load are not comparable.
+manifest or parity_report.json records. ``--baseline`` measures a second checkout (the code before a
+change) in the same rounds, the two alternating which goes first, each with its own caches: on a
+machine whose load changes, only figures taken side by side compare. The result JSON names the
+command, the checkouts (their commit, and whether their tree had changes), the package versions
+their processes import and the machine (cores, the affinity mask, CPU model, memory, load average
+before and after).
 
 Usage::
 
+    git worktree add /tmp/before <commit before the change>
     python benchmarks/validation_cost.py --parts validation,int4 --rounds 3 --layers 4 \\
-        --work /tmp/vc --out benchmarks/results/validation_cost_cpu.json
-    # the code before the change, on the same machine: a checkout of it
-    python benchmarks/validation_cost.py --repo /path/to/old/checkout --out /tmp/before.json
+        --baseline /tmp/before --work /tmp/vc --out benchmarks/results/validation_cost_cpu.json
     # the full 8B int4 / fp16 export ratio on a larger host (16 GB of checkpoint, 16 GB of fp16 export
     # at a time), for either target, the weight gate with it
-    python benchmarks/validation_cost.py --parts int4 --layers 32 --rounds 2 --int4-ep cuda \
+    python benchmarks/validation_cost.py --parts int4 --layers 32 --rounds 2 --int4-ep cuda \\
         --validate-int4 --work /big/disk --out benchmarks/results/validation_cost_8b_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -123,74 +125,109 @@ def median(rows: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in rows), 3)
 
 
-def measure_validation(args, repo: Path, env: dict, work: Path) -> dict:
-    out, logs = work / "exports" / f"{args.dtype}-{args.variant}", work / "logs"
+@dataclasses.dataclass
+class Measured:
+    """A checkout under test: its label in the results, its root, and the environment its processes
+    run in (its code first on the path, a cache directory of its own)."""
+
+    label: str
+    repo: Path
+    env: dict
+
+
+def in_turn(checkouts: list[Measured], n: int) -> list[Measured]:
+    """Round ``n``'s order: the checkouts alternate going first, so that neither always meets the
+    machine as the other left it."""
+    return checkouts if n % 2 == 0 else checkouts[::-1]
+
+
+def measure_validation(args, checkouts: list[Measured], work: Path) -> dict:
+    logs = work / "logs"
     print(f"validation: {args.model.name} {args.dtype} {args.variant}, cold caches first", flush=True)
-    cold_export = export(args, repo, env, args.model, args.dtype, args.variant, out, logs / "export-cold.log")
-    cold_validate = validate(repo, env, out, logs / "validate-cold.log")
-    print(f"  cold: export {cold_export['wall_s']} s, validate {cold_validate['wall_s']} s "
-          f"({cold_validate['status']})", flush=True)
-    rounds = []
+    cold, rounds = {}, {c.label: [] for c in checkouts}
+    for c in checkouts:
+        out = work / "exports" / f"{c.label}-{args.dtype}-{args.variant}"
+        e = export(args, c.repo, c.env, args.model, args.dtype, args.variant, out, logs / f"{c.label}-export-cold.log")
+        v = validate(c.repo, c.env, out, logs / f"{c.label}-validate-cold.log")
+        cold[c.label] = {"export": e, "validate": v, "ratio": round(v["wall_s"] / e["wall_s"], 3)}
+        print(f"  {c.label} cold: export {e['wall_s']} s, validate {v['wall_s']} s ({v['status']})", flush=True)
     for n in range(args.rounds):
-        e = export(args, repo, env, args.model, args.dtype, args.variant, out, logs / f"export-{n}.log")
-        v = validate(repo, env, out, logs / f"validate-{n}.log")
-        rounds.append({"export": e, "validate": v, "ratio": round(v["wall_s"] / e["wall_s"], 3)})
-        print(f"  round {n + 1}: export {e['wall_s']} s ({e['cpu_s']} s CPU), validate {v['wall_s']} s "
-              f"({v['cpu_s']} s CPU, {v['status']}): {rounds[-1]['ratio']} x", flush=True)
-    exports, validations = [r["export"] for r in rounds], [r["validate"] for r in rounds]
-    ratio = median(validations, "wall_s") / median(exports, "wall_s")
-    shutil.rmtree(out, ignore_errors=True)
-    return {
-        "model": str(args.model), "dtype": args.dtype, "variant": args.variant, "ep": "cpu",
-        "cold": {"export": cold_export, "validate": cold_validate,
-                 "ratio": round(cold_validate["wall_s"] / cold_export["wall_s"], 3)},
-        "rounds": rounds,
-        "median": {"export_wall_s": median(exports, "wall_s"), "export_cpu_s": median(exports, "cpu_s"),
-                   "validate_wall_s": median(validations, "wall_s"), "validate_cpu_s": median(validations, "cpu_s")},
-        "validate_over_export": round(ratio, 3),
-        "validate_over_export_cpu": round(median(validations, "cpu_s") / median(exports, "cpu_s"), 3),
-        "target": f"warm validation wall <= {VALIDATION_TARGET} x export wall (medians)",
-        "target_met": ratio <= VALIDATION_TARGET,
-        "all_passed": all(v["status"] == "passed" for v in validations),
-    }
+        for c in in_turn(checkouts, n):
+            out = work / "exports" / f"{c.label}-{args.dtype}-{args.variant}"
+            e = export(args, c.repo, c.env, args.model, args.dtype, args.variant, out, logs / f"{c.label}-export-{n}.log")
+            v = validate(c.repo, c.env, out, logs / f"{c.label}-validate-{n}.log")
+            rounds[c.label].append({"export": e, "validate": v, "ratio": round(v["wall_s"] / e["wall_s"], 3)})
+            print(f"  round {n + 1} {c.label}: export {e['wall_s']} s ({e['cpu_s']} s CPU), validate {v['wall_s']} s "
+                  f"({v['cpu_s']} s CPU, {v['status']}): {rounds[c.label][-1]['ratio']} x", flush=True)
+    results = {}
+    for c in checkouts:
+        shutil.rmtree(work / "exports" / f"{c.label}-{args.dtype}-{args.variant}", ignore_errors=True)
+        exports, validations = [r["export"] for r in rounds[c.label]], [r["validate"] for r in rounds[c.label]]
+        ratio = median(validations, "wall_s") / median(exports, "wall_s")
+        results[c.label] = {
+            "model": str(args.model), "dtype": args.dtype, "variant": args.variant, "ep": "cpu",
+            "cold": cold[c.label], "rounds": rounds[c.label],
+            "median": {"export_wall_s": median(exports, "wall_s"), "export_cpu_s": median(exports, "cpu_s"),
+                       "validate_wall_s": median(validations, "wall_s"),
+                       "validate_cpu_s": median(validations, "cpu_s")},
+            "validate_over_export": round(ratio, 3),
+            "validate_over_export_cpu": round(median(validations, "cpu_s") / median(exports, "cpu_s"), 3),
+            "target": f"warm validation wall <= {VALIDATION_TARGET} x export wall (medians)",
+            "target_met": ratio <= VALIDATION_TARGET,
+            "all_passed": all(v["status"] == "passed" for v in validations),
+        }
+    return results
 
 
-def measure_int4(args, repo: Path, env: dict, work: Path) -> dict:
+def measure_int4(args, checkouts: list[Measured], work: Path) -> dict:
     logs = work / "logs"
     print(f"int4: building {args.geometry} with {args.layers} layers under {work}", flush=True)
     checkpoint = build_checkpoints(args.geometry, [args.layers], work / "checkpoints")[args.layers]
-    # a warm-up export (rope tables into the cache, the checkpoint into the page cache), not counted
-    warm = work / "exports" / "warm-up"
-    export(args, repo, env, checkpoint, "fp16", None, warm, logs / "export-warm-up.log", args.int4_ep)
-    shutil.rmtree(warm, ignore_errors=True)
-    rounds = []
+    rounds = {c.label: [] for c in checkouts}
+    for c in checkouts:  # a warm-up export each (rope tables, the page cache), not counted
+        warm = work / "exports" / f"{c.label}-warm-up"
+        export(args, c.repo, c.env, checkpoint, "fp16", None, warm, logs / f"{c.label}-export-warm-up.log", args.int4_ep)
+        shutil.rmtree(warm, ignore_errors=True)
     for n in range(args.rounds):
-        row = {}
-        for dtype in (("fp16", "int4") if n % 2 == 0 else ("int4", "fp16")):
-            out = work / "exports" / f"{args.geometry}-L{args.layers}-{dtype}"
-            row[dtype] = export(args, repo, env, checkpoint, dtype, None, out, logs / f"export-{dtype}-{n}.log",
-                                args.int4_ep)
-            print(f"  round {n + 1}: {dtype} export {row[dtype]['wall_s']} s ({row[dtype]['cpu_s']} s CPU, "
-                  f"{row[dtype]['export_bytes'] / GIB:.2f} GiB)", flush=True)
-            if dtype == "int4" and args.validate_int4:
-                row["int4_validate"] = validate(repo, env, out, logs / f"validate-int4-{n}.log", args.int4_ep)
-                print(f"  round {n + 1}: int4 validate {row['int4_validate']['wall_s']} s, weights "
-                      f"{row['int4_validate']['gate_timings_s'].get('weights')} s", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
-        row["ratio"] = round(row["int4"]["wall_s"] / row["fp16"]["wall_s"], 3)
-        rounds.append(row)
-    fp16, int4 = [r["fp16"] for r in rounds], [r["int4"] for r in rounds]
-    ratio = median(int4, "wall_s") / median(fp16, "wall_s")
-    return {
-        "geometry": args.geometry, "layers": args.layers, "checkpoint": str(checkpoint), "ep": args.int4_ep,
-        "depth_truncated": True, "rounds": rounds,
-        "median": {"fp16_wall_s": median(fp16, "wall_s"), "fp16_cpu_s": median(fp16, "cpu_s"),
-                   "int4_wall_s": median(int4, "wall_s"), "int4_cpu_s": median(int4, "cpu_s")},
-        "int4_over_fp16": round(ratio, 3),
-        "int4_over_fp16_cpu": round(median(int4, "cpu_s") / median(fp16, "cpu_s"), 3),
-        "target": f"int4 export wall <= {INT4_TARGET} x fp16 export wall (medians)",
-        "target_met": ratio <= INT4_TARGET,
-    }
+        for c in in_turn(checkouts, n):
+            row = {}
+            for dtype in (("fp16", "int4") if n % 2 == 0 else ("int4", "fp16")):
+                out = work / "exports" / f"{c.label}-{args.geometry}-L{args.layers}-{dtype}"
+                row[dtype] = export(args, c.repo, c.env, checkpoint, dtype, None, out,
+                                    logs / f"{c.label}-export-{dtype}-{n}.log", args.int4_ep)
+                print(f"  round {n + 1} {c.label}: {dtype} export {row[dtype]['wall_s']} s ({row[dtype]['cpu_s']} s CPU, "
+                      f"{row[dtype]['export_bytes'] / GIB:.2f} GiB)", flush=True)
+                if dtype == "int4" and args.validate_int4:
+                    row["int4_validate"] = validate(c.repo, c.env, out, logs / f"{c.label}-validate-int4-{n}.log",
+                                                    args.int4_ep)
+                    print(f"  round {n + 1} {c.label}: int4 validate {row['int4_validate']['wall_s']} s, weights "
+                          f"{row['int4_validate']['gate_timings_s'].get('weights')} s", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+            row["ratio"] = round(row["int4"]["wall_s"] / row["fp16"]["wall_s"], 3)
+            rounds[c.label].append(row)
+    results = {}
+    for c in checkouts:
+        fp16, int4 = [r["fp16"] for r in rounds[c.label]], [r["int4"] for r in rounds[c.label]]
+        ratio = median(int4, "wall_s") / median(fp16, "wall_s")
+        results[c.label] = {
+            "geometry": args.geometry, "layers": args.layers, "checkpoint": str(checkpoint), "ep": args.int4_ep,
+            "depth_truncated": args.layers < _full_depth(args.geometry), "rounds": rounds[c.label],
+            "median": {"fp16_wall_s": median(fp16, "wall_s"), "fp16_cpu_s": median(fp16, "cpu_s"),
+                       "int4_wall_s": median(int4, "wall_s"), "int4_cpu_s": median(int4, "cpu_s")},
+            "int4_over_fp16": round(ratio, 3),
+            "int4_over_fp16_cpu": round(median(int4, "cpu_s") / median(fp16, "cpu_s"), 3),
+            "target": f"int4 export wall <= {INT4_TARGET} x fp16 export wall (medians)",
+            "target_met": ratio <= INT4_TARGET,
+        }
+        if args.validate_int4:
+            results[c.label]["int4_validate_median_s"] = median([r["int4_validate"] for r in rounds[c.label]], "wall_s")
+    return results
+
+
+def _full_depth(geometry: str) -> int:
+    from exporter.geometries import geometry_config
+
+    return geometry_config(geometry)["num_hidden_layers"]
 
 
 def checkout(repo: Path) -> dict:
@@ -239,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (medians; default: %(default)s)")
     parser.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose exporter is measured "
                                                                 "(default: this one, %(default)s)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout (the code before a change) measured in the same rounds, "
+                             "alternating with --repo, each with caches of its own")
     parser.add_argument("--work", type=Path, default=Path("/tmp/exportfarm-validation-cost"),
                         help="checkpoints, exports, caches and logs (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "validation_cost_cpu.json")
@@ -246,39 +286,44 @@ def main(argv: list[str] | None = None) -> None:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - {"validation", "int4"}:
         parser.error("--parts takes validation, int4 or both")
-    repo = args.repo.resolve()
     work = args.work.resolve()
-    cache = work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(work / "exports", ignore_errors=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(repo), "EXPORTFARM_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    checkouts = []
+    for label, repo in (("measured", args.repo), ("baseline", args.baseline)):
+        if repo is None:
+            continue
+        cache = work / f"cache-{label}"
+        shutil.rmtree(cache, ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": str(repo.resolve()), "EXPORTFARM_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+        checkouts.append(Measured(label, repo.resolve(), env))
     result = {
         "benchmark": "validation_cost",
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "checkout": checkout(repo),
-        "versions": versions(env),
+        "checkouts": {c.label: checkout(c.repo) for c in checkouts},
+        "versions": versions(checkouts[0].env),
         "machine": machine(),
         "load_average_before": list(os.getloadavg()),
     }
     if "validation" in parts:
-        result["validation"] = measure_validation(args, repo, env, work)
+        result["validation"] = measure_validation(args, checkouts, work)
     if "int4" in parts:
-        result["int4"] = measure_int4(args, repo, env, work)
+        result["int4"] = measure_int4(args, checkouts, work)
     result["load_average_after"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if "validation" in result:
-        v = result["validation"]
-        print(f"validation: {v['median']['validate_wall_s']} s against export {v['median']['export_wall_s']} s: "
-              f"{v['validate_over_export']} x (target <= {VALIDATION_TARGET}: {v['target_met']}); cold "
-              f"{v['cold']['ratio']} x", flush=True)
-    if "int4" in result:
-        q = result["int4"]
-        print(f"int4 export {q['median']['int4_wall_s']} s against fp16 {q['median']['fp16_wall_s']} s "
-              f"({q['geometry']}, {q['layers']} layers): {q['int4_over_fp16']} x (target <= {INT4_TARGET}: "
-              f"{q['target_met']})", flush=True)
+    for c in checkouts:
+        if "validation" in result:
+            v = result["validation"][c.label]
+            print(f"{c.label} validation: {v['median']['validate_wall_s']} s against export "
+                  f"{v['median']['export_wall_s']} s: {v['validate_over_export']} x (target <= {VALIDATION_TARGET}: "
+                  f"{v['target_met']}); cold {v['cold']['ratio']} x", flush=True)
+        if "int4" in result:
+            q = result["int4"][c.label]
+            print(f"{c.label} int4 export {q['median']['int4_wall_s']} s against fp16 {q['median']['fp16_wall_s']} s "
+                  f"({q['geometry']}, {q['layers']} layers): {q['int4_over_fp16']} x (target <= {INT4_TARGET}: "
+                  f"{q['target_met']})", flush=True)
     print(f"wrote {args.out}", flush=True)
 
 
