@@ -268,7 +268,6 @@ def _bf16_trained(source, out):
 def _loud(source, out, scale):
     """``source`` with its embedding rows ``scale`` times larger: activations far beyond a trained
     model's, as a real Gemma 3's residual stream goes past fp16's largest value."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, out)
@@ -472,7 +471,6 @@ def test_the_weight_gate_checks_a_long_slice_on_several_threads_and_still_finds_
     bf16 quantized weights have no exact answer (the exporter's own numpy quantizer made them): their
     statistics go span by span too, and sum to the figures one pass over the slice gives."""
     import threading
-    import time
 
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.validation.gates import weights
@@ -487,12 +485,20 @@ def test_the_weight_gate_checks_a_long_slice_on_several_threads_and_still_finds_
     monkeypatch.setattr(weights, "EXACT_BLOCK_ELEMS", 64 * 8)  # float: 8 rows a block
     monkeypatch.setattr(weights, "SPAN_BLOCKS", 2, raising=False)
     monkeypatch.setattr(weights, "compare_threads", lambda: 3)
-    seen = []
+    seen, heads, both = [], set(), threading.Event()
     checks = (("_compare_quantized", 5),) if bf16 else (("_exact_part", 4), ("_exact_quantized", 5))
     for check, part in checks:  # where each takes the checkpoint part
         def spy(*args, _check=getattr(weights, check), _part=part, **kwargs):
-            seen.append((args[_part]["tensor"], threading.current_thread().name))
-            time.sleep(0.005)  # spans this small: one thread would take them all before another starts
+            thread = threading.current_thread().name
+            seen.append((args[_part]["tensor"], thread))
+            if args[_part]["tensor"] == "lm_head.weight":
+                # A span of the head holds its thread until another thread has a span of it too (at
+                # most 5 s): spans this small would otherwise all go to whichever thread is first, and
+                # on a loaded machine that says nothing of whether they could go to several.
+                heads.add(thread)
+                if len(heads) > 1:
+                    both.set()
+                both.wait(5)
             return _check(*args, **kwargs)
 
         monkeypatch.setattr(weights, check, spy)

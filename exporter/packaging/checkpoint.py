@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import json
 import struct
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

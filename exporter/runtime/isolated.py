@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import spawn
 from pathlib import Path
 
 from exporter import checkpoints
@@ -206,8 +207,6 @@ def _start(process) -> None:
     """Start ``process`` also from a daemonic process: a Celery pool process is one, and
     multiprocessing refuses it children because nothing would end them with it. A stage process
     ends itself when its caller is gone (``_listen``), so the refusal does not apply."""
-    import multiprocessing.spawn
-
     with _start_lock:
         _start_locked(process)
 
@@ -220,15 +219,15 @@ def _start_locked(process) -> None:
     # bytes as multiprocessing's own type, for the start.
     key = multiprocessing.process.AuthenticationString(bytes(me._config["authkey"]))
     me._config["authkey"] = process._config["authkey"] = key
-    prepare = multiprocessing.spawn.get_preparation_data
+    prepare = spawn.get_preparation_data
     # Targets are importable functions: the child needs none of the caller's __main__, which
     # multiprocessing would otherwise run again there (a script without a __main__ guard, whole).
-    multiprocessing.spawn.get_preparation_data = lambda name: {
+    spawn.get_preparation_data = lambda name: {
         k: v for k, v in prepare(name).items() if k not in ("init_main_from_path", "init_main_from_name")}
     try:
         process.start()
     finally:
-        multiprocessing.spawn.get_preparation_data = prepare
+        spawn.get_preparation_data = prepare
         me._config.clear()
         me._config.update(config)
 

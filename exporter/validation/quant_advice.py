@@ -156,8 +156,6 @@ def _int8_blocks(x, block: int):
 def _layer_outputs(model, store: list | None, baseline: list | None):
     """Hooks on every decoder layer: with ``store``, keep each layer's output (the fp32 reference's);
     with ``baseline`` (those outputs), add up each layer's squared error against it and the norm."""
-    import torch
-
     errors = [[0.0, 0.0] for _ in model.layers]
     handles = []
     for i, layer in enumerate(model.layers):

@@ -620,7 +620,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
             if part.get("mxfp4_scales"):
                 used_sources.add(part["mxfp4_scales"])
 
-    def exact(job, span) -> bool:
+    def exact_rows(job, span) -> bool:
         """Whether rows ``span`` of the slice are bit-exact (False where the slice has no exact test)."""
         checkpoints.checkpoint()
         name, data, transposed, offset, part, stride = job
@@ -669,7 +669,7 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
     exact_spans = in_spans(range(len(jobs)), lambda job: _exact_block_rows(checkpoint, job[4], quant_of(job)))
     with concurrent.futures.ThreadPoolExecutor(max_workers=compare_threads(), thread_name_prefix="weights") as pool:
         bit_exact = [True] * len(jobs)
-        for (j, _), ok in zip(exact_spans, pool.map(lambda item: exact(jobs[item[0]], item[1]), exact_spans)):
+        for (j, _), ok in zip(exact_spans, pool.map(lambda item: exact_rows(jobs[item[0]], item[1]), exact_spans)):
             bit_exact[j] = bit_exact[j] and ok
         stats_spans = in_spans([j for j, ok in enumerate(bit_exact) if not ok], lambda job: (
             None if (quant_of(job) or {}).get("method") in IMPORTED_METHODS
