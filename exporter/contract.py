@@ -46,12 +46,39 @@ def cache_pairs(variant: Variant, num_layers: int) -> list[tuple[str, str]]:
 
 def input_for_output(name: str) -> str | None:
     """The cache input an output updates (present.0.key -> past_key_values.0.key), else None."""
+    if name.startswith(tuple(f"present_{kind}." for kind in STATE_KINDS)):
+        return "past_" + name.removeprefix("present_")
     if name.startswith("present."):
         _, layer, kind = name.split(".")
         return f"past_key_values.{layer}.{kind}"
     if name.startswith("updated_"):
         return name.removeprefix("updated_")
     return None
+
+
+# --- recurrent state (hybrids: docs/graph-contracts.md "Recurrent state") ---------------------------
+# A recurrent layer carries fixed-size states instead of a KV cache, past_* in and present_* out by the
+# same name after the prefix, zeros at the start of a sequence, in every variant alike.
+CONV_STATE, RECURRENT_STATE = "conv", "recurrent"  # the convolution's last inputs; the recurrence's matrix
+STATE_KINDS = (CONV_STATE, RECURRENT_STATE)
+
+
+def state_names(layer: int, kind: str) -> tuple[str, str]:
+    """(input, output) of one recurrent layer's state of ``kind``."""
+    return f"past_{kind}.{layer}", f"present_{kind}.{layer}"
+
+
+def is_state_input(name: str) -> bool:
+    return name.startswith(tuple(f"past_{kind}." for kind in STATE_KINDS))
+
+
+def state_dims(kind: str, *, taps: int = 0, channels: int = 0, heads: int = 0, key_dim: int = 0,
+               value_dim: int = 0) -> list:
+    """A state's declared dims: conv [batch, taps - 1, channels] (channels last, as the layer's
+    input runs), recurrent [batch, value_heads, value_dim, key_dim] (GatedDeltaNet's layout, fp32)."""
+    if kind == CONV_STATE:
+        return [BATCH, taps - 1, channels]
+    return [BATCH, heads, value_dim, key_dim]
 
 
 def step_inputs(variant: Variant) -> tuple[str, ...]:

@@ -91,6 +91,32 @@ ARCH_CONFIGS = {
                              "long_factor": [1.5 + 0.25 * i for i in range(8)], "short_mscale": 1.1, "long_mscale": 1.25}},
     ),
 }
+# Hybrids: recurrent layers between attention layers, [recurrent, attention, recurrent, attention].
+# Gated DeltaNet with 2 key heads of 16 and 4 value heads of 8 (dk != dv, value heads sharing key heads,
+# so a layout or head-mapping error shows), a 4-tap convolution; attention heads of 32 with half of
+# them rotated (GroupQueryAttention's rotary needs rotary_dim / 2 % 8 == 0).
+_DELTANET = dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+_QWEN_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+ARCH_CONFIGS.update({
+    # Experts on layers 1-3, a dense MLP on layer 0 (mlp_only_layers).
+    "qwen3_next": ("Qwen3NextConfig", {**_DELTANET, **_QWEN_EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+                                       "norm_topk_prob": True}),
+    "qwen3_5_text": ("Qwen3_5TextConfig", _DELTANET),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**_DELTANET, **_QWEN_EXPERTS}),
+    # The image-text checkpoint (Qwen3_5ForConditionalGeneration): the language model above under
+    # model.language_model, beside a one-block vision tower.
+    "qwen3_5": ("Qwen3_5Config", {"text_config": _DELTANET, "vision_config": dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)}),
+    # LFM2: short convolutions (3 taps) on layers 0 and 2; its MLP width 128 adjusted as LFM2 does (-> 96).
+    "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "conv_L_cache": 3, "block_multiple_of": 32,
+                            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True}),
+})
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "lfm2")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 
@@ -106,9 +132,17 @@ def make_tiny_checkpoint(
     kwargs = {**BASE, **extra, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std, **overrides}
     if arch == "phi3":
         kwargs.pop("head_dim", None)  # phi3 derives head_dim from hidden / heads
+    if "text_config" in extra:  # an image-text checkpoint: the sizes are its language model's
+        text = {k: v for k, v in kwargs.items() if k not in ("text_config", "vision_config")}
+        kwargs = {"text_config": {**text, **extra["text_config"]}, "vision_config": extra["vision_config"],
+                  "initializer_range": init_std,
+                  "tie_word_embeddings": tie_word_embeddings}
     config = getattr(transformers, class_name)(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if "text_config" in extra:
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         # Larger-than-default weights give decisive logits, so greedy parity is a real test.
         for name, param in model.named_parameters():

@@ -14,7 +14,7 @@ from exporter.graph.architectures.base import Architecture
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
-from exporter.graph.config import ModelConfig, load_model_config
+from exporter.graph.config import GATED_DELTANET, ModelConfig, load_model_config
 from exporter.errors import ExportError
 from exporter.request import EP, DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
@@ -109,19 +109,17 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
         raise ExportError(f"the checkpoint has no {arch.embed_tokens}: not a {cfg.architecture} checkpoint")
     expect(arch.embed_tokens, (cfg.vocab_size, cfg.hidden_size))
     expect(arch.lm_head, (cfg.vocab_size, cfg.hidden_size))
-    layers = {int(m.group(1)) for n in checkpoint.names() if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    layer_name = re.compile(re.escape(arch.layer_prefix(0).removesuffix("0")) + r"(\d+)\.")
+    layers = {int(m.group(1)) for n in checkpoint.names() if (m := layer_name.match(n))}
     if layers and (max(layers) + 1 != cfg.num_layers or len(layers) != cfg.num_layers):
         raise ExportError(f"config.json says {cfg.num_layers} layers, the checkpoint holds layers "
                           f"{min(layers)}..{max(layers)} ({len(layers)}): the config and the weights disagree")
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
-        parts = arch.qkv_parts(i)
-        if len(parts) == 3:
-            for part, rows in zip(parts, (q, kv, kv)):
-                expect(part.name, (rows, cfg.hidden_size))
+        if cfg.is_recurrent(i):
+            _check_recurrent(cfg, arch, i, expect)
         else:
-            expect(parts[0].name, (q + 2 * kv, cfg.hidden_size))
-        expect(f"{arch.names(i)['o']}.weight", (cfg.hidden_size, q))
+            _check_attention(cfg, arch, i, expect, q, kv)
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             _check_experts(cfg, arch, checkpoint, i, expect)
             continue
@@ -129,6 +127,44 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
         for part in gate_up:
             expect(part.name, (cfg.intermediate_size * (2 if len(gate_up) == 1 else 1), cfg.hidden_size))
         expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
+
+
+def _check_recurrent(cfg: ModelConfig, arch: Architecture, i: int, expect) -> None:
+    """A recurrent layer's tensors have the shapes its config implies (the convolution's channels and
+    taps, gated DeltaNet's heads)."""
+    rc, name, hidden = cfg.recurrent, lambda t: arch.recurrent_name(i, t), cfg.hidden_size  # noqa: E731
+    if rc.kind == GATED_DELTANET:
+        expect(name("conv1d.weight"), (rc.channels, 1, rc.conv_kernel))
+        for t in ("A_log", "dt_bias"):
+            expect(name(t), (rc.value_heads,))
+        expect(name("norm.weight"), (rc.value_dim,))
+        expect(name("out_proj.weight"), (hidden, rc.value_heads * rc.value_dim))
+        values = rc.value_heads * rc.value_dim
+        expect(name("in_proj_qkv.weight"), (rc.channels, hidden))
+        expect(name("in_proj_z.weight"), (values, hidden))
+        expect(name("in_proj_qkvz.weight"), (rc.channels + values, hidden))
+        expect(name("in_proj_ba.weight"), (2 * rc.value_heads, hidden))
+        if rc.value_heads % rc.key_heads:
+            raise ExportError(f"linear_num_value_heads {rc.value_heads} is not a multiple of linear_num_key_heads "
+                              f"{rc.key_heads}: fix config.json")
+    else:
+        expect(name("in_proj.weight"), (3 * hidden, hidden))
+        expect(name("conv.weight"), (hidden, 1, rc.conv_kernel))
+        expect(name("out_proj.weight"), (hidden, hidden))
+
+
+def _check_attention(cfg: ModelConfig, arch: Architecture, i: int, expect, q: int, kv: int) -> None:
+    parts = arch.qkv_parts(i)
+    rows_of = (q, kv, kv)
+    if cfg.attention_output_gate:  # q_proj holds each head's query and its gate
+        expect(parts[0].name, (2 * q, cfg.hidden_size))
+        parts, rows_of = parts[1:], (kv, kv)
+    if len(parts) == len(rows_of):
+        for part, rows in zip(parts, rows_of):
+            expect(part.name, (rows, cfg.hidden_size))
+    else:
+        expect(parts[0].name, (q + 2 * kv, cfg.hidden_size))
+    expect(f"{arch.names(i)['o']}.weight", (cfg.hidden_size, q))
 
 
 def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint, i: int, expect) -> None:
@@ -209,7 +245,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     check_prequantized(request, cfg, checkpoint, activations)
     target = target_for(request.compat)
     fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
-    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer)
+    builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer, request.ep.value)
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)

@@ -19,6 +19,15 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+# Layers with a fixed-size recurrent state instead of a KV cache (docs/graph-contracts.md, "Recurrent
+# state"): gated DeltaNet (qwen3_next, qwen3_5) and LFM2's gated short convolution.
+LINEAR, CONV = "linear_attention", "conv"
+# model_type -> the layer types its config.json may name (a type not listed is refused by name).
+HYBRID_LAYER_TYPES = {
+    "qwen3_next": (FULL, LINEAR), "qwen3_5_text": (FULL, LINEAR), "qwen3_5": (FULL, LINEAR),
+    "qwen3_5_moe_text": (FULL, LINEAR), "qwen3_5_moe": (FULL, LINEAR), "lfm2": (FULL, CONV),
+}
+GATED_DELTANET, SHORT_CONV = "gated_deltanet", "short_conv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +45,31 @@ class RopeConfig:
     @property
     def parameters(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """The recurrent layers of a hybrid model: what they compute and the sizes of their states.
+
+    gated DeltaNet (``linear_attention`` layers): a causal depthwise convolution over ``channels`` =
+    q, k and v (``conv_kernel`` taps), then the gated delta rule per value head with a
+    [key_dim, value_dim] state; ``key_heads`` q / k heads, each shared by value_heads / key_heads
+    value heads. LFM2's short convolution (``conv`` layers): ``channels`` = hidden, no recurrence."""
+
+    kind: str  # GATED_DELTANET | SHORT_CONV
+    conv_kernel: int
+    channels: int
+    key_heads: int = 0
+    value_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    conv_bias: bool = False
+    norm_eps: float = 1e-6  # the gated output norm's (gated DeltaNet)
+
+    @property
+    def conv_state(self) -> int:
+        """Positions the convolution state keeps: the kernel's taps before the current token."""
+        return self.conv_kernel - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +104,12 @@ MOE_TYPES = {
     "granitemoe": ("num_local_experts", "intermediate_size"),
     "gpt_oss": ("num_local_experts", "intermediate_size"),
     "phimoe": ("num_local_experts", "intermediate_size"),
+    "qwen3_next": ("num_experts", "moe_intermediate_size"),
+    "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size"),
+    "qwen3_5_moe": ("num_experts", "moe_intermediate_size"),
 }
+# Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
+SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
@@ -84,11 +123,13 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
                           "num_experts_per_tok must be between 1 and the expert count")
     # granitemoe and gpt-oss softmax the top-k logits, which is renormalizing softmax's top k; mixtral
     # always renormalizes.
-    normalize = True if model_type in ("mixtral", "granitemoe", "gpt_oss") else bool(getattr(hf, "norm_topk_prob", False))
+    # qwen3_5_moe always renormalizes (its config has no norm_topk_prob).
+    always = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe")
+    normalize = True if model_type in always else bool(getattr(hf, "norm_topk_prob", False))
     step = getattr(hf, "decoder_sparse_step", None) or 1
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
-    shared = getattr(hf, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
+    shared = getattr(hf, "shared_expert_intermediate_size", None) if model_type in SHARED_EXPERT_TYPES else None
     # Older transformers (5.17) hard-code gpt-oss's alpha in its experts; newer ones read swiglu_alpha.
     swiglu = (float(getattr(hf, "swiglu_alpha", 1.702)), float(getattr(hf, "swiglu_limit", 7.0))) \
         if model_type == "gpt_oss" else (None, None)
@@ -137,6 +178,16 @@ class ModelConfig:
     moe: MoeConfig | None = None  # mixture-of-experts routing and sizes (None: a dense model)
     clip_qkv: float | None = None  # olmoe: q, k and v clamped to +-clip_qkv after their norms
     lm_head_bias: bool = False  # phimoe
+    recurrent: RecurrentConfig | None = None  # a hybrid's recurrent layers (layer_types LINEAR / CONV)
+    attention_output_gate: bool = False  # qwen3_next / qwen3_5: o_proj(attn * sigmoid(gate)), gate from q_proj
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` carries a recurrent state (and no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer] in (LINEAR, CONV)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_recurrent(i))
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -145,7 +196,7 @@ class ModelConfig:
         return None
 
     def uses_rope(self, layer: int) -> bool:
-        return not self.rope_layers or self.rope_layers[layer]
+        return not self.is_recurrent(layer) and (not self.rope_layers or self.rope_layers[layer])
 
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.rope_by_layer_type.get(self.layer_types[layer], self.rope) if self.rope_by_layer_type else self.rope
@@ -299,7 +350,40 @@ def _transformers_config(checkpoint_dir: Path):
     return AutoConfig.from_pretrained(str(checkpoint_dir))
 
 
+# Image-text checkpoints whose language model the exporter takes alone (its weights under
+# model.language_model, the vision tower's ignored): config.json's text_config describes it.
+LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe")
+
+
+def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> RecurrentConfig | None:
+    if LINEAR in layer_types:
+        return RecurrentConfig(
+            GATED_DELTANET, int(hf.linear_conv_kernel_dim),
+            2 * hf.linear_num_key_heads * hf.linear_key_head_dim + hf.linear_num_value_heads * hf.linear_value_head_dim,
+            int(hf.linear_num_key_heads), int(hf.linear_num_value_heads), int(hf.linear_key_head_dim),
+            int(hf.linear_value_head_dim), norm_eps=float(hf.rms_norm_eps))
+    if CONV in layer_types:
+        return RecurrentConfig(SHORT_CONV, int(hf.conv_L_cache), int(hf.hidden_size), conv_bias=bool(hf.conv_bias))
+    return None
+
+
+def _lfm2_intermediate(hf) -> int:
+    """LFM2's MLP width, adjusted as its MLP module adjusts it (transformers' Lfm2MLP)."""
+    width = hf.intermediate_size
+    if getattr(hf, "block_auto_adjust_ff_dim", False):
+        width = int(2 * width / 3)
+        if getattr(hf, "block_ffn_dim_multiplier", None) is not None:
+            width = int(hf.block_ffn_dim_multiplier * width)
+        multiple = hf.block_multiple_of
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
 def _model_config(hf, model_type: str) -> ModelConfig:
+    if model_type in LANGUAGE_MODEL_OF and getattr(hf, "text_config", None) is not None:
+        hf = hf.text_config
+    if model_type == "lfm2":  # its own names for the norms' epsilon and the MLP width
+        hf.rms_norm_eps = hf.norm_eps
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
@@ -316,10 +400,12 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         sliding = None
     if not layer_types or len(layer_types) != hf.num_hidden_layers:
         layer_types = ((SLIDING if sliding else FULL),) * hf.num_hidden_layers
-    unknown = sorted(set(layer_types) - {FULL, SLIDING})
+    known = HYBRID_LAYER_TYPES.get(model_type, (FULL, SLIDING))
+    unknown = sorted(set(layer_types) - set(known))
     if unknown:
-        raise ExportError(f"unsupported layer types {unknown} in config.json: supported are {FULL}, {SLIDING}")
-    if sliding is None:
+        raise ExportError(f"unsupported layer types {unknown} in config.json of this {model_type} model: the exporter "
+                          f"builds {', '.join(known)} layers for it")
+    if sliding is None and model_type not in HYBRID_LAYER_TYPES:
         layer_types = (FULL,) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # smollm3: 1 = rotary, 0 = none
     rope_layers = tuple(bool(v) for v in no_rope) if no_rope else ()
@@ -335,7 +421,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         architecture=model_type,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=_lfm2_intermediate(hf) if model_type == "lfm2" else (getattr(hf, "intermediate_size", None) or 0),
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
@@ -361,6 +447,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         moe=_moe_config(hf, model_type, hf.num_hidden_layers),
         clip_qkv=getattr(hf, "clip_qkv", None),
         lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
+        recurrent=_recurrent_config(hf, model_type, layer_types),
+        attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type != "lfm2",
     )
 
 

@@ -16,7 +16,7 @@ from exporter.graph.components.attention import StepInputs
 from exporter.graph.components.decoder import decoder_layer, norm, residual_norm
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
-from exporter.graph.config import ModelConfig, RopeConfig
+from exporter.graph.config import GATED_DELTANET, ModelConfig, RopeConfig
 from exporter.request import Variant
 from exporter.graph.rope import rope_tables
 
@@ -82,6 +82,26 @@ def static_window_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Va
     q_col = b.op("Unsqueeze", [position_ids, b.ints(1, 3)])  # [batch, 1, seq, 1]
     seen = b.op("LessOrEqual", [k_row, q_col])
     return b.op("And", [seen, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
+
+
+def state_layout(cfg: ModelConfig, dtype: ir.DataType) -> list[tuple[str, ir.DataType, list]]:
+    """(kind, dtype, dims) of each state a recurrent layer of ``cfg`` carries, in graph order: the
+    convolution's in the model dtype, gated DeltaNet's recurrence in fp32 (GatedDeltaNet's state type,
+    and what transformers keeps)."""
+    rc = cfg.recurrent
+    layout = [(io.CONV_STATE, dtype, io.state_dims(io.CONV_STATE, taps=rc.conv_kernel, channels=rc.channels))]
+    if rc.kind == GATED_DELTANET:
+        layout.append((io.RECURRENT_STATE, ir.DataType.FLOAT, io.state_dims(
+            io.RECURRENT_STATE, heads=rc.value_heads, key_dim=rc.key_dim, value_dim=rc.value_dim)))
+    return layout
+
+
+def step_token_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value) -> ir.Value:
+    """[batch, seq, 1] in the model dtype: 1 where this step's token is real, 0 at padding (the mask's
+    last seq columns)."""
+    seq = b.op("Shape", [input_ids], {"start": 1, "end": 2})
+    step_mask = b.op("Slice", [attention_mask, b.op("Neg", [seq]), b.ints(2**62), b.ints(1)])
+    return b.op("Unsqueeze", [b.op("Cast", [step_mask], {"to": b.dtype}), b.ints(2)])
 
 
 def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> ir.Value:
@@ -154,8 +174,11 @@ def build_graph(
     out_cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim, output=True)
     caches_in = []
     for i in range(cfg.num_layers):
-        names = io.cache_names(variant, i)
-        caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
+        if cfg.is_recurrent(i):  # a hybrid's recurrent layer: its states, not a KV cache
+            caches_in.append(tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype)))
+        else:
+            names = io.cache_names(variant, i)
+            caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
         inputs += caches_in[-1]
     if variant is Variant.ATTN_STATIC:
         step.write_indices = _input(io.WRITE_INDICES, I64, [BATCH])
@@ -179,10 +202,14 @@ def build_graph(
                 extra["attn_mask"] = masks[window]
             elif window and variant is Variant.ATTN_STATIC:
                 if window not in masks:
-                    masks[window] = static_window_mask(b, position_ids, caches_in[0][0], window)
+                    masks[window] = static_window_mask(b, position_ids, caches_in[cfg.attention_layers[0]][0], window)
                 extra["window_mask"] = masks[window]
             layer_steps[(rope, window)] = dataclasses.replace(step, **extra)
         return layer_steps[(rope, window)]
+
+    if cfg.recurrent is not None and variant is Variant.ATTN_DYNAMIC:
+        # Left-padded rows: the recurrent layers zero their input at this step's padding.
+        step.token_mask = step_token_mask(b, input_ids, attention_mask)
 
     embed = b.weight(arch.embed_tokens)
     if cfg.tie_word_embeddings:
@@ -198,18 +225,22 @@ def build_graph(
     post_norm = arch.norm_layout == POST_NORM
     h = x if post_norm else norm(b, arch, x, arch.names(0)["input_norm"], cfg.rms_norm_eps)
     for i in range(cfg.num_layers):
-        mlp_out, x, (key_out, value_out) = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
+        mlp_out, x, cache_out = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
         last = i + 1 == cfg.num_layers
         if post_norm and not last:
             x = h = b.op("Add", [x, mlp_out])
         else:
             next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
             h, x = residual_norm(b, arch, x, mlp_out, next_norm, cfg.rms_norm_eps)
-        names = io.cache_names(variant, i)
-        outputs += [
-            _name_output(key_out, names[2], dtype, out_cache_dims),
-            _name_output(value_out, names[3], dtype, out_cache_dims),
-        ]
+        if cfg.is_recurrent(i):
+            outputs += [_name_output(value, io.state_names(i, kind)[1], dt, dims)
+                        for value, (kind, dt, dims) in zip(cache_out, state_layout(cfg, dtype))]
+        else:
+            names = io.cache_names(variant, i)
+            outputs += [
+                _name_output(cache_out[0], names[2], dtype, out_cache_dims),
+                _name_output(cache_out[1], names[3], dtype, out_cache_dims),
+            ]
         if on_layer:
             on_layer(i + 1, cfg.num_layers)
     if cfg.tie_word_embeddings:

@@ -34,7 +34,7 @@ from exporter.runtime.device import cuda_provider
 from exporter.runtime.isolated import phase
 from exporter.contract import (
     ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, META_CONFIG, META_PREFIX,
-    META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, numpy_of_ort,
+    META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, is_state_input, numpy_of_ort,
     static_cache_counts,
 )
 
@@ -100,13 +100,15 @@ class CacheState:
     ``caches`` follows ``Decoder.pairs`` (one array per cache input; device caches, from
     ``Decoder.new_device_state``: a dict of OrtValues by input name); ``lengths`` counts the real
     tokens each row holds; ``width`` is the cache's extent along its positions axis (the static
-    buffer, or the past length); ``pads`` is attn_dynamic's left padding per row.
+    buffer, or the past length); ``pads`` is attn_dynamic's left padding per row. ``states``: a
+    hybrid's recurrent states by input name (``Decoder.state_pairs``), fixed in size.
     """
 
     caches: list
     lengths: np.ndarray
     width: int
     pads: np.ndarray
+    states: dict = dataclasses.field(default_factory=dict)
 
 
 class Decoder:
@@ -172,6 +174,13 @@ class Decoder:
         self.meta = read_metadata(self.model_path)
         self.pairs = [(name, "updated_" + name if self.mode == STATIC else name.replace("past_key_values.", "present."))
                       for name in self.inputs if name.startswith(("key_cache.", "value_cache.", "past_key_values."))]
+        # A hybrid's recurrent states (past_conv.i -> present_conv.i, ...): fixed shapes but the batch.
+        self.state_pairs = [(name, "present_" + name.removeprefix("past_")) for name in self.inputs if is_state_input(name)]
+        self.state_specs = {name: ([d for d in self.inputs[name].shape[1:]], BY_ORT[self.inputs[name].type])
+                            for name, _ in self.state_pairs}
+        if self.state_pairs and cuda_graph:
+            raise ValueError("a hybrid's recurrent states are taken from each step's outputs, which a CUDA graph "
+                             "cannot capture: run it without CUDA graphs")
         first = self.inputs[self.pairs[0][0]]
         self.dtype: DType = BY_ORT[first.type]
         self.cache_dims = list(first.shape)
@@ -233,7 +242,11 @@ class Decoder:
         width = (buffer or self.max_seq_len) if self.mode == STATIC else 0
         shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
         caches = [np.zeros(shape, self.dtype.numpy) for _ in self.pairs]
-        return CacheState(caches, np.zeros(batch, np.int64), width, np.zeros(batch, np.int64))
+        return CacheState(caches, np.zeros(batch, np.int64), width, np.zeros(batch, np.int64), self.new_states(batch))
+
+    def new_states(self, batch: int) -> dict[str, np.ndarray]:
+        """A hybrid's recurrent states at the start of a sequence: zeros."""
+        return {name: np.zeros([batch, *dims], dtype.numpy) for name, (dims, dtype) in self.state_specs.items()}
 
     def forward(self, input_ids: np.ndarray, state: CacheState) -> np.ndarray:
         """Every row takes ``input_ids.shape[1]`` more tokens (a prompt, a chunk, one decode token);
@@ -248,6 +261,9 @@ class Decoder:
         if len(prompts) != len(state.lengths) or state.lengths.any() or lengths.min() < 1:
             raise ValueError("prefill takes one non-empty prompt per row of an empty state")
         longest = int(lengths.max())
+        if self.mode == GQA and self.state_pairs and lengths.min() != longest:
+            raise ValueError("this hybrid's gqa export takes a batch of prompts of one length: right padding would run "
+                             "the padding through the recurrent states (attn_dynamic takes ragged batches, left-padded)")
         if self.mode == STATIC:
             return np.stack([self._prefill_row(r, prompt, state) for r, prompt in enumerate(prompts)])
         ids = np.zeros((len(prompts), longest), np.int64)
@@ -269,7 +285,7 @@ class Decoder:
     def _prefill_row(self, r: int, prompt: list[int], state: CacheState) -> np.ndarray:
         """One row of a static-cache batch, on views of its caches: written in place, the rest untouched."""
         row = CacheState([c[r:r + 1] for c in state.caches], state.lengths[r:r + 1].copy(), state.width,
-                         state.pads[r:r + 1])
+                         state.pads[r:r + 1], {name: s[r:r + 1] for name, s in state.states.items()})
         logits = self._run_host(self.step_feeds(np.array([prompt], np.int64), row.lengths, row.lengths + len(prompt),
                                                 row.width), row, np.array([len(prompt)]), in_place=True)
         state.lengths[r] = row.lengths[0]
@@ -282,19 +298,24 @@ class Decoder:
             raise ValueError(f"{int((state.lengths + seq).max())} tokens do not fit a {state.width}-token static cache")
         for (name_in, _), cache in zip(self.pairs, state.caches):
             feeds[name_in] = cache
+        feeds.update(state.states)
         logits = np.empty((batch, seq, self.vocab), self.logits_dtype)
+        new_states = {out: np.empty(state.states[name].shape, state.states[name].dtype) for name, out in self.state_pairs}
         if in_place:  # each cache input and its updated output are one (host) buffer
-            outputs = run_bound(self.session, feeds, {LOGITS: logits, **{out: c for (_, out), c in
-                                                                          zip(self.pairs, state.caches)}})
+            outputs = run_bound(self.session, feeds, {LOGITS: logits, **new_states, **{out: c for (_, out), c in
+                                                                                       zip(self.pairs, state.caches)}})
+            for name, out in self.state_pairs:  # into the caller's arrays (views of a batch's rows)
+                state.states[name][...] = outputs[out]
         else:
             width = state.width if self.mode == STATIC else state.width + seq
             shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
-            outputs = {LOGITS: logits, **{out: np.empty(shape, self.dtype.numpy) for _, out in self.pairs}}
+            outputs = {LOGITS: logits, **new_states, **{out: np.empty(shape, self.dtype.numpy) for _, out in self.pairs}}
             if self.dtype.name == "bf16":
                 run_bound(self.session, feeds, outputs)
             else:
                 outputs = dict(zip(self.output_names, self.session.run(None, feeds)))
             state.caches = [outputs[out] for _, out in self.pairs]
+            state.states = {name: outputs[out] for name, out in self.state_pairs}
             state.width = width
         state.lengths = state.lengths + new
         return outputs[LOGITS]
@@ -322,7 +343,13 @@ class Decoder:
         """Zeroed device cache buffers of ``buffer`` positions (dynamic: an empty past)."""
         length = 0 if self.mode == DYNAMIC else buffer
         shape = [batch] + [d if isinstance(d, int) else length for d in self.cache_dims[1:]]
-        return {name: self._device_value(np.zeros(shape, self.dtype.numpy)) for name, _ in self.pairs}
+        caches = {name: self._device_value(np.zeros(shape, self.dtype.numpy)) for name, _ in self.pairs}
+        # A hybrid's states in two buffers each, by input and output name: a step reads one and writes
+        # the other, then they swap (``_swap_states``).
+        for name_in, name_out in self.state_pairs:
+            for name, zeros in ((name_in, self.new_states(batch)[name_in]), (name_out, self.new_states(batch)[name_in])):
+                caches[name] = self._device_value(zeros)
+        return caches
 
     def _bound_feeds(self, tokens: np.ndarray, past: int, buffer: int) -> dict[str, np.ndarray]:
         batch, seq = tokens.shape
@@ -337,6 +364,17 @@ class Decoder:
                 binding.bind_output(name_out, self.device, self.device_id)
             else:
                 binding.bind_ortvalue_output(name_out, caches[name_in])
+        self._bind_states(binding, caches)
+
+    def _bind_states(self, binding, caches: dict) -> None:
+        for name_in, name_out in self.state_pairs:
+            binding.bind_ortvalue_input(name_in, caches[name_in])
+            binding.bind_ortvalue_output(name_out, caches[name_out])
+
+    def _swap_states(self, caches: dict) -> None:
+        """After a step: the states it wrote become the next step's input."""
+        for name_in, name_out in self.state_pairs:
+            caches[name_in], caches[name_out] = caches[name_out], caches[name_in]
 
     def _take_presents(self, binding, caches: dict) -> None:
         # Bound in this order: logits, then each cache output.
@@ -369,6 +407,7 @@ class Decoder:
         elapsed = time.perf_counter() - start
         if self.mode == DYNAMIC:
             self._take_presents(binding, caches)
+        self._swap_states(caches)
         return elapsed, binding.get_outputs()[0]
 
     def decode_bound(self, caches: dict, past: int, buffer: int, steps: int, warmup: int, should_stop=lambda: False,
@@ -403,12 +442,15 @@ class Decoder:
                 binding.bind_ortvalue_input(ATTENTION_MASK, self._device_value(np.ones((batch, past + i + 1), self.mask_dtype)))
             if self.mode == DYNAMIC:  # ... and so do the caches
                 self._bind_caches(binding, caches)
+            elif self.state_pairs:  # a hybrid's states alternate between their two buffers
+                self._bind_states(binding, caches)
             for name, array in self._bound_feeds(ones, past + i, buffer).items():
                 if name not in (INPUT_IDS, ATTENTION_MASK) or (self.mode == GQA and not self.grow_mask):
                     fixed[name].update_inplace(array)  # same address: a captured graph sees the new value
             self._run_device(binding, graph_id)
             if self.mode == DYNAMIC:
                 self._take_presents(binding, caches)
+            self._swap_states(caches)
             elapsed = (time.perf_counter() - start) * 1000.0
             if i >= warmup:
                 times.append(elapsed)

@@ -44,6 +44,11 @@ class Architecture:
     attention_sinks: str | None = None  # under self_attn: [num_heads]
     layer_norm: bool = False  # LayerNorm with a bias (phimoe) where llama has RMSNorm
     sparse_mixer: bool = False  # phimoe's routing: two experts picked one after the other, thresholds, two softmaxes
+    # Hybrids (config.recurrent): the recurrent layers' submodule, and for gated DeltaNet how its input
+    # projections are stored: "split" (qwen3_5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, rows
+    # flat per head) or "interleaved" (qwen3_next: in_proj_qkvz and in_proj_ba, rows grouped per key head).
+    recurrent_block: str = "linear_attn"
+    deltanet_layout: str = "split"
 
     @staticmethod
     def layer_prefix(i: int) -> str:
@@ -73,6 +78,28 @@ class Architecture:
             "q_norm": f"{p}.self_attn.q_norm.weight",
             "k_norm": f"{p}.self_attn.k_norm.weight",
         }
+
+    def recurrent_name(self, i: int, tensor: str) -> str:
+        """``tensor`` under layer ``i``'s recurrent block (linear_attn, conv)."""
+        return f"{self.layer_prefix(i)}.{self.recurrent_block}.{tensor}"
+
+    def deltanet_in_parts(self, i: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int
+                          ) -> list[WeightPart]:
+        """Rows of gated DeltaNet's input projections packed as one [q | k | v | z | b | a] weight: q, k
+        and v in the convolution's channel order (q heads, k heads, v heads), then z, b and a by value
+        head (value head j reads key head j // (value_heads / key_heads))."""
+        name = lambda t: self.recurrent_name(i, f"{t}.weight")  # noqa: E731
+        if self.deltanet_layout == "split":
+            return [WeightPart(name(t)) for t in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        r = value_heads // key_heads
+        block, qkvz, ba = 2 * key_dim + 2 * r * value_dim, name("in_proj_qkvz"), name("in_proj_ba")
+
+        def rows(tensor, start, length, step):
+            return [WeightPart(tensor, rows=(h * step + start, h * step + start + length)) for h in range(key_heads)]
+
+        return (rows(qkvz, 0, key_dim, block) + rows(qkvz, key_dim, key_dim, block)
+                + rows(qkvz, 2 * key_dim, r * value_dim, block) + rows(qkvz, 2 * key_dim + r * value_dim, r * value_dim, block)
+                + rows(ba, 0, r, 2 * r) + rows(ba, r, r, 2 * r))
 
     def moe_name(self, i: int, tensor: str) -> str:
         """``tensor`` under layer ``i``'s mixture-of-experts block."""

@@ -37,6 +37,9 @@ class AttentionWeights:
     k_norm: ir.Value | None = None
     qk_norm_per_head: bool = True  # False: over the whole projection (olmo2)
     sinks: ir.Value | None = None  # gpt-oss: a learned logit per head in every softmax's denominator (gqa only)
+    # qwen3_next / qwen3_5: qkv packs [q | k | v | gate] (the gate's rows taken from q_proj, where they
+    # alternate with the query's head by head), and the output is attn * sigmoid(gate) before o.
+    output_gate: bool = False
 
 
 @dataclasses.dataclass
@@ -52,6 +55,7 @@ class StepInputs:
     total_seq_len: ir.Value | None = None  # gqa: int32 scalar
     window: int | None = None  # sliding window of this layer (tokens, itself included)
     window_mask: ir.Value | None = None  # attn_static sliding layers: bool [batch, 1, seq, cache]
+    token_mask: ir.Value | None = None  # hybrids' recurrent layers: [batch, seq, 1], 0 at padding (left-padded rows)
 
 
 def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float,
@@ -67,8 +71,19 @@ def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm
 
 
 def _split_qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig):
+    """q, k, v and the output gate (None without one) of one packed projection."""
     qkv = linear(b, x, w.qkv, w.qkv_bias)
-    return b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size)], {"axis": -1}, num_outputs=3)
+    if w.output_gate:
+        return b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size, cfg.q_size)], {"axis": -1},
+                          num_outputs=4)
+    return *b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size)], {"axis": -1}, num_outputs=3), None
+
+
+def _output(b: GraphBuilder, y: ir.Value, w: AttentionWeights, gate: ir.Value | None) -> ir.Value:
+    """o_proj of the attention output, gated by sigmoid(gate) where the model has an output gate."""
+    if gate is not None:
+        y = b.op("Mul", [y, b.op("Sigmoid", [gate])])
+    return linear(b, y, w.o, w.o_bias)
 
 
 def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary):
@@ -77,13 +92,13 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
     The Attention kernels work in BSNH natively (Flash needs it); a BNSH graph would pay a
     transpose per tensor per layer, which is most of a decode step's kernel count.
     """
-    q, k, v = _split_qkv(b, x, w, cfg)
+    q, k, v, gate = _split_qkv(b, x, w, cfg)
     q = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
     k = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
     q, k, v = (_clipped(b, t, cfg) for t in (q, k, v))
     if rotary is not None:
         q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
-    return q, k, v
+    return q, k, v, gate
 
 
 def _clipped(b: GraphBuilder, x: ir.Value, cfg: ModelConfig) -> ir.Value:
@@ -194,31 +209,32 @@ def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, 
 
 
 def attention_dynamic(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    q, k, v = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
     y, present_key, present_value = dynamic_core(b, q, k, v, cfg, step, past_key, past_value)
-    return linear(b, y, w.o, w.o_bias), present_key, present_value
+    return _output(b, y, w, gate), present_key, present_value
 
 
 def attention_compat(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    q, k, v = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
     y, present_key, present_value = compat_core(b, q, k, v, cfg, step, past_key, past_value)
-    return linear(b, y, w.o, w.o_bias), present_key, present_value
+    return _output(b, y, w, gate), present_key, present_value
 
 
 def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
-    q, k, v = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
     y, updated_key, updated_value = static_core(b, q, k, v, cfg, step, key_cache, value_cache)
-    return linear(b, y, w.o, w.o_bias), updated_key, updated_value
+    return _output(b, y, w, gate), updated_key, updated_value
 
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    if w.q_norm is None:
+    gate = None
+    if w.q_norm is None and not w.output_gate:
         query, key, value = _clipped(b, linear(b, x, w.qkv, w.qkv_bias), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
-        q, k, value = _split_qkv(b, x, w, cfg)
+        q, k, value, gate = _split_qkv(b, x, w, cfg)
         query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
         key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
         query, key, value = (_clipped(b, t, cfg) for t in (query, key, value))
     y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
-    return linear(b, y, w.o, w.o_bias), present_key, present_value
+    return _output(b, y, w, gate), present_key, present_value

@@ -14,11 +14,15 @@ from exporter.graph.components.attention import (
     attention_gqa,
     attention_static,
 )
+from exporter.graph.components.gated_deltanet import DeltaNetWeights, gated_deltanet
 from exporter.graph.components.graph import GraphBuilder, packed
 from exporter.graph.components.mlp import gated_mlp
 from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
-from exporter.graph.config import ModelConfig
+from exporter.graph.components.short_conv import ShortConvWeights, short_conv
+from exporter.graph.config import GATED_DELTANET, ModelConfig
+from exporter.packaging.checkpoint import WeightPart
+from exporter.errors import ExportError
 from exporter.request import Variant
 
 ATTENTION = {
@@ -60,8 +64,27 @@ def _scaled(b: GraphBuilder, x: ir.Value, scale: float | None) -> ir.Value:
     return b.op("Mul", [x, b.scalar(scale)]) if scale is not None and scale != 1.0 else x
 
 
+def _gated_qkv_parts(arch: Architecture, cfg: ModelConfig, i: int) -> list[WeightPart]:
+    """[q | k | v | gate] rows of a gated attention (qwen3_next / qwen3_5): q_proj holds each head's
+    query then its gate, head after head; they are regrouped as all queries, then all gates."""
+    q, k, v = arch.qkv_parts(i)
+    d = cfg.head_dim
+    heads = range(cfg.num_heads)
+    return ([WeightPart(q.name, rows=(2 * h * d, 2 * h * d + d)) for h in heads] + [k, v]
+            + [WeightPart(q.name, rows=(2 * h * d + d, 2 * h * d + 2 * d)) for h in heads])
+
+
 def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int) -> AttentionWeights:
     names = arch.names(i)
+    if cfg.attention_output_gate:
+        if cfg.attention_bias:
+            raise ExportError(f"{cfg.architecture} with attention_bias is not supported: no such checkpoint is known")
+        return AttentionWeights(
+            qkv=b.packed_weight(f"{arch.layer_prefix(i)}.self_attn.qkv_gate_proj.weight", _gated_qkv_parts(arch, cfg, i)),
+            o=b.weight(f"{names['o']}.weight"),
+            q_norm=norm_weight(b, arch, names["q_norm"]), k_norm=norm_weight(b, arch, names["k_norm"]),
+            output_gate=True,
+        )
     qkv_bias = None
     if arch.qkv_bias or cfg.attention_bias:
         bias_parts = arch.qkv_parts(i, "bias")
@@ -79,6 +102,28 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
     )
 
 
+def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: ModelConfig, i: int, step: StepInputs,
+                    states: tuple[ir.Value, ...]) -> tuple[ir.Value, tuple[ir.Value, ...]]:
+    """A hybrid's recurrent layer ``i`` on ``h``: (its output, its states after the step)."""
+    rc, name = cfg.recurrent, lambda t: arch.recurrent_name(i, t)  # noqa: E731
+    if rc.kind == GATED_DELTANET:
+        f32 = ir.DataType.FLOAT
+        weights = DeltaNetWeights(
+            in_proj=b.packed_weight(name("in_proj_qkvzba.weight"), arch.deltanet_in_parts(
+                i, rc.key_heads, rc.value_heads, rc.key_dim, rc.value_dim)),
+            conv=b.weight(name("conv1d.weight")), a_log=b.weight(name("A_log"), dtype=f32),
+            dt_bias=b.weight(name("dt_bias"), dtype=f32), norm=b.weight(name("norm.weight")),
+            out=b.weight(name("out_proj.weight")))
+        out, conv_state, recurrent_state = gated_deltanet(b, h, weights, cfg, step.token_mask, *states)
+        return out, (conv_state, recurrent_state)
+    biased = (lambda t: b.weight(name(t))) if rc.conv_bias else (lambda t: None)  # noqa: E731
+    weights = ShortConvWeights(in_proj=b.weight(name("in_proj.weight")), conv=b.weight(name("conv.weight")),
+                               out=b.weight(name("out_proj.weight")), in_bias=biased("in_proj.bias"),
+                               conv_bias=biased("conv.bias"), out_bias=biased("out_proj.bias"))
+    out, conv_state = short_conv(b, h, weights, cfg, step.token_mask, *states)
+    return out, (conv_state,)
+
+
 def decoder_layer(
     b: GraphBuilder,
     h: ir.Value,
@@ -88,18 +133,22 @@ def decoder_layer(
     i: int,
     variant: Variant,
     step: StepInputs,
-    cache: tuple[ir.Value, ir.Value],
-) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ir.Value]]:
+    cache: tuple[ir.Value, ...],
+) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ...]]:
     """One layer on ``h`` (the normed input; the residual itself for the post-norm layout) and
-    the residual stream ``x``.
+    the residual stream ``x``; ``cache``: its KV cache (key, value), or a recurrent layer's states.
 
     Returns (the MLP branch, residual after attention, caches out). The last residual add is left
     to the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
     """
     names = arch.names(i)
     eps = cfg.rms_norm_eps
-    attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
-    attn_out, key_out, value_out = attend(b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
+    if cfg.is_recurrent(i):
+        attn_out, cache_out = recurrent_mixer(b, h, arch, cfg, i, step, cache)
+    else:
+        attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
+        attn_out, key_out, value_out = attend(b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
+        cache_out = (key_out, value_out)
     if arch.norm_layout == SANDWICH:
         attn_out = norm(b, arch, attn_out, names["post_attention_norm"], eps)
         h, x = residual_norm(b, arch, x, attn_out, names["pre_feedforward_norm"], eps)
@@ -120,4 +169,4 @@ def decoder_layer(
         )
     if arch.norm_layout in (SANDWICH, POST_NORM):
         mlp_out = norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
-    return _scaled(b, mlp_out, cfg.residual_scale), x, (key_out, value_out)
+    return _scaled(b, mlp_out, cfg.residual_scale), x, cache_out

@@ -16,7 +16,7 @@ class GraphBuilder:
     """Collects nodes and initializers; weights are lazy ``CheckpointTensor``s, never read here."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: ir.DataType, rope_cache: Path | None = None,
-                 target: Target = CURRENT, fused_sparse_mixer: bool = False):
+                 target: Target = CURRENT, fused_sparse_mixer: bool = False, ep: str = "cpu"):
         self.tape = tape.Tape()
         self.checkpoint = checkpoint
         self.dtype = dtype
@@ -24,6 +24,7 @@ class GraphBuilder:
         self.target = target  # which ops the components emit (graph/target.py)
         # phimoe routed by the expert op's own sparse mixer (components/moe.py fused_sparse_mixer)
         self.fused_sparse_mixer = fused_sparse_mixer
+        self.ep = ep  # the EP the export is for (an op whose kernel there lacks a dtype gets casts)
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 
@@ -33,11 +34,20 @@ class GraphBuilder:
     def op_multi(self, op_type: str, inputs, attributes=None, *, num_outputs: int, domain: str = ""):
         return self.tape.op_multi_out(op_type, inputs, attributes, num_outputs=num_outputs, domain=domain)
 
-    def weight(self, name: str, part: WeightPart | None = None) -> ir.Value:
-        """A checkpoint tensor (or a row slice of one) as an initializer in the model dtype."""
+    def weight(self, name: str, part: WeightPart | None = None, dtype: ir.DataType | None = None) -> ir.Value:
+        """A checkpoint tensor (or a row slice of one) as an initializer in the model dtype (or ``dtype``:
+        the fp32 a recurrence's decay parameters stay in)."""
         part = part or WeightPart(name)
         if name not in self._weights:
-            tensor = CheckpointTensor(self.checkpoint, (part,), self.dtype, name=name)
+            tensor = CheckpointTensor(self.checkpoint, (part,), dtype or self.dtype, name=name)
+            self._weights[name] = self.tape.initializer(tensor, name=name)
+        return self._weights[name]
+
+    def packed_weight(self, name: str, parts: list[WeightPart]) -> ir.Value:
+        """Row slices of checkpoint tensors concatenated into one initializer ``name`` (projections a
+        checkpoint stores interleaved per head, taken apart and regrouped)."""
+        if name not in self._weights:
+            tensor = CheckpointTensor(self.checkpoint, tuple(parts), self.dtype, name=name)
             self._weights[name] = self.tape.initializer(tensor, name=name)
         return self._weights[name]
 

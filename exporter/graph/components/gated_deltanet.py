@@ -1,0 +1,68 @@
+"""Gated DeltaNet (qwen3_next, qwen3_5 ``linear_attention`` layers) on onnxruntime's fused ops: one
+input projection, CausalConvWithState (SiLU) over q | k | v, GatedDeltaNet (the gated delta rule with
+its gates, q / k L2 norms and the 1/sqrt(dk) scale inside, one call for a whole prompt, chunked in the
+op) and GatedRMSNorm (per value head, gated by SiLU(z)), then the output projection.
+
+transformers' math (modeling_qwen3_next.py): conv1d(silu) over mixed_qkv, beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias), q / k L2-normalized and q scaled by dk^-0.5, the state
+decayed by exp(g) then updated by the delta rule, the output RMS-normed per head times silu(z).
+The op computes exactly that: its ``softplus`` gate takes a, A_log and dt_bias, its ``sigmoid`` beta
+takes b. Its state is [batch, value_heads, value_dim, key_dim] in fp32 whatever the model dtype
+(transformers keeps its recurrent state in fp32 too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from exporter.graph.components.graph import GraphBuilder, linear
+from exporter.graph.components.recurrent import MS_DOMAIN, causal_conv, masked
+from exporter.graph.config import ModelConfig
+
+
+# transformers' l2norm: x / sqrt(sum(x^2) + 1e-6) (fla's too). GatedDeltaNet's own (qk_l2_norm) adds
+# about 1e-12 instead, which differs where a head's vector is short: on a tiny checkpoint with
+# transformers' default init the logits moved by 7.6e-4 of their range.
+L2_NORM_EPS = 1e-6
+
+
+def _l2_norm(b: GraphBuilder, x: ir.Value, dim: int) -> ir.Value:
+    """transformers' l2norm over the last axis of ``x`` as one RMSNormalization (fp32 statistics):
+    x / sqrt(sum x^2 + eps) = rmsnorm(x, eps / dim) / sqrt(dim)."""
+    scale = b.constant(np.full(dim, dim ** -0.5, dtype=b.dtype.numpy()), f"l2_norm_scale_{dim}")
+    return b.op("RMSNormalization", [x, scale], {"axis": -1, "epsilon": L2_NORM_EPS / dim, "stash_type": 1})
+
+
+@dataclasses.dataclass
+class DeltaNetWeights:
+    in_proj: ir.Value  # [q | k | v | z | b | a, hidden]: q, k, v in the convolution's channel order
+    conv: ir.Value  # [channels, 1, taps]
+    a_log: ir.Value  # [value_heads], fp32
+    dt_bias: ir.Value  # [value_heads], fp32
+    norm: ir.Value  # [value_dim], the gated norm's weight (plain, not 1 + w)
+    out: ir.Value  # [hidden, value_heads * value_dim]
+
+
+def gated_deltanet(b: GraphBuilder, x: ir.Value, w: DeltaNetWeights, cfg: ModelConfig, token_mask: ir.Value | None,
+                   conv_state: ir.Value, recurrent_state: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """One layer on the normed input ``x`` [batch, seq, hidden]; returns (output, conv state,
+    recurrent state)."""
+    rc = cfg.recurrent
+    values = rc.value_heads * rc.value_dim
+    proj = linear(b, masked(b, x, token_mask), w.in_proj)
+    mixed, z, beta, decay = b.op_multi("Split", [proj, b.ints(rc.channels, values, rc.value_heads, rc.value_heads)],
+                                       {"axis": -1}, num_outputs=4)
+    qkv, conv_out = causal_conv(b, mixed, w.conv, None, conv_state, "silu")
+    queries = rc.key_heads * rc.key_dim
+    q, k, v = b.op_multi("Split", [qkv, b.ints(queries, queries, values)], {"axis": -1}, num_outputs=3)
+    q, k = (_l2_norm(b, b.op("Reshape", [t, b.ints(0, 0, rc.key_heads, rc.key_dim)]), rc.key_dim) for t in (q, k))
+    v = b.op("Reshape", [v, b.ints(0, 0, rc.value_heads, rc.value_dim)])
+    core, state_out = b.op_multi(
+        "GatedDeltaNet", [q, k, v, None, decay, beta, recurrent_state, w.a_log, w.dt_bias],
+        {"gate_activation": "softplus", "beta_activation": "sigmoid"}, num_outputs=2, domain=MS_DOMAIN)
+    core = b.op("Reshape", [core, b.ints(0, 0, values)])
+    y = b.op("GatedRMSNorm", [core, w.norm, z], {"epsilon": float(rc.norm_eps), "activation": "silu"}, domain=MS_DOMAIN)
+    return linear(b, y, w.out), conv_out, state_out
