@@ -267,6 +267,9 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "sliding_window": cfg.sliding_window,
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
                     "activations": activations.value,
+                    **({"recurrent": {"kind": cfg.recurrent.kind,
+                                      "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)]}}
+                       if cfg.recurrent else {}),
                     **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),
                     **({"quant": request.quant.to_dict()} if request.quant else {}),
                 }

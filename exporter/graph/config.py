@@ -347,7 +347,11 @@ def _transformers_config(checkpoint_dir: Path):
     with _TRANSFORMERS_IMPORT:  # transformers' lazy modules are not safe to import from many threads
         from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(checkpoint_dir))
+    try:
+        return AutoConfig.from_pretrained(str(checkpoint_dir))
+    except Exception as err:  # transformers' own checks of config.json (layer types it does not know, ...)
+        raise ExportError(f"transformers refuses {checkpoint_dir}/config.json: {' '.join(str(err).split())[:900]}: fix config.json or "
+                          "use a transformers release that reads it") from None
 
 
 # Image-text checkpoints whose language model the exporter takes alone (its weights under

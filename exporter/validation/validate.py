@@ -235,7 +235,9 @@ def validate_export(
 
     t0 = time.perf_counter()
     compat = is_compat(meta)
-    gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat)
+    recurrent = cfg.get("recurrent") or {}
+    gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat,
+                             tuple(recurrent.get("layers", ())), recurrent.get("kind"))
     timings["structure"] = time.perf_counter() - t0
     checkpoints.checkpoint()
 

@@ -84,13 +84,15 @@ class Architecture:
         return f"{self.layer_prefix(i)}.{self.recurrent_block}.{tensor}"
 
     def deltanet_in_parts(self, i: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int
-                          ) -> list[WeightPart]:
-        """Rows of gated DeltaNet's input projections packed as one [q | k | v | z | b | a] weight: q, k
-        and v in the convolution's channel order (q heads, k heads, v heads), then z, b and a by value
-        head (value head j reads key head j // (value_heads / key_heads))."""
+                          ) -> tuple[list[WeightPart], list[WeightPart]]:
+        """Rows of gated DeltaNet's input projections as two packed weights: [q | k | v | z] (q, k and v
+        in the convolution's channel order: q heads, k heads, v heads; then z by value head) and
+        [b | a], the beta and decay gates by value head (value head j reads key head j // (value_heads
+        / key_heads))."""
         name = lambda t: self.recurrent_name(i, f"{t}.weight")  # noqa: E731
         if self.deltanet_layout == "split":
-            return [WeightPart(name(t)) for t in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+            return ([WeightPart(name(t)) for t in ("in_proj_qkv", "in_proj_z")],
+                    [WeightPart(name(t)) for t in ("in_proj_b", "in_proj_a")])
         r = value_heads // key_heads
         block, qkvz, ba = 2 * key_dim + 2 * r * value_dim, name("in_proj_qkvz"), name("in_proj_ba")
 
@@ -98,8 +100,8 @@ class Architecture:
             return [WeightPart(tensor, rows=(h * step + start, h * step + start + length)) for h in range(key_heads)]
 
         return (rows(qkvz, 0, key_dim, block) + rows(qkvz, key_dim, key_dim, block)
-                + rows(qkvz, 2 * key_dim, r * value_dim, block) + rows(qkvz, 2 * key_dim + r * value_dim, r * value_dim, block)
-                + rows(ba, 0, r, 2 * r) + rows(ba, r, r, 2 * r))
+                + rows(qkvz, 2 * key_dim, r * value_dim, block) + rows(qkvz, 2 * key_dim + r * value_dim, r * value_dim, block),
+                rows(ba, 0, r, 2 * r) + rows(ba, r, r, 2 * r))
 
     def moe_name(self, i: int, tensor: str) -> str:
         """``tensor`` under layer ``i``'s mixture-of-experts block."""

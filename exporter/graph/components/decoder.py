@@ -14,7 +14,7 @@ from exporter.graph.components.attention import (
     attention_gqa,
     attention_static,
 )
-from exporter.graph.components.gated_deltanet import DeltaNetWeights, gated_deltanet
+from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
 from exporter.graph.components.graph import GraphBuilder, packed
 from exporter.graph.components.mlp import gated_mlp
 from exporter.graph.components.moe import moe_mlp
@@ -108,9 +108,10 @@ def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: Model
     rc, name = cfg.recurrent, lambda t: arch.recurrent_name(i, t)  # noqa: E731
     if rc.kind == GATED_DELTANET:
         f32 = ir.DataType.FLOAT
+        qkvz, ba = arch.deltanet_in_parts(i, rc.key_heads, rc.value_heads, rc.key_dim, rc.value_dim)
         weights = DeltaNetWeights(
-            in_proj=b.packed_weight(name("in_proj_qkvzba.weight"), arch.deltanet_in_parts(
-                i, rc.key_heads, rc.value_heads, rc.key_dim, rc.value_dim)),
+            in_proj=b.packed_weight(name("in_proj_qkvz.weight"), qkvz),
+            gates=b.packed_weight(name(DELTANET_GATES), ba),
             conv=b.weight(name("conv1d.weight")), a_log=b.weight(name("A_log"), dtype=f32),
             dt_bias=b.weight(name("dt_bias"), dtype=f32), norm=b.weight(name("norm.weight")),
             out=b.weight(name("out_proj.weight")))

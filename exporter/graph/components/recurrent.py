@@ -27,16 +27,7 @@ def causal_conv(b: GraphBuilder, x: ir.Value, weight: ir.Value, bias: ir.Value |
     """Depthwise causal convolution of ``x`` [batch, seq, channels] (``weight`` [channels, 1, taps]) after
     the ``state`` [batch, taps - 1, channels] of inputs before it; returns (output [batch, seq,
     channels], the state after it: the last taps - 1 inputs, channels last like ``x``, no transposes).
-
-    onnxruntime 1.32's CPU kernel is float32 only: onnxruntime runs fp16 through inserted casts, and
-    refuses bf16, so a bf16 graph for the CPU casts around the op itself."""
-    cast = b.dtype == ir.DataType.BFLOAT16 and b.ep == "cpu"
-    f32 = ir.DataType.FLOAT
-    if cast:
-        x, weight, state = (b.op("Cast", [t], {"to": f32}) for t in (x, weight, state))
-        bias = b.op("Cast", [bias], {"to": f32}) if bias is not None else None
+    (onnxruntime 1.32's CPU kernel is float32 only, and runs fp16 through casts it inserts itself.)"""
     y, state_out = b.op_multi("CausalConvWithState", [x, weight, bias, state],
                               {"activation": activation, "channels_last": 1}, num_outputs=2, domain=MS_DOMAIN)
-    if cast:
-        y, state_out = (b.op("Cast", [t], {"to": b.dtype}) for t in (y, state_out))
     return y, state_out

@@ -368,6 +368,10 @@ def _replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
     graph.remove(old, safe=True)
 
 
+# Gated DeltaNet's beta / decay projection (components/gated_deltanet.py DELTANET_GATES): kept in float.
+RECURRENT_GATES = ".linear_attn.in_proj_ba.weight"
+
+
 def tensor_role(weight_name: str, num_layers: int, is_lm_head: bool) -> set[str]:
     roles = set()
     if is_lm_head:
@@ -452,7 +456,9 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
             roles = tensor_role(weight.name, self.num_layers, self._feeds_logits(node))
             if self._feeds_router(node, weight):
                 roles.add("router")
-            kept = sorted(roles & (self.keep | {"router"}))
+            if weight.name and RECURRENT_GATES in weight.name:
+                roles.add("recurrent_gate")
+            kept = sorted(roles & (self.keep | {"router", "recurrent_gate"}))
             if kept:
                 self.decisions[weight.name] = {"quantized": False, "kept_for": kept, "roles": sorted(roles)}
                 continue

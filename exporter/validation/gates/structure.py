@@ -8,14 +8,18 @@ from pathlib import Path
 
 import onnx
 
-from exporter.contract import input_for_output
+from exporter.contract import input_for_output, is_state_input
 from exporter.graph.target import COMPAT, COMPAT_MAX_OPSET, ORT_DEFAULT_DOMAIN_OPS
 from exporter.validation.gates import GateResult
 
 CONTROL_FLOW = {"If", "Loop", "Scan"}
-# Initializers allowed to stay float32 in an fp16/bf16 build. None today: rope tables and norms
-# are stored in the model dtype. Listed in the report so an exception is always visible.
-FP32_ALLOWED: tuple[str, ...] = ()
+# Initializers allowed to stay float32 in an fp16/bf16 build: gated DeltaNet's decay parameters,
+# which GatedDeltaNet takes in fp32 only (rope tables and norms are stored in the model dtype). By
+# name suffix; listed in the report so an exception is always visible.
+FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias")
+# A recurrent layer's ops: exactly one recurrence per layer, never unrolled (kind -> ops per layer).
+RECURRENCE_OPS = {"gated_deltanet": ("com.microsoft::CausalConvWithState", "com.microsoft::GatedDeltaNet"),
+                  "short_conv": ("com.microsoft::CausalConvWithState",)}
 
 
 def _all_nodes(graph: onnx.GraphProto, path: str = ""):
@@ -78,8 +82,10 @@ def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
 
 
 def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
-                    compat: bool = False) -> list[GateResult]:
-    """``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata)."""
+                    compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_kind: str | None = None
+                    ) -> list[GateResult]:
+    """``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata);
+    ``recurrent_layers``: a hybrid's layers with a recurrent state (``recurrent_kind``) and no attention."""
     results = []
     model = onnx.load(str(model_path), load_external_data=False)
     try:
@@ -92,20 +98,29 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
     nodes = list(_all_nodes(graph))
     census = collections.Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for _, n in nodes)
 
+    attending = num_layers - len(recurrent_layers)
     expected = {
-        "attn_static": {"Attention": num_layers, "TensorScatter": 2 * num_layers},
-        "gqa": {"com.microsoft::GroupQueryAttention": num_layers},
-        "attn_dynamic": {"Attention": num_layers},
+        "attn_static": {"Attention": attending, "TensorScatter": 2 * attending},
+        "gqa": {"com.microsoft::GroupQueryAttention": attending},
+        "attn_dynamic": {"Attention": attending},
     }[variant]
     found = {op: census.get(op, 0) for op in expected}
     if compat:  # a layer attends through MultiHeadAttention, or (soft-capped scores) through MatMul / Softmax
         label = "com.microsoft::MultiHeadAttention or Softmax"
-        expected = {label: num_layers}
+        expected = {label: attending}
         found = {label: census.get("com.microsoft::MultiHeadAttention", 0) + census.get("Softmax", 0)}
     results.append(GateResult(
         "structure", "attention op census", found == expected, found, expected,
         "" if found == expected else f"expected {expected}, found {found}", details=dict(sorted(census.items())),
     ))
+
+    if recurrent_layers:
+        want = {op: len(recurrent_layers) for op in RECURRENCE_OPS[recurrent_kind]}
+        got = {op: census.get(op, 0) for op in want}
+        results.append(GateResult(
+            "structure", f"one fused recurrence per recurrent layer ({recurrent_kind})", got == want, got, want,
+            "" if got == want else f"expected {want}, found {got}",
+        ))
 
     flow = [_node_label(p, n) for p, n in nodes if n.op_type in CONTROL_FLOW and n.domain in ("", "ai.onnx")]
     # Only attn_static promises a capturable graph; for the others the count is reported, not gated.
@@ -115,7 +130,7 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
     ))
 
     if dtype in ("fp16", "bf16"):
-        fp32 = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.name not in FP32_ALLOWED]
+        fp32 = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and not i.name.endswith(FP32_ALLOWED)]
         results.append(GateResult(
             "structure", f"no float32 initializer in a {dtype} build", not fp32, len(fp32), 0,
             ("float32: " + ", ".join(fp32[:10])) if fp32 else "", details={"allowed": list(FP32_ALLOWED)},
@@ -130,6 +145,9 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
         past, present = _dims(inputs[past_name]) if past_name in inputs else None, _dims(out)
         if past is None:
             bad_shapes.append(f"{out.name} has no input {past_name}")
+        elif is_state_input(past_name):  # a recurrent state: the same fixed shape in and out
+            if present != past or any(not isinstance(d, int) for d in past[1:]):
+                bad_shapes.append(f"{out.name} {present} != {past_name} {past} (fixed but the batch)")
         elif variant == "attn_static" and present != past:
             bad_shapes.append(f"{out.name} {present} != {past_name} {past}")
         elif variant != "attn_static" and (len(present) != 4 or present[:2] + present[3:] != past[:2] + past[3:]):

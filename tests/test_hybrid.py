@@ -1,0 +1,186 @@
+"""Hybrids (recurrent layers beside attention layers): every family x variant against transformers on the
+CPU, through each variant's own cache contract and the recurrent states carried between calls.
+
+The tiny checkpoints (exporter/tiny_checkpoint.py HYBRID_ARCHITECTURES) interleave two recurrent layers
+with two attention layers; prompts of 70 tokens run past the convolution's window (3-4 taps) and past
+GatedDeltaNet's chunk (64 tokens), so a prefill crosses chunks and the state it leaves is what decode
+continues from.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from exporter import contract
+from exporter.errors import ExportError
+from exporter.graph.build import build_model
+from exporter.packaging.resolve import resolve_source
+from exporter.request import ExportRequest
+from exporter.runtime.session import Decoder
+from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES
+from exporter.validation.parity import run_batch_parity, run_parity
+
+VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
+LONG_PROMPT = 70  # > GatedDeltaNet's 64-token chunk and the convolutions' windows
+# The issue's bar: fp32 logits within 1e-4 of the reference's logit range.
+FP32_TOLERANCE = 1e-4
+
+
+def _close(result) -> bool:
+    return result.prefill_max_abs_error <= FP32_TOLERANCE * result.logit_range
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_fp32_matches_transformers_over_a_long_prompt(arch, variant, exported, reference):
+    ref = reference(arch, prompt_len=LONG_PROMPT)
+    result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, f"greedy tokens differ at steps {result.mismatches}"
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_a_prompt_fed_in_chunks_continues_from_the_state_it_left(arch, exported, reference):
+    """Three calls of 24, 23 and 23 tokens: each continues from the conv and recurrent states the one
+    before left (multi-token continuation, as a chunked prefill or a second turn runs)."""
+    ref = reference(arch, prompt_len=LONG_PROMPT)
+    for variant in ("attn_dynamic", "attn_static"):
+        result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0, prefill_chunks=3)
+        assert _close(result), (variant, result)
+        assert result.tokens == ref.tokens, (variant, result.mismatches)
+
+
+@pytest.mark.parametrize("variant", ["attn_dynamic", "attn_static"])
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_a_left_padded_batch_matches_each_prompt_alone(arch, variant, exported, reference):
+    """Batch 2, prompts of 70 and 9 tokens: attn_dynamic left-pads the short row by 61 tokens, which must
+    leave its states as if its prompt started at its first real token; attn_static prefills rows apart."""
+    refs = [reference(arch, prompt_len=LONG_PROMPT), reference(arch, prompt_len=9)]
+    results = run_batch_parity(Decoder(exported(arch, variant)), refs, near_tie_margin=0.0)
+    for ref, result in zip(refs, results):
+        assert _close(result), result
+        assert result.tokens == ref.tokens, result.mismatches
+
+
+def test_a_gqa_hybrid_refuses_a_ragged_batch_by_name(exported):
+    """GroupQueryAttention takes right padding, which would run the padding through the recurrent states:
+    a ragged batch is refused with what to do instead; one of equal lengths runs."""
+    lm = Decoder(exported("qwen3_5_text", "gqa"))
+    with pytest.raises(ValueError, match="one length.*attn_dynamic takes ragged batches"):
+        lm.prefill([[5, 6, 7], [8, 9]], lm.new_state(batch=2))
+    assert lm.prefill([[5, 6, 7], [8, 9, 10]], lm.new_state(batch=2)).shape[0] == 2
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
+    ref = reference(arch, prompt_len=LONG_PROMPT)
+    result = run_parity(Decoder(exported(arch, "gqa", "fp16")), ref, near_tie_margin=0.1)
+    assert result.mismatches == [], f"decisive steps with another token: {result.mismatches}"
+    assert len(result.near_ties) <= result.steps // 2
+    assert result.prefill_max_abs_error <= 5e-2 * result.logit_range
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_int4_is_exact_to_its_dequantized_weights(arch, checkpoint, reference, tmp_path):
+    """int4 with fp32 activations (accuracy_level 0) against transformers on the checkpoint whose
+    quantized weights are replaced by their own quantize-dequantize: the packed and regrouped
+    projections (q | k | v | z, the gated attention's query | gate) quantize row by row exactly as their
+    sources; the DeltaNet gates' projection stays float."""
+    from exporter.pipeline import export_model
+    from exporter.validation.reference import load_reference, reference_greedy
+    from quantized_reference import dequantized_checkpoint
+
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="int4", ep="cpu", variant="attn_dynamic",
+                            quant={"accuracy_level": 0})
+    out = export_model(request, tmp_path / "int4", validate=False).out_dir
+    deq, schemes = dequantized_checkpoint(source, out, tmp_path / "dequantized")
+    assert not any("in_proj_b" in name or "in_proj_a." in name or "in_proj_ba" in name for name in schemes)
+    prompt = reference(arch, prompt_len=LONG_PROMPT).prompt
+    ref = reference_greedy(load_reference(deq), prompt, 24)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_graph_holds_one_fused_recurrence_per_recurrent_layer(arch, exported):
+    model = onnx.load(str(exported(arch, "attn_dynamic") / contract.MODEL_FILE), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    config = json.loads({p.key: p.value for p in model.metadata_props}[contract.META_CONFIG])
+    recurrent = config["recurrent"]["layers"]
+    assert recurrent == [0, 2]
+    assert ops.count("CausalConvWithState") == len(recurrent)
+    assert ops.count("GatedDeltaNet") == (len(recurrent) if config["recurrent"]["kind"] == "gated_deltanet" else 0)
+    assert not {"Loop", "Scan", "If"} & set(ops)
+    assert ops.count("Attention") == config["num_layers"] - len(recurrent)
+    inputs = {i.name: i for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    for layer in recurrent:  # states by layer index, past_* in and present_* out; no KV cache
+        past, present = contract.state_names(layer, contract.CONV_STATE)
+        assert past in inputs and present in outputs
+        assert f"past_key_values.{layer}.key" not in inputs
+        dims = [d.dim_value or d.dim_param for d in inputs[past].type.tensor_type.shape.dim]
+        assert dims[0] == contract.BATCH and all(isinstance(d, int) and d > 0 for d in dims[1:])
+
+
+def test_recurrent_state_is_fp32_in_an_fp16_export(exported):
+    model = onnx.load(str(exported("qwen3_next", "gqa", "fp16") / contract.MODEL_FILE), load_external_data=False)
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert types["past_recurrent.0"] == onnx.TensorProto.FLOAT
+    assert types["past_conv.0"] == onnx.TensorProto.FLOAT16
+    assert types["past_key_values.1.key"] == onnx.TensorProto.FLOAT16
+
+
+def _with_config(checkpoint, tmp_path, **changes):
+    import shutil
+
+    source = checkpoint("lfm2")
+    out = tmp_path / "edited"
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_layer_type_the_exporter_does_not_know_is_refused_by_name(checkpoint, tmp_path):
+    """A layer type transformers knows but the exporter does not build for this family (a Mamba layer is
+    linear_attention to transformers 5), and one transformers itself refuses: both by name."""
+    path = _with_config(checkpoint, tmp_path, layer_types=["linear_attention", "full_attention", "conv", "full_attention"])
+    with pytest.raises(ExportError, match=r"unsupported layer types \['linear_attention'\] in config.json of this lfm2 "
+                                          r"model: the exporter builds full_attention, conv layers"):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+    path = _with_config(checkpoint, tmp_path / "2", layer_types=["hyena", "full_attention", "conv", "full_attention"])
+    with pytest.raises(ExportError, match=r"transformers refuses .*config.json: .*'hyena'"):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+
+
+def test_a_checkpoint_whose_convolution_disagrees_with_its_config_is_refused(checkpoint, tmp_path):
+    path = _with_config(checkpoint, tmp_path, conv_L_cache=5)
+    with pytest.raises(ExportError, match=r"conv\.conv\.weight is \[64, 1, 3\] but config\.json implies \[64, 1, 5\]"):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_the_recurrent_states_really_carry_the_past(arch, exported):
+    """A control for the tests above: decode from zeroed states after a prefill gives other logits than
+    from the states the prefill left (the states are read, not ignored)."""
+    lm = Decoder(exported(arch, "attn_dynamic"))
+    prompt = np.random.default_rng(3).integers(3, 250, size=(1, 20))
+    state = lm.new_state()
+    lm.forward(prompt, state)
+    carried = lm.step([7], _copy(state))
+    state.states = lm.new_states(1)
+    forgotten = lm.step([7], state)
+    assert np.abs(carried - forgotten).max() > 1e-3
+
+
+def _copy(state):
+    import copy
+
+    return copy.deepcopy(state)
