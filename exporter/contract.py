@@ -73,12 +73,13 @@ def is_state_input(name: str) -> bool:
 
 
 def state_dims(kind: str, *, taps: int = 0, channels: int = 0, heads: int = 0, key_dim: int = 0,
-               value_dim: int = 0) -> list:
+               value_dim: int = 0, key_major: bool = False) -> list:
     """A state's declared dims: conv [batch, taps - 1, channels] (channels last, as the layer's
-    input runs), recurrent [batch, value_heads, value_dim, key_dim] (GatedDeltaNet's layout, fp32)."""
+    input runs), recurrent [batch, value_heads, value_dim, key_dim] (GatedDeltaNet's layout, fp32;
+    ``key_major``: [batch, value_heads, key_dim, value_dim], LinearAttention's, in the hf layout)."""
     if kind == CONV_STATE:
         return [BATCH, taps - 1, channels]
-    return [BATCH, heads, value_dim, key_dim]
+    return [BATCH, heads, key_dim, value_dim] if key_major else [BATCH, heads, value_dim, key_dim]
 
 
 def step_inputs(variant: Variant) -> tuple[str, ...]:

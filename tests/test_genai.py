@@ -33,7 +33,7 @@ from exporter.tiny_checkpoint import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
 )
-from exporter.tiny_checkpoint import MOE_ARCHITECTURES
+from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, MOE_ARCHITECTURES
 from tests.conftest import ARCHITECTURES, MAX_SEQ_LEN
 
 NEW_TOKENS = 20
@@ -98,7 +98,9 @@ def _transformers_greedy(checkpoint, prompt: list[int], new_tokens: int) -> list
 # Every dense architecture in both variants genai runs; the mixtures of experts too (gpt-oss: gqa only,
 # its attention sinks exist in GroupQueryAttention alone).
 GENAI_CASES = [(arch, variant) for arch in ARCHITECTURES for variant in GENAI_VARIANTS] + [
-    (arch, variant) for arch in MOE_ARCHITECTURES for variant in GENAI_VARIANTS if arch != "gpt_oss" or variant == "gqa"]
+    (arch, variant) for arch in MOE_ARCHITECTURES for variant in GENAI_VARIANTS if arch != "gpt_oss" or variant == "gqa"] + [
+    # Hybrids: genai carries their recurrent states (past_conv.%d / past_recurrent.%d) from genai_config.json.
+    (arch, variant) for arch in HYBRID_ARCHITECTURES for variant in GENAI_VARIANTS]
 
 
 @pytest.mark.parametrize("arch, variant", GENAI_CASES)

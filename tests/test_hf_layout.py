@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -23,12 +24,15 @@ from exporter.errors import ExportError
 from exporter.packaging.hf_layout import write_hf_layout
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
-from exporter.tiny_checkpoint import ARCH_CONFIGS, MOE_ARCHITECTURES
+from exporter.tiny_checkpoint import ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES
 from quantized_reference import dequantized_checkpoint
 
 CLIENTS = Path(__file__).resolve().parents[1] / "clients"
 CLIENT = CLIENTS / "transformersjs"
 DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
+# optimum's ORTModelForCausalLM feeds KV caches only, never a hybrid's recurrent states ("Input past_conv.0
+# is required by model but not provided"): hybrids are transformers.js's alone.
+OPTIMUM = [a for a in DENSE if a not in HYBRID_ARCHITECTURES]
 NEW_TOKENS = 12
 FP16 = ["llama", "qwen3", "gemma2"]
 
@@ -80,7 +84,7 @@ def laid_out(exported, checkpoint, workdir):
     @functools.cache
     def make(arch: str, dtype: str = "fp32") -> Path:
         out = workdir / "hf-layout" / f"{arch}-{dtype}"
-        if dtype == "fp32":
+        if dtype == "fp32" and arch not in HYBRID_ARCHITECTURES:  # a hybrid's hf layout is built for it (LinearAttention)
             write_hf_layout(exported(arch, "attn_dynamic"), out, checkpoint(arch))
             return out
         request = ExportRequest(model=str(checkpoint(arch)), dtype=dtype, ep="cpu", variant="attn_dynamic",
@@ -95,7 +99,7 @@ def optimum_tokens(optimum, laid_out) -> dict[tuple[str, str], list[list[int]]]:
     """{(arch, dtype, rows): sequences} from one optimum process over every repository its tests check:
     the left-padded batch of two for each, and batch 1 for the fp32 ones."""
     python, script = optimum
-    wanted = [(arch, "fp32", rows) for arch in DENSE for rows in (2, 1)] + [(arch, "fp16", 2) for arch in FP16]
+    wanted = [(arch, "fp32", rows) for arch in OPTIMUM for rows in (2, 1)] + [(arch, "fp16", 2) for arch in FP16]
     args = []
     for arch, dtype, rows in wanted:
         layout = laid_out(arch, dtype)
@@ -164,7 +168,7 @@ def check_rows(got, want, ids, client: str = "transformers.js"):
         assert g[len(ids[row]):] == w[len(ids[row]):], f"row {row}: {client} {g} vs transformers {w}"
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", OPTIMUM)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_transformersjs(
         arch, exported, checkpoint, laid_out, transformersjs):
     export_dir = exported(arch, "attn_dynamic")
@@ -290,7 +294,7 @@ def test_the_cli_exports_validates_and_lays_out_in_one_command(checkpoint, trans
     assert "already in the hf layout" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", OPTIMUM)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_optimum(
         arch, checkpoint, optimum_tokens):
     for rows, (ids, mask) in ((2, prompts(arch)), (1, batch_of_one(arch))):
@@ -309,6 +313,34 @@ def test_an_fp16_export_in_the_hf_layout_generates_transformers_fp32_tokens_in_b
     want = hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask))
     check_rows(js_generate(transformersjs, layout, "fp16", ids, mask), want, ids)
     check_rows(optimum_tokens[arch, "fp16", 2], want, ids, "optimum")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2"])
+def test_a_hybrid_in_the_hf_layout_generates_transformers_tokens_in_transformersjs(arch, checkpoint, laid_out,
+                                                                                   transformersjs):
+    """transformers.js 4.3 feeds past_conv.i / past_recurrent.i (zeros from the model's input metadata) and
+    carries present_* back; the recurrence runs on LinearAttention (its onnxruntime-node 1.30 has no
+    GatedDeltaNet kernel); a left-padded batch of two and a batch of one, against transformers' generate."""
+    layout = laid_out(arch)
+    graph = onnx.load(str(layout / "onnx" / "model.onnx"), load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert "GatedDeltaNet" not in ops and "CausalConvWithState" in ops
+    batches = [prompts(arch), batch_of_one(arch)]
+    for (ids, mask), got in zip(batches, js_generate_batches(transformersjs, layout, "fp32", batches)):
+        check_rows(got, hf_generate(checkpoint(arch), json.dumps(ids), json.dumps(mask)), ids)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5"])
+def test_qwen3_5_is_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_path):
+    request = ExportRequest(model=str(checkpoint(arch)), ep="cpu", variant="attn_dynamic", layout="hf")
+    with pytest.raises(ExportError, match="no hf layout for a qwen3_5.*M-RoPE.*onnxruntime-genai runs it"):
+        export_model(request, tmp_path / "repo", validate=False)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_farm_export_on_gateddeltanet_is_refused_for_the_hf_layout_saying_how(exported, checkpoint, tmp_path):
+    with pytest.raises(ExportError, match="GatedDeltaNet.*export it with layout hf"):
+        write_hf_layout(exported("qwen3_5_text", "attn_dynamic"), tmp_path / "repo", checkpoint("qwen3_5_text"))
 
 
 def test_a_worker_links_the_weights_instead_of_copying_them(exported, checkpoint, tmp_path):

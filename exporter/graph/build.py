@@ -246,6 +246,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     target = target_for(request.compat)
     fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
     builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer, request.ep.value)
+    if request.layout == "hf":  # transformers.js's onnxruntime-node has no GatedDeltaNet kernel
+        builder.deltanet_op = "LinearAttention"
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
@@ -268,6 +270,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
                     "activations": activations.value,
                     **({"recurrent": {"kind": cfg.recurrent.kind,
+                                      "ops": ["CausalConvWithState"] + (
+                                          [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else []),
                                       "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)]}}
                        if cfg.recurrent else {}),
                     **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),

@@ -84,15 +84,15 @@ def static_window_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Va
     return b.op("And", [seen, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
 
 
-def state_layout(cfg: ModelConfig, dtype: ir.DataType) -> list[tuple[str, ir.DataType, list]]:
+def state_layout(cfg: ModelConfig, dtype: ir.DataType, key_major: bool = False) -> list[tuple[str, ir.DataType, list]]:
     """(kind, dtype, dims) of each state a recurrent layer of ``cfg`` carries, in graph order: the
     convolution's in the model dtype, gated DeltaNet's recurrence in fp32 (GatedDeltaNet's state type,
-    and what transformers keeps)."""
+    and what transformers keeps); ``key_major``: LinearAttention's [.., key_dim, value_dim]."""
     rc = cfg.recurrent
     layout = [(io.CONV_STATE, dtype, io.state_dims(io.CONV_STATE, taps=rc.conv_kernel, channels=rc.channels))]
     if rc.kind == GATED_DELTANET:
         layout.append((io.RECURRENT_STATE, ir.DataType.FLOAT, io.state_dims(
-            io.RECURRENT_STATE, heads=rc.value_heads, key_dim=rc.key_dim, value_dim=rc.value_dim)))
+            io.RECURRENT_STATE, heads=rc.value_heads, key_dim=rc.key_dim, value_dim=rc.value_dim, key_major=key_major)))
     return layout
 
 
@@ -173,9 +173,10 @@ def build_graph(
     cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim)
     out_cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim, output=True)
     caches_in = []
+    key_major = b.deltanet_op == "LinearAttention"
     for i in range(cfg.num_layers):
         if cfg.is_recurrent(i):  # a hybrid's recurrent layer: its states, not a KV cache
-            caches_in.append(tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype)))
+            caches_in.append(tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype, key_major)))
         else:
             names = io.cache_names(variant, i)
             caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
@@ -234,7 +235,7 @@ def build_graph(
             h, x = residual_norm(b, arch, x, mlp_out, next_norm, cfg.rms_norm_eps)
         if cfg.is_recurrent(i):
             outputs += [_name_output(value, io.state_names(i, kind)[1], dt, dims)
-                        for value, (kind, dt, dims) in zip(cache_out, state_layout(cfg, dtype))]
+                        for value, (kind, dt, dims) in zip(cache_out, state_layout(cfg, dtype, key_major))]
         else:
             names = io.cache_names(variant, i)
             outputs += [

@@ -24,7 +24,11 @@ from exporter.graph.config import ModelConfig
 from exporter.packaging.package import MODEL_FILE
 from exporter.packaging.source_files import GENERATION_CONFIG_FILE, checkpoint_file, tokenizer_file_names
 from exporter.request import EP, ExportRequest, Variant
-from exporter.contract import ATTENTION_MASK, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, cache_names
+from exporter.contract import (
+    ATTENTION_MASK, CONV_STATE, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, RECURRENT_STATE, cache_names,
+    state_names,
+)
+from exporter.graph.config import GATED_DELTANET
 
 # The release CI loads these packages with (tests/test_genai.py); its PyPI wheel runs on the separately
 # installed onnxruntime package (>= 1.31), the one that must run our opset-24 graphs.
@@ -39,6 +43,13 @@ GENAI_MODEL_TYPES = {
     # Mixtures of experts: the experts are ops in the graph; to genai's generator a plain decoder.
     "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder", "olmoe": "decoder", "granitemoe": "decoder",
     "gpt_oss": "decoder", "phimoe": "decoder",
+    # Hybrids: genai's recurrent-state cache finds the layers whose past_recurrent_names / past_conv_names
+    # the graph has (absolute layer indices), whatever the type. "qwen3" feeds 2-D position_ids (where the
+    # graph takes them); genai's own qwen3_5_text type feeds M-RoPE's [3, batch, seq], which a text graph
+    # does not take, and it has no qwen3_next. lfm2's conv-only cache comes with the type and its
+    # decoder.layer_types.
+    "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
+    "qwen3_5_moe": "qwen3", "lfm2": "lfm2",
 }
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
@@ -226,7 +237,8 @@ def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names:
         return f"onnxruntime-genai has no decoder model type for {config.architecture!r}"
     past_key, past_value, _, _ = _cache_templates(variant)
     fed = set(_GENAI_FED_INPUTS)
-    fed.update(t % i for t in (past_key, past_value) for i in range(config.num_layers))
+    fed.update(t % i for t in (past_key, past_value) for i in config.attention_layers)
+    fed.update(t % i for t, _ in _state_templates(config).values() for i in range(config.num_layers) if config.is_recurrent(i))
     unfed = [name for name in input_names if name not in fed]
     if unfed:
         return f"graph inputs {', '.join(unfed)} are not ones onnxruntime-genai feeds"
@@ -245,12 +257,19 @@ def build_genai_config(
     past_key, past_value, present_key, present_value = _cache_templates(variant)
     for template, names in ((past_key, input_names), (past_value, input_names),
                             (present_key, output_names), (present_value, output_names)):
-        missing = [template % i for i in range(config.num_layers) if template % i not in names]
+        missing = [template % i for i in config.attention_layers if template % i not in names]
         if missing:
             raise AssertionError(f"graph contract and genai config disagree: {missing} not in the graph")
     inputs = {name: name for name in _GENAI_FED_INPUTS if name in input_names}
     inputs.update(past_key_names=past_key, past_value_names=past_value)
     outputs = {"logits": LOGITS, "present_key_names": present_key, "present_value_names": present_value}
+    for kind, (past, present) in _state_templates(config).items():  # a hybrid's recurrent states
+        recurrent = [i for i in range(config.num_layers) if config.is_recurrent(i)]
+        missing = [t % i for t, names in ((past, input_names), (present, output_names)) for i in recurrent
+                   if t % i not in names]
+        if missing:
+            raise AssertionError(f"graph contract and genai config disagree: {missing} not in the graph")
+        inputs[f"past_{kind}_names"], outputs[f"present_{kind}_names"] = past, present
     # The rotary tables are baked for this many positions: genai must not run past them.
     context_length = request.max_seq_len or config.max_position_embeddings
     generation = _read_checkpoint_json(source_dir, GENERATION_CONFIG_FILE)
@@ -285,6 +304,10 @@ def build_genai_config(
         "inputs": inputs,
         "outputs": outputs,
     }
+    if config.recurrent is not None and config.recurrent.kind != GATED_DELTANET:
+        # genai's conv-only cache (LFM2): every layer not full_attention carries past_conv_names.
+        model["decoder"]["layer_types"] = list(config.layer_types)
+        model["decoder"]["conv_cache_size"] = config.recurrent.conv_state
     return {"model": model, "search": search_defaults(generation, variant, context_length)}
 
 
@@ -371,6 +394,15 @@ def _tokenizer_token_id(source_dir: Path, name: str) -> int | None:
     if isinstance(vocab, dict) and token in vocab:
         return int(vocab[token])
     return None
+
+
+def _state_templates(config: ModelConfig) -> dict[str, tuple[str, str]]:
+    """A hybrid's recurrent states as genai's templates: kind -> (past, present); {} for a transformer.
+    (genai's keys: past_conv_names / past_recurrent_names and their present_* twins.)"""
+    if config.recurrent is None:
+        return {}
+    kinds = [CONV_STATE] + ([RECURRENT_STATE] if config.recurrent.kind == GATED_DELTANET else [])
+    return {kind: tuple(name.replace(str(_LAYER_MARK), "%d") for name in state_names(_LAYER_MARK, kind)) for kind in kinds}
 
 
 def _cache_templates(variant: Variant) -> tuple[str, str, str, str]:

@@ -78,6 +78,10 @@ def hf_file_names(manifest: dict) -> tuple[str, str, str]:
     ExportError naming why it has no place in the layout."""
     request = manifest["request"]
     check_request(request["dtype"], manifest.get("variant") or request["variant"])
+    if (manifest.get("op_census") or {}).get("com.microsoft::GatedDeltaNet"):
+        raise ExportError("this export runs gated DeltaNet on GatedDeltaNet, which onnxruntime-node 1.30 (what "
+                          "transformers.js 4.3 runs on) has no kernel for: export it with layout hf (CLI --layout hf), "
+                          "which runs the recurrence on LinearAttention")
     logits = next((o for o in manifest["graph"]["outputs"] if o["name"] == LOGITS), None)
     key = (request["dtype"], logits["dtype"] if logits else None)
     if key not in SUFFIX:
@@ -157,6 +161,24 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, we
     return layout_manifest
 
 
+# Families transformers.js 4.3 cannot drive as a text decoder (model.onnx alone): its Qwen3.5 classes
+# compute M-RoPE position ids [3, batch, seq] from config.vision_config for every prompt (a text graph
+# takes [batch, seq], and a text checkpoint has no vision_config: "Cannot read properties of undefined
+# (reading 'spatial_merge_size')"), and it has no qwen3_5_moe_text model type at all.
+TRANSFORMERSJS_REFUSES = {
+    t: "transformers.js 4.3 drives Qwen3.5 only through its image-text classes (M-RoPE position ids from "
+       "config.vision_config, embed_tokens + decoder_model_merged files), not a text decoder's model.onnx"
+    for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
+
+
+def _checked_config(config: dict) -> dict:
+    reason = TRANSFORMERSJS_REFUSES.get(config.get("model_type"))
+    if reason:
+        raise ExportError(f"no hf layout for a {config['model_type']} model: {reason}; use the farm layout (onnxruntime-"
+                          "genai runs it)")
+    return config
+
+
 def check_export(export_dir: Path) -> dict:
     """The manifest of a farm-layout export, or ExportError saying what ``export_dir`` is instead."""
     manifest_path = export_dir / MANIFEST_FILE
@@ -174,7 +196,7 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
     (out_dir / ONNX_DIR).mkdir(parents=True)
     _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
     _carry_weights(export_dir / DATA_FILE, out_dir / data_name, weights)
-    config = json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text())
+    config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()))
     js_config = dict(config.get("transformers.js_config") or {})
     external = dict(js_config.get("use_external_data_format") or {})
     external[Path(model_name).name] = 1

@@ -44,6 +44,33 @@ def _l2_norm(b: GraphBuilder, x: ir.Value, dim: int) -> ir.Value:
 DELTANET_GATES = "in_proj_ba.weight"
 
 
+# Which op runs the recurrence (GraphBuilder.deltanet_op): GatedDeltaNet (gates, fp16 / bf16 kernels,
+# state [batch, value_heads, value_dim, key_dim]) wherever onnxruntime >= 1.32 runs the export; the older
+# LinearAttention (update_rule gated_delta, float kernels only on the CPU, state [batch, value_heads,
+# key_dim, value_dim]) for the hf layout: transformers.js 4.3 runs onnxruntime-node 1.30, which has
+# LinearAttention's CPU kernel and none for GatedDeltaNet.
+GATED_DELTANET_OP, LINEAR_ATTENTION = "GatedDeltaNet", "LinearAttention"
+
+
+def _linear_attention(b: GraphBuilder, q, k, v, decay, beta, state, w: "DeltaNetWeights", cfg: ModelConfig):
+    """The gated delta rule on LinearAttention: its gates computed here (beta = sigmoid(b), log decay
+    = -exp(A_log) * softplus(a + dt_bias)), keys repeated to the value heads (the op pairs each key head
+    with one value head; value head j reads key head j // (value_heads / key_heads)), all in fp32."""
+    rc, f32 = cfg.recurrent, ir.DataType.FLOAT
+    tofloat = (lambda t: b.op("Cast", [t], {"to": f32})) if b.dtype != f32 else (lambda t: t)  # noqa: E731
+    r = rc.value_heads // rc.key_heads
+    q, k, v, decay, beta = (tofloat(t) for t in (q, k, v, decay, beta))
+    if r > 1:
+        k = b.op("Expand", [b.op("Unsqueeze", [k, b.ints(3)]), b.ints(1, 1, 1, r, 1)])
+    q, k, v = (b.op("Reshape", [t, b.ints(0, 0, -1)]) for t in (q, k, v))
+    softplus = b.op("Softplus", [b.op("Add", [decay, w.dt_bias])])
+    log_decay = b.op("Mul", [b.op("Neg", [b.op("Exp", [w.a_log])]), softplus])
+    y, state_out = b.op_multi("LinearAttention", [q, k, v, state, log_decay, b.op("Sigmoid", [beta])],
+                              {"q_num_heads": rc.key_heads, "kv_num_heads": rc.value_heads,
+                               "update_rule": "gated_delta"}, num_outputs=2, domain=MS_DOMAIN)
+    return (b.op("Cast", [y], {"to": b.dtype}) if b.dtype != f32 else y), state_out
+
+
 @dataclasses.dataclass
 class DeltaNetWeights:
     in_proj: ir.Value  # [q | k | v | z, hidden]: q, k, v in the convolution's channel order
@@ -70,9 +97,13 @@ def gated_deltanet(b: GraphBuilder, x: ir.Value, w: DeltaNetWeights, cfg: ModelC
     q, k, v = b.op_multi("Split", [qkv, b.ints(queries, queries, values)], {"axis": -1}, num_outputs=3)
     q, k = (_l2_norm(b, b.op("Reshape", [t, b.ints(0, 0, rc.key_heads, rc.key_dim)]), rc.key_dim) for t in (q, k))
     v = b.op("Reshape", [v, b.ints(0, 0, rc.value_heads, rc.value_dim)])
-    core, state_out = b.op_multi(
-        "GatedDeltaNet", [q, k, v, None, decay, beta, recurrent_state, w.a_log, w.dt_bias],
-        {"gate_activation": "softplus", "beta_activation": "sigmoid"}, num_outputs=2, domain=MS_DOMAIN)
+    if b.deltanet_op == LINEAR_ATTENTION:
+        core, state_out = _linear_attention(b, q, k, v, decay, beta, recurrent_state, w, cfg)
+    else:
+        core, state_out = b.op_multi(
+            "GatedDeltaNet", [q, k, v, None, decay, beta, recurrent_state, w.a_log, w.dt_bias],
+            {"gate_activation": "softplus", "beta_activation": "sigmoid"}, num_outputs=2, domain=MS_DOMAIN)
     core = b.op("Reshape", [core, b.ints(0, 0, values)])
-    y = b.op("GatedRMSNorm", [core, w.norm, z], {"epsilon": float(rc.norm_eps), "activation": "silu"}, domain=MS_DOMAIN)
+    # SiLU gate: the op's default (onnxruntime-node 1.30, which transformers.js 4.3 runs on, knows no activation attribute).
+    y = b.op("GatedRMSNorm", [core, w.norm, z], {"epsilon": float(rc.norm_eps)}, domain=MS_DOMAIN)
     return linear(b, y, w.out), conv_out, state_out

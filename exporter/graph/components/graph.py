@@ -24,7 +24,10 @@ class GraphBuilder:
         self.target = target  # which ops the components emit (graph/target.py)
         # phimoe routed by the expert op's own sparse mixer (components/moe.py fused_sparse_mixer)
         self.fused_sparse_mixer = fused_sparse_mixer
-        self.ep = ep  # the EP the export is for (an op whose kernel there lacks a dtype gets casts)
+        self.ep = ep  # the EP the export is for
+        # gated DeltaNet's recurrence op: GatedDeltaNet, or LinearAttention for transformers.js's older
+        # onnxruntime-node (components/gated_deltanet.py)
+        self.deltanet_op = "GatedDeltaNet"
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 

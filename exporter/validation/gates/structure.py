@@ -17,9 +17,9 @@ CONTROL_FLOW = {"If", "Loop", "Scan"}
 # which GatedDeltaNet takes in fp32 only (rope tables and norms are stored in the model dtype). By
 # name suffix; listed in the report so an exception is always visible.
 FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias")
-# A recurrent layer's ops: exactly one recurrence per layer, never unrolled (kind -> ops per layer).
-RECURRENCE_OPS = {"gated_deltanet": ("com.microsoft::CausalConvWithState", "com.microsoft::GatedDeltaNet"),
-                  "short_conv": ("com.microsoft::CausalConvWithState",)}
+# A recurrent layer's ops: exactly one recurrence per layer, never unrolled.
+# The op that runs gated DeltaNet's recurrence is the export's own (its metadata's recurrent.op:
+# GatedDeltaNet, or LinearAttention in an hf-layout export, components/gated_deltanet.py).
 
 
 def _all_nodes(graph: onnx.GraphProto, path: str = ""):
@@ -82,10 +82,11 @@ def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
 
 
 def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
-                    compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_kind: str | None = None
+                    compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_ops: tuple[str, ...] = ()
                     ) -> list[GateResult]:
     """``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata);
-    ``recurrent_layers``: a hybrid's layers with a recurrent state (``recurrent_kind``) and no attention."""
+    ``recurrent_layers``: a hybrid's layers with a recurrent state and no attention, each holding one of
+    each of ``recurrent_ops`` (com.microsoft op types)."""
     results = []
     model = onnx.load(str(model_path), load_external_data=False)
     try:
@@ -115,10 +116,10 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
     ))
 
     if recurrent_layers:
-        want = {op: len(recurrent_layers) for op in RECURRENCE_OPS[recurrent_kind]}
+        want = {f"com.microsoft::{op}": len(recurrent_layers) for op in recurrent_ops}
         got = {op: census.get(op, 0) for op in want}
         results.append(GateResult(
-            "structure", f"one fused recurrence per recurrent layer ({recurrent_kind})", got == want, got, want,
+            "structure", "one fused recurrence per recurrent layer", got == want, got, want,
             "" if got == want else f"expected {want}, found {got}",
         ))
 
