@@ -60,7 +60,8 @@ def input_for_output(name: str) -> str | None:
 # A recurrent layer carries fixed-size states instead of a KV cache, past_* in and present_* out by the
 # same name after the prefix, zeros at the start of a sequence, in every variant alike.
 CONV_STATE, RECURRENT_STATE = "conv", "recurrent"  # the convolution's last inputs; the recurrence's matrix
-STATE_KINDS = (CONV_STATE, RECURRENT_STATE)
+SSM_STATE = "ssm"  # Mamba2's state matrix (transformers.js's name for it)
+STATE_KINDS = (CONV_STATE, RECURRENT_STATE, SSM_STATE)
 
 
 def state_names(layer: int, kind: str) -> tuple[str, str]:

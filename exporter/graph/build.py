@@ -14,7 +14,7 @@ from exporter.graph.architectures.base import Architecture
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
-from exporter.graph.config import GATED_DELTANET, ModelConfig, load_model_config
+from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, load_model_config
 from exporter.errors import ExportError
 from exporter.request import EP, DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
@@ -147,6 +147,14 @@ def _check_recurrent(cfg: ModelConfig, arch: Architecture, i: int, expect) -> No
         if rc.value_heads % rc.key_heads:
             raise ExportError(f"linear_num_value_heads {rc.value_heads} is not a multiple of linear_num_key_heads "
                               f"{rc.key_heads}: fix config.json")
+    elif rc.kind == MAMBA2:
+        inner = rc.value_heads * rc.value_dim
+        expect(name("in_proj.weight"), (inner + rc.channels + rc.value_heads, hidden))
+        expect(name("conv1d.weight"), (rc.channels, 1, rc.conv_kernel))
+        for t in ("A_log", "dt_bias", "D"):
+            expect(name(t), (rc.value_heads,))
+        expect(name("norm.weight"), (inner,))
+        expect(name("out_proj.weight"), (hidden, inner))
     else:
         expect(name("in_proj.weight"), (3 * hidden, hidden))
         expect(name("conv.weight"), (hidden, 1, rc.conv_kernel))
@@ -271,7 +279,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "activations": activations.value,
                     **({"recurrent": {"kind": cfg.recurrent.kind,
                                       "ops": ["CausalConvWithState"] + (
-                                          [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else []),
+                                          [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else
+                                          ["GatedDeltaNet"] if cfg.recurrent.kind == MAMBA2 else []),
                                       "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)]}}
                        if cfg.recurrent else {}),
                     **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),

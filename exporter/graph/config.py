@@ -26,8 +26,11 @@ LINEAR, CONV = "linear_attention", "conv"
 HYBRID_LAYER_TYPES = {
     "qwen3_next": (FULL, LINEAR), "qwen3_5_text": (FULL, LINEAR), "qwen3_5": (FULL, LINEAR),
     "qwen3_5_moe_text": (FULL, LINEAR), "qwen3_5_moe": (FULL, LINEAR), "lfm2": (FULL, CONV),
+    # Granite 4.0-H: its Mamba2 layers are linear_attention to transformers 5 (config.json's "mamba", remapped).
+    "granitemoehybrid": (FULL, LINEAR),
 }
-GATED_DELTANET, SHORT_CONV = "gated_deltanet", "short_conv"
+GATED_DELTANET, SHORT_CONV, MAMBA2 = "gated_deltanet", "short_conv", "mamba2"
+MAMBA2_TYPES = ("granitemoehybrid",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class RecurrentConfig:
     [key_dim, value_dim] state; ``key_heads`` q / k heads, each shared by value_heads / key_heads
     value heads. LFM2's short convolution (``conv`` layers): ``channels`` = hidden, no recurrence."""
 
-    kind: str  # GATED_DELTANET | SHORT_CONV
+    kind: str  # GATED_DELTANET | SHORT_CONV | MAMBA2 (key_heads: its groups, key_dim: d_state, value_*: heads)
     conv_kernel: int
     channels: int
     key_heads: int = 0
@@ -64,7 +67,8 @@ class RecurrentConfig:
     key_dim: int = 0
     value_dim: int = 0
     conv_bias: bool = False
-    norm_eps: float = 1e-6  # the gated output norm's (gated DeltaNet)
+    norm_eps: float = 1e-6  # the gated output norm's (gated DeltaNet, Mamba2)
+    proj_bias: bool = False  # Mamba2: in_proj and out_proj biased
 
     @property
     def conv_state(self) -> int:
@@ -107,6 +111,7 @@ MOE_TYPES = {
     "qwen3_next": ("num_experts", "moe_intermediate_size"),
     "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size"),
     "qwen3_5_moe": ("num_experts", "moe_intermediate_size"),
+    "granitemoehybrid": ("num_local_experts", "intermediate_size"),
 }
 # Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
 SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -115,6 +120,8 @@ SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_m
 def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
     if model_type not in MOE_TYPES:
         return None
+    if model_type == "granitemoehybrid" and not getattr(hf, "num_local_experts", 0):
+        return None  # Granite 4.0-H's dense sizes: the shared MLP alone
     experts_key, width_key = MOE_TYPES[model_type]
     experts = getattr(hf, experts_key, None) or getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
     top_k = getattr(hf, "num_experts_per_tok", None)
@@ -124,7 +131,7 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
     # granitemoe and gpt-oss softmax the top-k logits, which is renormalizing softmax's top k; mixtral
     # always renormalizes.
     # qwen3_5_moe always renormalizes (its config has no norm_topk_prob).
-    always = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe")
+    always = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe", "granitemoehybrid")
     normalize = True if model_type in always else bool(getattr(hf, "norm_topk_prob", False))
     step = getattr(hf, "decoder_sparse_step", None) or 1
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
@@ -360,6 +367,20 @@ LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe")
 
 
 def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> RecurrentConfig | None:
+    if LINEAR in layer_types and model_type in MAMBA2_TYPES:
+        limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
+        if limit != (0.0, float("inf")):
+            # transformers clamps dt to it in a prefill but not in a one-token decode step: no single graph
+            # reproduces both.
+            raise ExportError(f"time_step_limit {list(limit)} in config.json: transformers applies it to a prompt but not "
+                              "to a decode step, which one graph cannot match; only the default (0, inf) is exported")
+        heads, head_dim = int(hf.mamba_n_heads), int(hf.mamba_d_head)
+        groups, d_state = int(hf.mamba_n_groups), int(hf.mamba_d_state)
+        if heads % groups:
+            raise ExportError(f"mamba_n_heads {heads} is not a multiple of mamba_n_groups {groups}: fix config.json")
+        return RecurrentConfig(MAMBA2, int(hf.mamba_d_conv), heads * head_dim + 2 * groups * d_state, groups, heads,
+                               d_state, head_dim, conv_bias=bool(hf.mamba_conv_bias), norm_eps=float(hf.rms_norm_eps),
+                               proj_bias=bool(hf.mamba_proj_bias))
     if LINEAR in layer_types:
         return RecurrentConfig(
             GATED_DELTANET, int(hf.linear_conv_kernel_dim),
@@ -413,6 +434,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         layer_types = (FULL,) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # smollm3: 1 = rotary, 0 = none
     rope_layers = tuple(bool(v) for v in no_rope) if no_rope else ()
+    if model_type == "granitemoehybrid" and getattr(hf, "position_embedding_type", None) != "rope":
+        rope_layers = (False,) * hf.num_hidden_layers  # Granite 4.0-H attends without positions (NoPE)
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise ExportError(f"unsupported MLP activation {act!r}: supported are {', '.join(SUPPORTED_ACTIVATIONS)}")
@@ -425,7 +448,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         architecture=model_type,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
-        intermediate_size=_lfm2_intermediate(hf) if model_type == "lfm2" else (getattr(hf, "intermediate_size", None) or 0),
+        intermediate_size=(_lfm2_intermediate(hf) if model_type == "lfm2" else hf.shared_intermediate_size
+                           if model_type == "granitemoehybrid" else (getattr(hf, "intermediate_size", None) or 0)),
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
@@ -452,7 +476,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         clip_qkv=getattr(hf, "clip_qkv", None),
         lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
         recurrent=_recurrent_config(hf, model_type, layer_types),
-        attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type != "lfm2",
+        attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type not in ("lfm2", *MAMBA2_TYPES),
     )
 
 

@@ -16,7 +16,7 @@ from exporter.graph.components.attention import StepInputs
 from exporter.graph.components.decoder import decoder_layer, norm, residual_norm
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
-from exporter.graph.config import GATED_DELTANET, ModelConfig, RopeConfig
+from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, RopeConfig
 from exporter.request import Variant
 from exporter.graph.rope import rope_tables
 
@@ -93,6 +93,9 @@ def state_layout(cfg: ModelConfig, dtype: ir.DataType, key_major: bool = False) 
     if rc.kind == GATED_DELTANET:
         layout.append((io.RECURRENT_STATE, ir.DataType.FLOAT, io.state_dims(
             io.RECURRENT_STATE, heads=rc.value_heads, key_dim=rc.key_dim, value_dim=rc.value_dim, key_major=key_major)))
+    elif rc.kind == MAMBA2:  # [batch, heads, head_dim, d_state]: GatedDeltaNet's layout is transformers' here
+        layout.append((io.SSM_STATE, ir.DataType.FLOAT, io.state_dims(
+            io.SSM_STATE, heads=rc.value_heads, key_dim=rc.key_dim, value_dim=rc.value_dim)))
     return layout
 
 

@@ -25,10 +25,10 @@ from exporter.packaging.package import MODEL_FILE
 from exporter.packaging.source_files import GENERATION_CONFIG_FILE, checkpoint_file, tokenizer_file_names
 from exporter.request import EP, ExportRequest, Variant
 from exporter.contract import (
-    ATTENTION_MASK, CONV_STATE, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, RECURRENT_STATE, cache_names,
-    state_names,
+    ATTENTION_MASK, CONV_STATE, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, POSITION_IDS, RECURRENT_STATE, SSM_STATE,
+    cache_names, state_names,
 )
-from exporter.graph.config import GATED_DELTANET
+from exporter.graph.config import GATED_DELTANET, MAMBA2
 
 # The release CI loads these packages with (tests/test_genai.py); its PyPI wheel runs on the separately
 # installed onnxruntime package (>= 1.31), the one that must run our opset-24 graphs.
@@ -49,7 +49,7 @@ GENAI_MODEL_TYPES = {
     # does not take, and it has no qwen3_next. lfm2's conv-only cache comes with the type and its
     # decoder.layer_types.
     "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
-    "qwen3_5_moe": "qwen3", "lfm2": "lfm2",
+    "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
 }
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
@@ -269,7 +269,8 @@ def build_genai_config(
                    if t % i not in names]
         if missing:
             raise AssertionError(f"graph contract and genai config disagree: {missing} not in the graph")
-        inputs[f"past_{kind}_names"], outputs[f"present_{kind}_names"] = past, present
+        key = CONV_STATE if kind == CONV_STATE else RECURRENT_STATE  # genai's one key for a state matrix (ssm too)
+        inputs[f"past_{key}_names"], outputs[f"present_{key}_names"] = past, present
     # The rotary tables are baked for this many positions: genai must not run past them.
     context_length = request.max_seq_len or config.max_position_embeddings
     generation = _read_checkpoint_json(source_dir, GENERATION_CONFIG_FILE)
@@ -304,7 +305,7 @@ def build_genai_config(
         "inputs": inputs,
         "outputs": outputs,
     }
-    if config.recurrent is not None and config.recurrent.kind != GATED_DELTANET:
+    if config.recurrent is not None and config.recurrent.kind not in (GATED_DELTANET, MAMBA2):
         # genai's conv-only cache (LFM2): every layer not full_attention carries past_conv_names.
         model["decoder"]["layer_types"] = list(config.layer_types)
         model["decoder"]["conv_cache_size"] = config.recurrent.conv_state
@@ -401,7 +402,8 @@ def _state_templates(config: ModelConfig) -> dict[str, tuple[str, str]]:
     (genai's keys: past_conv_names / past_recurrent_names and their present_* twins.)"""
     if config.recurrent is None:
         return {}
-    kinds = [CONV_STATE] + ([RECURRENT_STATE] if config.recurrent.kind == GATED_DELTANET else [])
+    kinds = [CONV_STATE] + ([RECURRENT_STATE] if config.recurrent.kind == GATED_DELTANET else
+                            [SSM_STATE] if config.recurrent.kind == MAMBA2 else [])
     return {kind: tuple(name.replace(str(_LAYER_MARK), "%d") for name in state_names(_LAYER_MARK, kind)) for kind in kinds}
 
 

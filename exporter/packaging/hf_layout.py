@@ -169,6 +169,9 @@ TRANSFORMERSJS_REFUSES = {
     t: "transformers.js 4.3 drives Qwen3.5 only through its image-text classes (M-RoPE position ids from "
        "config.vision_config, embed_tokens + decoder_model_merged files), not a text decoder's model.onnx"
     for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
+TRANSFORMERSJS_REFUSES["granitemoehybrid"] = (
+    "transformers.js 4.3 names Granite 4.0-H's states from the legacy layer types (mamba / attention), which "
+    "transformers 5 rewrites to linear_attention / full_attention, so it feeds none of them")
 
 
 def _checked_config(config: dict) -> dict:

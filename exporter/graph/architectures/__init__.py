@@ -1,7 +1,7 @@
 """Registry of supported architectures, keyed by config.json ``model_type``."""
 
 from exporter.graph.architectures import (
-    gemma2, gemma3, gpt_oss, granite, granitemoe, lfm2, llama, mistral, mixtral, olmo2, olmoe, phi3, phimoe, qwen2,
+    gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, olmo2, olmoe, phi3, phimoe, qwen2,
     qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
 )
 from exporter.graph.architectures.base import Architecture
@@ -12,5 +12,5 @@ ARCHITECTURES: dict[str, Architecture] = {
                                          mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, gpt_oss, phimoe)),
               # Hybrids: recurrent layers (gated DeltaNet, short convolution) beside attention layers.
               qwen3_next.ARCHITECTURE, qwen3_5.TEXT, qwen3_5.ARCHITECTURE, qwen3_5_moe.TEXT, qwen3_5_moe.ARCHITECTURE,
-              lfm2.ARCHITECTURE)
+              lfm2.ARCHITECTURE, granitemoehybrid.ARCHITECTURE)
 }

@@ -49,6 +49,7 @@ class Architecture:
     # flat per head) or "interleaved" (qwen3_next: in_proj_qkvz and in_proj_ba, rows grouped per key head).
     recurrent_block: str = "linear_attn"
     deltanet_layout: str = "split"
+    shared_mlp: bool = False  # granitemoehybrid: the dense MLP (gate_up_parts / names()["down"]) beside the experts
 
     @staticmethod
     def layer_prefix(i: int) -> str:

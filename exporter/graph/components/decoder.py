@@ -16,11 +16,12 @@ from exporter.graph.components.attention import (
 )
 from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
 from exporter.graph.components.graph import GraphBuilder, packed
+from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
 from exporter.graph.components.mlp import gated_mlp
 from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.components.short_conv import ShortConvWeights, short_conv
-from exporter.graph.config import GATED_DELTANET, ModelConfig
+from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig
 from exporter.packaging.checkpoint import WeightPart
 from exporter.errors import ExportError
 from exporter.request import Variant
@@ -117,6 +118,16 @@ def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: Model
             out=b.weight(name("out_proj.weight")))
         out, conv_state, recurrent_state = gated_deltanet(b, h, weights, cfg, step.token_mask, *states)
         return out, (conv_state, recurrent_state)
+    if rc.kind == MAMBA2:
+        f32, proj_bias = ir.DataType.FLOAT, (lambda t: b.weight(name(t))) if rc.proj_bias else (lambda t: None)  # noqa: E731
+        weights = Mamba2Weights(
+            in_proj=b.weight(name("in_proj.weight")), conv=b.weight(name("conv1d.weight")),
+            conv_bias=b.weight(name("conv1d.bias")) if rc.conv_bias else None,
+            a_log=b.weight(name("A_log"), dtype=f32), dt_bias=b.weight(name("dt_bias"), dtype=f32),
+            d=b.weight(name("D")), norm=b.weight(name("norm.weight")), out=b.weight(name("out_proj.weight")),
+            in_bias=proj_bias("in_proj.bias"), out_bias=proj_bias("out_proj.bias"))
+        out, conv_state, ssm_state = mamba2(b, h, weights, cfg, step.token_mask, *states)
+        return out, (conv_state, ssm_state)
     biased = (lambda t: b.weight(name(t))) if rc.conv_bias else (lambda t: None)  # noqa: E731
     weights = ShortConvWeights(in_proj=b.weight(name("in_proj.weight")), conv=b.weight(name("conv.weight")),
                                out=b.weight(name("out_proj.weight")), in_bias=biased("in_proj.bias"),
@@ -161,6 +172,9 @@ def decoder_layer(
         h, x = residual_norm(b, arch, x, _scaled(b, attn_out, cfg.residual_scale), names["post_attention_norm"], eps)
     if cfg.moe is not None and cfg.moe.sparse_layers[i]:
         mlp_out = moe_mlp(b, h, arch, cfg, i)
+        if arch.shared_mlp:  # granitemoehybrid: a dense MLP beside the experts, added
+            mlp_out = b.op("Add", [mlp_out, gated_mlp(b, h, _packed_weight(b, arch.gate_up_parts(i)),
+                                                      b.weight(f"{names['down']}.weight"), cfg.intermediate_size)])
     else:
         gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
         down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None

@@ -16,7 +16,7 @@ CONTROL_FLOW = {"If", "Loop", "Scan"}
 # Initializers allowed to stay float32 in an fp16/bf16 build: gated DeltaNet's decay parameters,
 # which GatedDeltaNet takes in fp32 only (rope tables and norms are stored in the model dtype). By
 # name suffix; listed in the report so an exception is always visible.
-FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias")
+FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias")
 # A recurrent layer's ops: exactly one recurrence per layer, never unrolled.
 # The op that runs gated DeltaNet's recurrence is the export's own (its metadata's recurrent.op:
 # GatedDeltaNet, or LinearAttention in an hf-layout export, components/gated_deltanet.py).
