@@ -167,17 +167,36 @@ def layer_matmuls(config: ModelConfig, i: int) -> list[tuple[int, int, str]]:
     down ("matmul"), or the experts' fc1 / fc2 ("experts", N counting every expert), the router
     ("router", kept in float) and a shared expert's."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    attention = [(h, q + 2 * kv, "matmul"), (q, h, "matmul")]
+    attention = [(h, (2 * q if config.attention_output_gate else q) + 2 * kv, "matmul"), (q, h, "matmul")]
+    if config.is_recurrent(i):
+        attention = recurrent_matmuls(config)
     moe = config.moe
+    dense = [(h, 2 * config.intermediate_size, "matmul"), (config.intermediate_size, h, "matmul")]
     if moe is None or not moe.sparse_layers[i]:
-        return attention + [(h, 2 * config.intermediate_size, "matmul"), (config.intermediate_size, h, "matmul")]
+        return attention + dense
     width = moe.expert_intermediate
     mlp = [(h, moe.num_experts * 2 * width, "experts"), (width, moe.num_experts * h, "experts"),
            (h, moe.num_experts, "router")]
     if moe.shared_expert_intermediate:
         shared = moe.shared_expert_intermediate
         mlp += [(h, 2 * shared, "matmul"), (shared, h, "matmul"), (h, 1, "router")]
+    if config.architecture == "granitemoehybrid":  # its shared MLP beside the experts (intermediate_size's width)
+        mlp += dense
     return attention + mlp
+
+
+def recurrent_matmuls(config: ModelConfig) -> list[tuple[int, int, str]]:
+    """A hybrid's recurrent layer in place of attention: its projections (the DeltaNet gates' in float,
+    as the quantize pass keeps them; "router" counts a float weight), convolution and small vectors."""
+    rc, h = config.recurrent, config.hidden_size
+    values = rc.value_heads * rc.value_dim
+    if rc.kind == "gated_deltanet":
+        return [(h, rc.channels + values, "matmul"), (h, 2 * rc.value_heads, "router"), (values, h, "matmul"),
+                (rc.conv_kernel, rc.channels, "router"), (1, 2 * rc.value_heads + rc.value_dim, "router")]
+    if rc.kind == "mamba2":
+        return [(h, values + rc.channels + rc.value_heads, "matmul"), (values, h, "matmul"),
+                (rc.conv_kernel + 1, rc.channels, "router"), (1, 3 * rc.value_heads + values, "router")]
+    return [(h, 3 * h, "matmul"), (h, h, "matmul"), (rc.conv_kernel, h, "router")]
 
 
 def _layer_quantized_bytes(config: ModelConfig, i: int, bits: int, spec: QuantSpec, act: int,
@@ -222,6 +241,8 @@ def _packed_decode(config: ModelConfig, geometry: Geometry) -> tuple[int, int] |
 
 
 def _rope_bytes(config: ModelConfig, request: ExportRequest, elem: int) -> int:
+    if not any(config.uses_rope(i) for i in range(config.num_layers)):
+        return 0  # no layer rotates (Granite 4.0-H's NoPE attention): no tables are written
     positions = request.max_seq_len or config.max_position_embeddings
     # One cos / sin pair per rope (gemma3: local and global), two for longrope (short and long factors).
     tables = max(1, len(config.rope_by_layer_type)) * (2 if config.rope.rope_type == "longrope" else 1)

@@ -115,11 +115,11 @@ ARCH_CONFIGS.update({
     # LFM2: short convolutions (3 taps) on layers 0 and 2; its MLP width 128 adjusted as LFM2 does (-> 96).
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "conv_L_cache": 3, "block_multiple_of": 32,
                             "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True}),
-    # Granite 4.0-H: Mamba2 on layers 0 and 2 (4 heads of 16, 2 groups, d_state 16, 4 taps), NoPE attention,
+    # Granite 4.0-H: Mamba2 on layers 0 and 2 (4 heads of hidden / 4, 2 groups, d_state 16, 4 taps), NoPE attention,
     # granite's multipliers, 8 experts of 32 with a shared MLP of 48.
     "granitemoehybrid": ("GraniteMoeHybridConfig", {
         "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 4,
-        "mamba_d_head": 16, "mamba_expand": 1, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4,
+        "mamba_d_head": "auto", "mamba_expand": 1, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4,
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
         "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.03125, "logits_scaling": 0.5}),

@@ -46,6 +46,11 @@ def _config(source):
     ("mixtral", "int8", "cuda", None, False),
     ("granitemoe", "fp16", "cuda", None, True),
     ("olmoe", "int4", "cuda", {"keep": ["first_layer"]}, False),
+    # Hybrids: recurrent layers' projections (the DeltaNet gates' kept float), convolutions, Mamba2.
+    ("qwen3_5_text", "fp32", "cpu", None, False),
+    ("qwen3_next", "int4", "cpu", None, False),
+    ("lfm2", "fp16", "cpu", None, True),
+    ("granitemoehybrid", "int4", "cpu", None, False),
 ])
 def test_the_estimated_export_size_is_what_the_exporter_writes(checkpoint, tmp_path, arch, dtype, ep, quant, tied):
     # CUDA's QMoE takes experts 64 wide or wider (the tiny ones are 32)

@@ -12,6 +12,7 @@ from exporter.errors import ExportError
 from exporter.validation.gates.quality import reference_logits
 from exporter.validation.reference import cached_window_logits, load_reference, reference_greedy, store_window_logits
 from exporter.validation.streamed import StreamedReference, reference_device
+from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES
 from tests.conftest import ARCHITECTURES
 
 STEPS = 24
@@ -29,7 +30,7 @@ def _bf16(checkpoint, arch: str, **kw):
 # bf16 weights widened to fp32 (what validation meets in practice), tied and untied heads, every
 # architecture: transformers' code between the layers (masks, rotary, soft-capping, scaling,
 # Gemma's embedding scale) runs as it is, so one pass over the same sequence gives the same bits.
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + list(HYBRID_ARCHITECTURES))  # hybrids: recurrent layers streamed too
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_streamed_pass_gives_the_whole_model_s_logits_bit_for_bit(checkpoint, arch, tied):
     source = _bf16(checkpoint, arch, tie_word_embeddings=tied)

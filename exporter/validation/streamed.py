@@ -198,7 +198,9 @@ class StreamedReference:
         candidates: dict[int, list[str]] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             candidates.setdefault(id(param), []).append(name)
-        embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source), None)
+        # (under transformers' own name where the checkpoint stores it renamed: an image-text checkpoint's
+        # model.language_model.embed_tokens, read as the causal LM's model.embed_tokens)
+        embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source or n in self._merged), None)
         names, missing = {}, []
         for key, options in candidates.items():
             found = next((n for n in options if n in self.source or n in self._merged), None)
