@@ -67,7 +67,8 @@ GEOMETRIES = {
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     ),
     "lfm2": dict(
         vocab_size=65536, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
@@ -96,6 +97,11 @@ def geometry(args) -> dict:
         if "full_attention" not in g["layer_types"]:
             g["layer_types"][-1] = "full_attention"
     g["num_hidden_layers"] = n
+    rope = g.get("rope_parameters")
+    if rope and "mrope_section" in rope:  # Qwen3.5's interleaved M-RoPE: sections rescaled to the rotary half
+        half = int(g["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        a = round(half * 11 / 32)
+        g["rope_parameters"] = {**rope, "mrope_section": [a, a, half - 2 * a]}
     g["max_position_embeddings"] = max(4096, args.prompt + args.warmup + args.steps + 64)
     return g
 
@@ -412,8 +418,11 @@ def main() -> int:
     for p in args.precisions:
         a, b = f"ours {p} gqa", f"genai builder {p}"
         if a in peers and b in peers:
-            ta, tb = peers[a].generate(short, 0, 16)["tokens"], peers[b].generate(short, 0, 16)["tokens"]
-            greedy["short_prompt"][f"{a} / {b}"] = {**agreement(ta, tb), "ours": ta, "genai": tb}
+            try:
+                ta, tb = peers[a].generate(short, 0, 16)["tokens"], peers[b].generate(short, 0, 16)["tokens"]
+                greedy["short_prompt"][f"{a} / {b}"] = {**agreement(ta, tb), "ours": ta, "genai": tb}
+            except Exception as err:
+                greedy["short_prompt"][f"{a} / {b}"] = {"error": f"{type(err).__name__}: {str(err)[-800:]}"}
     greedy["tokens_bench_prompt"] = tokens
 
     record = {

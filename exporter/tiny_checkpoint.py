@@ -115,6 +115,12 @@ ARCH_CONFIGS.update({
     # LFM2: short convolutions (3 taps) on layers 0 and 2; its MLP width 128 adjusted as LFM2 does (-> 96).
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "conv_L_cache": 3, "block_multiple_of": 32,
                             "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True}),
+    # LFM2-MoE: LFM2's layers, a dense MLP on layer 0, then 8 experts of 32 (2 a token) routed by sigmoid
+    # scores picked with a learned bias.
+    "lfm2_moe": ("Lfm2MoeConfig", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2,
+                                   "conv_L_cache": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "num_dense_layers": 1, "use_expert_bias": True,
+                                   "norm_topk_prob": True, "routed_scaling_factor": 1.5}),
     # Granite 4.0-H: Mamba2 on layers 0 and 2 (4 heads of hidden / 4, 2 groups, d_state 16, 4 taps), NoPE attention,
     # granite's multipliers, 8 experts of 32 with a shared MLP of 48.
     "granitemoehybrid": ("GraniteMoeHybridConfig", {
@@ -124,7 +130,8 @@ ARCH_CONFIGS.update({
         "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.03125, "logits_scaling": 0.5}),
 })
-HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "lfm2", "granitemoehybrid")
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "lfm2", "lfm2_moe",
+                        "granitemoehybrid")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 
@@ -158,6 +165,9 @@ def make_tiny_checkpoint(
                 param.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # lfm2_moe's selection bias (zeros at init): large enough to pick
+                buffer.normal_(0.0, 0.5)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size) if max_shard_size else model.save_pretrained(out_dir)
     return out_dir

@@ -25,7 +25,7 @@ LINEAR, CONV = "linear_attention", "conv"
 # model_type -> the layer types its config.json may name (a type not listed is refused by name).
 HYBRID_LAYER_TYPES = {
     "qwen3_next": (FULL, LINEAR), "qwen3_5_text": (FULL, LINEAR), "qwen3_5": (FULL, LINEAR),
-    "qwen3_5_moe_text": (FULL, LINEAR), "qwen3_5_moe": (FULL, LINEAR), "lfm2": (FULL, CONV),
+    "qwen3_5_moe_text": (FULL, LINEAR), "qwen3_5_moe": (FULL, LINEAR), "lfm2": (FULL, CONV), "lfm2_moe": (FULL, CONV),
     # Granite 4.0-H: its Mamba2 layers are linear_attention to transformers 5 (config.json's "mamba", remapped).
     "granitemoehybrid": (FULL, LINEAR),
 }
@@ -90,6 +90,10 @@ class MoeConfig:
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
     sparse_mixer_eps: float | None = None  # phimoe: router_jitter_noise, the sparsemixer's threshold at inference
+    # lfm2_moe: sigmoid scores, experts picked by score + a learned bias, the picked scores renormalized and
+    # scaled by routed_scaling_factor (None: the softmax routing of every other family).
+    sigmoid_routing: bool = False
+    routed_scaling: float | None = None
 
     @property
     def op_normalize(self) -> bool:
@@ -112,6 +116,7 @@ MOE_TYPES = {
     "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size"),
     "qwen3_5_moe": ("num_experts", "moe_intermediate_size"),
     "granitemoehybrid": ("num_local_experts", "intermediate_size"),
+    "lfm2_moe": ("num_experts", "moe_intermediate_size"),
 }
 # Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
 SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -140,6 +145,14 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
     # Older transformers (5.17) hard-code gpt-oss's alpha in its experts; newer ones read swiglu_alpha.
     swiglu = (float(getattr(hf, "swiglu_alpha", 1.702)), float(getattr(hf, "swiglu_limit", 7.0))) \
         if model_type == "gpt_oss" else (None, None)
+    if model_type == "lfm2_moe":
+        if not getattr(hf, "norm_topk_prob", True):
+            raise ExportError("lfm2_moe with norm_topk_prob false (the picked sigmoid scores unnormalized) is not "
+                              "exported: no such checkpoint is known; set it true only if the model was trained so")
+        step, dense = 1, set(range(int(getattr(hf, "num_dense_layers", 0))))
+        sparse = tuple(i not in dense for i in range(num_layers))
+        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True, sparse,
+                         sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
     mixer = None
     if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
         mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2
@@ -407,7 +420,7 @@ def _lfm2_intermediate(hf) -> int:
 def _model_config(hf, model_type: str) -> ModelConfig:
     if model_type in LANGUAGE_MODEL_OF and getattr(hf, "text_config", None) is not None:
         hf = hf.text_config
-    if model_type == "lfm2":  # its own names for the norms' epsilon and the MLP width
+    if model_type in ("lfm2", "lfm2_moe"):  # its own name for the norms' epsilon
         hf.rms_norm_eps = hf.norm_eps
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
@@ -476,7 +489,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         clip_qkv=getattr(hf, "clip_qkv", None),
         lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
         recurrent=_recurrent_config(hf, model_type, layer_types),
-        attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type not in ("lfm2", *MAMBA2_TYPES),
+        attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type not in ("lfm2", "lfm2_moe", *MAMBA2_TYPES),
     )
 
 

@@ -49,7 +49,7 @@ GENAI_MODEL_TYPES = {
     # does not take, and it has no qwen3_next. lfm2's conv-only cache comes with the type and its
     # decoder.layer_types.
     "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
-    "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
+    "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "granitemoehybrid": "granitemoehybrid",
 }
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)

@@ -123,9 +123,14 @@ class StreamedReference:
             for name, param in list(module._parameters.items()):
                 if param is not None and id(param) not in streamed:
                     setattr(module, name, self._parameter(self._names[id(param)]))
-        for buffer_owner in model.modules():
+        for prefix, buffer_owner in model.named_modules():
             for name, buffer in list(buffer_owner._buffers.items()):
-                if buffer is not None and buffer.device != self.device:
+                full = f"{prefix}.{name}" if prefix else name
+                if buffer is not None and name not in buffer_owner._non_persistent_buffers_set and full in self.source:
+                    # A persistent buffer the checkpoint stores (lfm2_moe's expert_bias): its value, not the
+                    # construction's (zeros). Small: read once, kept in its own dtype (fp32 routing biases).
+                    buffer_owner._buffers[name] = self._tensor(full).to(buffer.dtype)
+                elif buffer is not None and buffer.device != self.device:
                     buffer_owner._buffers[name] = buffer.to(self.device)
         # On a GPU the next layer's weights are read and copied while this one computes; on the
         # host's cores that would take the cores and the memory of a second layer for little gain.

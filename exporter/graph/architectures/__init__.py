@@ -12,5 +12,5 @@ ARCHITECTURES: dict[str, Architecture] = {
                                          mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, gpt_oss, phimoe)),
               # Hybrids: recurrent layers (gated DeltaNet, short convolution) beside attention layers.
               qwen3_next.ARCHITECTURE, qwen3_5.TEXT, qwen3_5.ARCHITECTURE, qwen3_5_moe.TEXT, qwen3_5_moe.ARCHITECTURE,
-              lfm2.ARCHITECTURE, granitemoehybrid.ARCHITECTURE)
+              lfm2.ARCHITECTURE, lfm2.MOE, granitemoehybrid.ARCHITECTURE)
 }

@@ -1,4 +1,4 @@
-"""LFM2 (Liquid): gated short-convolution layers (conv) between attention layers with per-head q / k
+"""LFM2 and LFM2-MoE (Liquid): gated short-convolution layers (conv) between attention layers with per-head q / k
 norms; its own names for the norms (operator_norm, ffn_norm, q_layernorm, k_layernorm), the attention
 output (out_proj) and the MLP (w1 gate, w3 up, w2 down); the final norm is model.embedding_norm,
 applied after the last layer; plain RMSNorm weights."""
@@ -30,3 +30,8 @@ class Lfm2(Architecture):
 
 
 ARCHITECTURE = Lfm2(model_type="lfm2", qk_norm=True, recurrent_block="conv")
+# LFM2-MoE: dense layers first (num_dense_layers), then experts (w1 gate, w3 up, w2 down) routed by sigmoid
+# scores picked with a learned expert_bias (components/moe.py sigmoid_router).
+MOE = Lfm2(model_type="lfm2_moe", qk_norm=True, recurrent_block="conv", moe_block="feed_forward",
+           expert_tensors=("experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight"),
+           router_bias="expert_bias")

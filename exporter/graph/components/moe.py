@@ -80,6 +80,11 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     stem = arch.moe_name(i, "experts")
     fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
     fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
+    if moe.sigmoid_routing:  # lfm2_moe: its expert_bias picks experts, it does not add to the logits
+        logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
+        y = experts_op(b, x, sigmoid_router(b, logits, b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
+                                            moe.top_k), fc1, fc2, moe.top_k, True)
+        return b.op("Mul", [y, b.scalar(moe.routed_scaling)]) if moe.routed_scaling != 1.0 else y
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
     logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])
     fc1_bias = fc2_bias = None
@@ -103,6 +108,15 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         gate = b.op("Sigmoid", [linear(b, x, b.weight(names["gate_scale"]))])
         y = b.op("Add", [y, b.op("Mul", [shared, gate])])
     return y
+
+
+def sigmoid_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int) -> ir.Value:
+    """lfm2_moe's routing for the expert op, one com.microsoft MoEGroupRouter: scores s = sigmoid(logits),
+    the top k of s + expert_bias picked, log(s) at them and a large negative elsewhere. The expert op's
+    softmax of that, renormalized over its top k, is s / sum(picked s): transformers' weights (it adds
+    1e-6 to the sum)."""
+    return b.op("MoEGroupRouter", [logits, expert_bias], {"top_k": top_k, "n_group": 1, "topk_group": 1},
+                domain=MS_DOMAIN)
 
 
 def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) -> tuple[ir.Value, ir.Value]:
