@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 46's GPU measurements on the device tool's machine, one phase per call (each call: at most 10 min).
+# Staged first, here: SERVERS=0 EXTRA_WHEELS="transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3
+#   safetensors==0.8.0 onnx-ir==1.1.0" bash benchmarks/stage_node_bundle.sh   (call K carries .gpu-stage/cKK:
+#   bash benchmarks/gpu_issue46.sh stage KK)
+# Phases:
+#   stage KK   copy part KK to /tmp/parts
+#   parity     every hybrid family's fp16 / bf16 cuda exports against transformers (benchmarks/hybrid_cuda.py)
+#   speed      decode / prefill of depth-truncated real geometries (the same script)
+# Results go to $OUT.
+set -uo pipefail
+phase=${1:?phase}
+if [ "$phase" = stage ]; then
+  mkdir -p /tmp/parts && cp ".gpu-stage/c$2/part.$2" /tmp/parts/ && ls /tmp/parts | wc -l
+  exit
+fi
+if ! test -f /tmp/site/onnxruntime/__init__.py; then
+  cat /tmp/parts/part.* > /tmp/bundle.tar && mkdir -p /tmp/b && tar xf /tmp/bundle.tar -C /tmp/b && rm /tmp/bundle.tar
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/b/*.whl /tmp/b/wheels/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export EXPORTFARM_CACHE=/tmp/efcache HF_HUB_OFFLINE=1 PYTHONPYCACHEPREFIX=/tmp/pycache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+case "$phase" in
+  parity)
+    python3 benchmarks/hybrid_cuda.py --speed "" --out "$OUT/hybrid_cuda_parity.json" 2>&1 | grep -v "Warning\|falling back" | tail -40 ;;
+  speed)
+    python3 benchmarks/hybrid_cuda.py --arch --speed "${SPEED:-qwen3_5_text,lfm2,granitemoehybrid}" --layers "${LAYERS:-8}" \
+      --out "$OUT/hybrid_cuda_speed.json" 2>&1 | grep -v "Warning\|falling back" | tail -20 ;;
+esac

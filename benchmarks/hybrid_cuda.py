@@ -1,0 +1,149 @@
+"""Hybrids on CUDA (issue 46): every family's fp16 and bf16 exports against transformers' fp32 on the GPU
+machine, and decode / prefill speed of a depth-truncated real geometry.
+
+    python benchmarks/hybrid_cuda.py --out results.json [--arch ...] [--speed qwen3_5_text,lfm2,granitemoehybrid]
+
+Parity: the tiny checkpoints of exporter/tiny_checkpoint.py (HYBRID_ARCHITECTURES), exported for ep cuda in
+fp16 and bf16, gqa and attn_dynamic, driven by the project's one driver (exporter.runtime.session.Decoder,
+caches and recurrent states on the device between steps), against transformers' fp32 greedy run of the
+same weights on a 70-token prompt (past the convolution windows and GatedDeltaNet's 64-token chunk) and
+24 steps: decisive steps must give transformers' token, the prefill logits within 5% of their range
+(the fp16 bar of tests/test_parity.py). lfm2_moe is left out where onnxruntime has no MoEGroupRouter.
+
+Speed: a random-weight checkpoint of the named family at a real width (Qwen3.5-0.8B / LFM2-350M /
+Granite-4.0-H-Tiny-like, depth-truncated to --layers), fp16 gqa for cuda, Decoder's device binding without
+CUDA graphs (a hybrid's states alternate between two buffers): prefill of a 2048-token prompt and decode
+ms/token (median of 64 after 8 warm-up) at that context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GEOMETRIES = {  # width of the real model, its layer pattern repeated to --layers
+    "qwen3_5_text": dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=151936,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25}),
+    "lfm2": dict(hidden_size=1024, intermediate_size=6656, num_attention_heads=16, num_key_value_heads=8,
+                 vocab_size=65536, layer_types=["conv", "conv", "full_attention"], conv_L_cache=3,
+                 block_multiple_of=256, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True),
+    "granitemoehybrid": dict(hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
+                             mamba_d_head="auto", mamba_expand=2, mamba_d_state=128, mamba_n_groups=1,
+                             mamba_d_conv=4, num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+                             shared_intermediate_size=1024, vocab_size=100352,
+                             layer_types=["mamba"] * 3 + ["attention"]),
+}
+
+
+def parity(arch: str, work: Path) -> list[dict]:
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.runtime.session import Decoder
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+    from exporter.validation.parity import run_parity
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    source = make_tiny_checkpoint(arch, work / arch)
+    prompt = [int(t) for t in np.random.default_rng(len(arch)).integers(3, 250, size=70)]
+    ref = reference_greedy(load_reference(source), prompt, 24)
+    rows = []
+    for dtype in ("fp16", "bf16"):
+        for variant in ("gqa", "attn_dynamic"):
+            row = {"arch": arch, "dtype": dtype, "variant": variant}
+            try:
+                request = ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant, max_seq_len=128)
+                out = export_model(request, work / f"{arch}-{dtype}-{variant}", validate=False).out_dir
+                result = run_parity(Decoder(out, "cuda"), ref, near_tie_margin=0.1 if dtype == "fp16" else 0.25)
+                row.update(prefill_max_abs_error=result.prefill_max_abs_error, logit_range=result.logit_range,
+                           relative=result.prefill_max_abs_error / result.logit_range, mismatches=result.mismatches,
+                           near_ties=result.near_ties, tie_mismatches=result.tie_mismatches,
+                           passed=not result.mismatches and result.prefill_max_abs_error <= 0.05 * result.logit_range)
+            except Exception as err:  # reported: which op / dtype the GPU build lacks is the finding
+                row.update(passed=False, error=f"{type(err).__name__}: {str(err)[:600]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def speed(arch: str, layers: int, work: Path, context: int = 2048, steps: int = 64, warmup: int = 8) -> dict:
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.runtime.session import Decoder
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+
+    geometry = dict(GEOMETRIES[arch])
+    pattern = geometry.pop("layer_types")
+    geometry.update(num_hidden_layers=layers, layer_types=[pattern[i % len(pattern)] for i in range(layers)],
+                    max_position_embeddings=8192)
+    source = make_tiny_checkpoint(arch, work / f"{arch}-speed", dtype="bfloat16", init_std=0.02, **geometry)
+    request = ExportRequest(model=str(source), dtype="fp16", ep="cuda", variant="gqa", max_seq_len=4096)
+    start = time.perf_counter()
+    out = export_model(request, work / f"{arch}-speed-export", validate=False).out_dir
+    export_s = time.perf_counter() - start
+    lm = Decoder(out, "cuda")
+    prompt = np.random.default_rng(0).integers(3, 1000, size=(1, context))
+    prefill = []
+    for _ in range(3):
+        caches = lm.new_caches(context + warmup + steps + 8)
+        elapsed, _ = lm.prefill_bound(prompt, caches, context + warmup + steps + 8)
+        prefill.append(elapsed * 1000)
+    times, _ = lm.decode_bound(caches, context, context + warmup + steps + 8, steps, warmup)
+    return {"arch": arch, "layers": layers, "geometry": geometry, "dtype": "fp16", "variant": "gqa",
+            "cuda_graph": False, "context": context, "export_s": round(export_s, 1),
+            "prefill_ms": [round(t, 2) for t in prefill], "decode_ms_median": round(statistics.median(times), 3),
+            "decode_ms": [round(t, 3) for t in times]}
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", nargs="*", default=None)
+    parser.add_argument("--speed", default="qwen3_5_text,lfm2,granitemoehybrid")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    schemas = {s.name for s in C.get_all_operator_schema()} if hasattr(C, "get_all_operator_schema") else set()
+    archs = args.arch or [a for a in HYBRID_ARCHITECTURES if a != "lfm2_moe" or "MoEGroupRouter" in schemas]
+    import torch
+    import transformers
+
+    results = {"benchmark": "hybrid_cuda", "command": "python benchmarks/hybrid_cuda.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+               "versions": {"onnxruntime": ort.__version__, "transformers": transformers.__version__,
+                            "torch": torch.__version__, "python": platform.python_version()},
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "left_out": [] if "lfm2_moe" in archs else ["lfm2_moe: this onnxruntime has no MoEGroupRouter"],
+               "parity": [], "speed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            results["parity"] += parity(arch, Path(tmp))
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+        for arch in filter(None, args.speed.split(",")):
+            try:
+                results["speed"].append(speed(arch, args.layers, Path(tmp)))
+            except Exception as err:
+                results["speed"].append({"arch": arch, "error": f"{type(err).__name__}: {str(err)[:600]}"})
+            print(json.dumps({k: v for k, v in results["speed"][-1].items() if k != "decode_ms"}), flush=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
