@@ -121,7 +121,8 @@ def main() -> None:
     from onnxruntime.capi import onnxruntime_pybind11_state as C
 
     schemas = {s.name for s in C.get_all_operator_schema()} if hasattr(C, "get_all_operator_schema") else set()
-    archs = args.arch or [a for a in HYBRID_ARCHITECTURES if a != "lfm2_moe" or "MoEGroupRouter" in schemas]
+    archs = args.arch if args.arch is not None else [
+        a for a in HYBRID_ARCHITECTURES if a != "lfm2_moe" or "MoEGroupRouter" in schemas]
     import torch
     import transformers
 
