@@ -100,6 +100,8 @@ def gated_deltanet(b: GraphBuilder, x: ir.Value, w: DeltaNetWeights, cfg: ModelC
     if b.deltanet_op == LINEAR_ATTENTION:
         core, state_out = _linear_attention(b, q, k, v, decay, beta, recurrent_state, w, cfg)
     else:
+        if b.dtype != ir.DataType.FLOAT:  # the gates' inputs in fp32: onnxruntime-gpu 1.31's GatedDeltaNet takes no other
+            decay, beta = (b.op("Cast", [t], {"to": ir.DataType.FLOAT}) for t in (decay, beta))
         core, state_out = b.op_multi(
             "GatedDeltaNet", [q, k, v, None, decay, beta, recurrent_state, w.a_log, w.dt_bias],
             {"gate_activation": "softplus", "beta_activation": "sigmoid"}, num_outputs=2, domain=MS_DOMAIN)
