@@ -6,8 +6,8 @@ op) and GatedRMSNorm (per value head, gated by SiLU(z)), then the output project
 transformers' math (modeling_qwen3_next.py): conv1d(silu) over mixed_qkv, beta = sigmoid(b),
 g = -exp(A_log) * softplus(a + dt_bias), q / k L2-normalized and q scaled by dk^-0.5, the state
 decayed by exp(g) then updated by the delta rule, the output RMS-normed per head times silu(z).
-The op computes exactly that: its ``softplus`` gate takes a, A_log and dt_bias, its ``sigmoid`` beta
-takes b. Its state is [batch, value_heads, value_dim, key_dim] in fp32 whatever the model dtype
+The gates are computed in the graph in fp32 (the op's own softplus / sigmoid gates are named
+differently across onnxruntime releases) and the op runs the rule. Its state is [batch, value_heads, value_dim, key_dim] in fp32 whatever the model dtype
 (transformers keeps its recurrent state in fp32 too).
 """
 
@@ -52,6 +52,15 @@ DELTANET_GATES = "in_proj_ba.weight"
 GATED_DELTANET_OP, LINEAR_ATTENTION = "GatedDeltaNet", "LinearAttention"
 
 
+def _gates(b: GraphBuilder, decay: ir.Value, beta: ir.Value, w: "DeltaNetWeights") -> tuple[ir.Value, ir.Value]:
+    """(log decay -exp(A_log) * softplus(a + dt_bias), beta sigmoid(b)), fp32 [batch, seq, value_heads]."""
+    f32 = ir.DataType.FLOAT
+    if b.dtype != f32:
+        decay, beta = (b.op("Cast", [t], {"to": f32}) for t in (decay, beta))
+    softplus = b.op("Softplus", [b.op("Add", [decay, w.dt_bias])])
+    return b.op("Mul", [b.op("Neg", [b.op("Exp", [w.a_log])]), softplus]), b.op("Sigmoid", [beta])
+
+
 def _linear_attention(b: GraphBuilder, q, k, v, decay, beta, state, w: "DeltaNetWeights", cfg: ModelConfig):
     """The gated delta rule on LinearAttention: its gates computed here (beta = sigmoid(b), log decay
     = -exp(A_log) * softplus(a + dt_bias)), keys repeated to the value heads (the op pairs each key head
@@ -59,13 +68,12 @@ def _linear_attention(b: GraphBuilder, q, k, v, decay, beta, state, w: "DeltaNet
     rc, f32 = cfg.recurrent, ir.DataType.FLOAT
     tofloat = (lambda t: b.op("Cast", [t], {"to": f32})) if b.dtype != f32 else (lambda t: t)  # noqa: E731
     r = rc.value_heads // rc.key_heads
-    q, k, v, decay, beta = (tofloat(t) for t in (q, k, v, decay, beta))
+    q, k, v = (tofloat(t) for t in (q, k, v))
     if r > 1:
         k = b.op("Expand", [b.op("Unsqueeze", [k, b.ints(3)]), b.ints(1, 1, 1, r, 1)])
     q, k, v = (b.op("Reshape", [t, b.ints(0, 0, -1)]) for t in (q, k, v))
-    softplus = b.op("Softplus", [b.op("Add", [decay, w.dt_bias])])
-    log_decay = b.op("Mul", [b.op("Neg", [b.op("Exp", [w.a_log])]), softplus])
-    y, state_out = b.op_multi("LinearAttention", [q, k, v, state, log_decay, b.op("Sigmoid", [beta])],
+    log_decay, beta = _gates(b, decay, beta, w)
+    y, state_out = b.op_multi("LinearAttention", [q, k, v, state, log_decay, beta],
                               {"q_num_heads": rc.key_heads, "kv_num_heads": rc.value_heads,
                                "update_rule": "gated_delta"}, num_outputs=2, domain=MS_DOMAIN)
     return (b.op("Cast", [y], {"to": b.dtype}) if b.dtype != f32 else y), state_out
@@ -100,11 +108,12 @@ def gated_deltanet(b: GraphBuilder, x: ir.Value, w: DeltaNetWeights, cfg: ModelC
     if b.deltanet_op == LINEAR_ATTENTION:
         core, state_out = _linear_attention(b, q, k, v, decay, beta, recurrent_state, w, cfg)
     else:
-        if b.dtype != ir.DataType.FLOAT:  # the gates' inputs in fp32: onnxruntime-gpu 1.31's GatedDeltaNet takes no other
-            decay, beta = (b.op("Cast", [t], {"to": ir.DataType.FLOAT}) for t in (decay, beta))
-        core, state_out = b.op_multi(
-            "GatedDeltaNet", [q, k, v, None, decay, beta, recurrent_state, w.a_log, w.dt_bias],
-            {"gate_activation": "softplus", "beta_activation": "sigmoid"}, num_outputs=2, domain=MS_DOMAIN)
+        # The gates computed here, in fp32, and given to the op as they are (no gate / beta activation):
+        # onnxruntime-gpu 1.31.1's CUDA kernel takes fp32 gates only and names the softplus gate "qwen"
+        # where 1.32 names it "softplus" (every qwen3.5 half export failed to load there).
+        log_decay, beta = _gates(b, decay, beta, w)
+        core, state_out = b.op_multi("GatedDeltaNet", [q, k, v, None, log_decay, beta, recurrent_state], {},
+                                     num_outputs=2, domain=MS_DOMAIN)
     core = b.op("Reshape", [core, b.ints(0, 0, values)])
     # SiLU gate: the op's default (onnxruntime-node 1.30, which transformers.js 4.3 runs on, knows no activation attribute).
     y = b.op("GatedRMSNorm", [core, w.norm, z], {"epsilon": float(rc.norm_eps)}, domain=MS_DOMAIN)
