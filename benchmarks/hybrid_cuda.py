@@ -57,10 +57,20 @@ def parity(arch: str, work: Path) -> list[dict]:
     source = make_tiny_checkpoint(arch, work / arch)
     prompt = [int(t) for t in np.random.default_rng(len(arch)).integers(3, 250, size=70)]
     ref = reference_greedy(load_reference(source), prompt, 24)
+    # The yardstick (what validation judges a half export by): transformers itself in that dtype, on the
+    # GPU, teacher-forced on the fp32 tokens, against the fp32 run.
+    yardstick = {}
+    for dtype, torch_dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        half = reference_greedy(load_reference(source, torch_dtype).to("cuda"), prompt, 24, draft=ref.tokens)
+        error = float(np.abs(np.asarray(half.prefill_logits, np.float32) - ref.prefill_logits).max())
+        first = next((i for i, (a, b) in enumerate(zip(half.tokens, ref.tokens)) if a != b), None)
+        yardstick[dtype] = {"relative": error / float(ref.prefill_logits.max() - ref.prefill_logits.min()),
+                            "first_token_differing": first,  # its own greedy run: after it the runs part
+                            "decisive_there": first is not None and ref.gaps[first] >= 0.25}
     rows = []
     for dtype in ("fp16", "bf16"):
         for variant in ("gqa", "attn_dynamic"):
-            row = {"arch": arch, "dtype": dtype, "variant": variant}
+            row = {"arch": arch, "dtype": dtype, "variant": variant, "transformers_same_dtype": yardstick[dtype]}
             try:
                 request = ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant, max_seq_len=128)
                 out = export_model(request, work / f"{arch}-{dtype}-{variant}", validate=False).out_dir

@@ -16,7 +16,8 @@ CONTROL_FLOW = {"If", "Loop", "Scan"}
 # Initializers allowed to stay float32 in an fp16/bf16 build: gated DeltaNet's decay parameters,
 # which GatedDeltaNet takes in fp32 only (rope tables and norms are stored in the model dtype). By
 # name suffix; listed in the report so an exception is always visible.
-FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias")
+FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias",
+                                 "l2_norm_scale_")  # (DeltaNet's q / k L2 norms, computed in fp32)
 # A recurrent layer's ops: exactly one recurrence per layer, never unrolled.
 # The op that runs gated DeltaNet's recurrence is the export's own (its metadata's recurrent.op:
 # GatedDeltaNet, or LinearAttention in an hf-layout export, components/gated_deltanet.py).
@@ -131,7 +132,8 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
     ))
 
     if dtype in ("fp16", "bf16"):
-        fp32 = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and not i.name.endswith(FP32_ALLOWED)]
+        fp32 = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+                and not any(i.name.endswith(a) or i.name.startswith(a) for a in FP32_ALLOWED)]
         results.append(GateResult(
             "structure", f"no float32 initializer in a {dtype} build", not fp32, len(fp32), 0,
             ("float32: " + ", ".join(fp32[:10])) if fp32 else "", details={"allowed": list(FP32_ALLOWED)},
