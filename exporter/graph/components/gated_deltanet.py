@@ -100,8 +100,9 @@ def gated_deltanet(b: GraphBuilder, x: ir.Value, w: DeltaNetWeights, cfg: ModelC
                              num_outputs=2)
     qkv, conv_out = causal_conv(b, mixed, w.conv, None, conv_state, "silu")
     # From here to the output norm in fp32, as transformers computes the rule (q / k / v widened before
-    # its L2 norms): normed q / k rounded to bf16 moved a tiny Qwen3.5's logits by 1.6-3.2% of their
-    # range on an H100, against 0.4-0.8% for the families whose rule sees no such rounding.
+    # its L2 norms). Measured on an H200 (benchmarks/results/h200/hybrid_cuda_parity.json), bf16 exports
+    # of the tiny Qwen3.5 / Qwen3-Next land 1.4-3.7% of the logit range from fp32 transformers, where
+    # transformers' own bf16 run lands 1.5-4.0% (with q / k rounded to bf16 first: 1.6-3.7%, an H100).
     f32 = ir.DataType.FLOAT
     if b.dtype != f32:
         qkv = b.op("Cast", [qkv], {"to": f32})
