@@ -93,7 +93,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="*", default=list(HYBRID_ARCHITECTURES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/hybrid_graph.json"))
+    parser.add_argument("--reuse-transformers", type=Path,
+                        help="an earlier result whose transformers.exporters figures are kept (they do not depend on "
+                             "this exporter's code; its export takes minutes a model)")
     args = parser.parse_args()
+    earlier = json.loads(args.reuse_transformers.read_text())["models"] if args.reuse_transformers else {}
     import transformers
 
     results = {"benchmark": "hybrid_graph", "command": "python benchmarks/hybrid_graph.py " + " ".join(
@@ -105,7 +109,11 @@ def main() -> None:
             checkpoint = make_tiny_checkpoint(arch, Path(tmp) / "ckpt")
             entry = {"ours": ours(checkpoint, Path(tmp))}
             try:
-                entry["transformers_exporters"] = transformers_exporters(checkpoint)
+                if "transformers_exporters" in earlier.get(arch, {}):
+                    entry["transformers_exporters"] = {**earlier[arch]["transformers_exporters"],
+                                                       "reused_from": str(args.reuse_transformers)}
+                else:
+                    entry["transformers_exporters"] = transformers_exporters(checkpoint)
             except Exception as err:  # reported, not hidden: the comparison says where it could not run
                 entry["transformers_exporters"] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
         results["models"][arch] = entry
