@@ -112,6 +112,9 @@ ARCH_CONFIGS.update({
     "qwen3_5": ("Qwen3_5Config", {"text_config": _DELTANET, "vision_config": dict(
         depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
         temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)}),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", {"text_config": {**_DELTANET, **_QWEN_EXPERTS}, "vision_config": dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)}),
     # LFM2: short convolutions (3 taps) on layers 0 and 2; its MLP width 128 adjusted as LFM2 does (-> 96).
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "conv_L_cache": 3, "block_multiple_of": 32,
                             "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True}),
@@ -130,8 +133,8 @@ ARCH_CONFIGS.update({
         "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.03125, "logits_scaling": 0.5}),
 })
-HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "lfm2", "lfm2_moe",
-                        "granitemoehybrid")
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
+                        "lfm2_moe", "granitemoehybrid")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 
