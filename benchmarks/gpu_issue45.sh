@@ -12,18 +12,8 @@
 # Results go to $OUT.
 set -uo pipefail
 phase=${1:?phase}
-if [ "$phase" = stage ]; then
-  mkdir -p /tmp/parts && cp ".gpu-stage/c$2/part.$2" /tmp/parts/ && ls /tmp/parts | wc -l
-  exit
-fi
-if ! test -f /tmp/site/onnxruntime/__init__.py; then
-  cat /tmp/parts/part.* > /tmp/bundle.tar && mkdir -p /tmp/b && tar xf /tmp/bundle.tar -C /tmp/b && rm /tmp/bundle.tar
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/b/*.whl /tmp/b/wheels/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export EXPORTFARM_GGUF_DIR=/tmp/b/extra EXPORTFARM_CACHE=/tmp/efcache HF_HUB_OFFLINE=1
-export PYTHONPYCACHEPREFIX=/tmp/pycache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_stage.sh" "$@"
+export EXPORTFARM_GGUF_DIR=/tmp/b/extra
 case "$phase" in
   crash)
     python3 benchmarks/bf16_bench_crash.py --out "$OUT/bf16_bench_crash.json" 2>&1 | grep -v Warning | tail -20
