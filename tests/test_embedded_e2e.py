@@ -45,7 +45,7 @@ class Embedded:
         self.root = root
         models = root / "models"
         models.mkdir()
-        for arch in ("llama", "qwen2"):
+        for arch in ("llama", "qwen2", "qwen3_5_text", "lfm2"):
             (models / f"tiny-{arch}").symlink_to(checkpoint(arch))
         self.logs = root / "logs"
         self.logs.mkdir()
@@ -147,6 +147,25 @@ def assert_ready_once(embedded: Embedded, export: dict, body: dict, killed_in: s
         assert not second_stages & {"build", "fold", "package"}, second_stages
     else:
         assert "build" in second_stages
+
+
+@pytest.mark.parametrize("model, recurrent", [("tiny-qwen3_5_text", "past_recurrent.%d"), ("tiny-lfm2", None)])
+def test_a_hybrid_model_runs_through_the_farm_to_ready_with_its_states_packaged(embedded, model, recurrent):
+    """A model with recurrent layers over the REST API like any other: built, validated (the structure
+    gate counting its fused recurrences, parity, the genai gate), benched and published; its genai
+    package names the states it carries."""
+    posted = embedded.http.post("/exports", json={"model": model, "dtype": "fp16", "ep": "cpu", "variant": "gqa"})
+    assert posted.status_code == 202, posted.text
+    export = embedded.wait(posted.json()["id"], lambda e: e["status"] in ("ready", "failed", "cancelled", "quarantined"),
+                           what="the export to end")
+    assert export["status"] == "ready", export["error"]
+    links = embedded.http.get(f"/exports/{export['id']}/artifacts").json()["files"]
+    report = httpx.get(links["parity_report.json"]["url"], timeout=30).json()
+    checks = {g["check"]: g for g in report["gates"]}
+    assert checks["one fused recurrence per recurrent layer"]["passed"]
+    decoder = httpx.get(links["genai_config.json"]["url"], timeout=30).json()["model"]["decoder"]
+    assert decoder["inputs"]["past_conv_names"] == "past_conv.%d"
+    assert decoder["inputs"].get("past_recurrent_names") == recurrent
 
 
 @pytest.mark.parametrize("stage", STAGES)
