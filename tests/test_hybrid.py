@@ -84,9 +84,10 @@ def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
     assert result.prefill_max_abs_error <= 5e-2 * result.logit_range
 
 
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
-def test_int4_is_exact_to_its_dequantized_weights(arch, checkpoint, reference, tmp_path):
-    """int4 with fp32 activations (accuracy_level 0) against transformers on the checkpoint whose
+def test_quantized_is_exact_to_its_dequantized_weights(arch, dtype, checkpoint, reference, tmp_path):
+    """int4 / int8 with fp32 activations (accuracy_level 0) against transformers on the checkpoint whose
     quantized weights are replaced by their own quantize-dequantize: the packed and regrouped
     projections (q | k | v | z, the gated attention's query | gate) quantize row by row exactly as their
     sources; the DeltaNet gates' projection stays float."""
@@ -95,9 +96,9 @@ def test_int4_is_exact_to_its_dequantized_weights(arch, checkpoint, reference, t
     from quantized_reference import dequantized_checkpoint
 
     source = checkpoint(arch)
-    request = ExportRequest(model=str(source), dtype="int4", ep="cpu", variant="attn_dynamic",
+    request = ExportRequest(model=str(source), dtype=dtype, ep="cpu", variant="attn_dynamic",
                             quant={"accuracy_level": 0})
-    out = export_model(request, tmp_path / "int4", validate=False).out_dir
+    out = export_model(request, tmp_path / dtype, validate=False).out_dir
     deq, schemes = dequantized_checkpoint(source, out, tmp_path / "dequantized")
     assert not any("in_proj_b" in name or "in_proj_a." in name or "in_proj_ba" in name for name in schemes)
     prompt = reference(arch, prompt_len=LONG_PROMPT).prompt
