@@ -26,11 +26,11 @@ from exporter.graph.target import COMPAT, ORT_DEFAULT_DOMAIN_OPS, check_compat
 from exporter.packaging.hf_layout import write_hf_layout
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
-from exporter.tiny_checkpoint import ARCH_CONFIGS, MOE_ARCHITECTURES, make_tiny_checkpoint
+from exporter.tiny_checkpoint import ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, make_tiny_checkpoint
 from exporter.validation.gates.parity import PREFILL_TOLERANCE
 from quantized_reference import dequantized_checkpoint
 
-DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
+DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES and a not in HYBRID_ARCHITECTURES]
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "transformersjs3"
 DECODE_TOKENS = [[17, 99, 140], [230, 4, 61]]  # fed one per step after the prompt, with the past
 NEW_TOKENS = 8  # transformers.js greedy generation
@@ -187,6 +187,12 @@ def test_compat_refuses_what_older_onnxruntime_cannot_run(variant, dtype, extra,
 def test_compat_refuses_a_mixture_of_experts(checkpoint, tmp_path):
     request = ExportRequest(model=str(checkpoint("mixtral")), dtype="fp32", ep="cpu", variant="attn_dynamic", compat=True)
     with pytest.raises(ExportError, match="mixtral is a mixture of experts.*export it without compat"):
+        export_model(request, tmp_path / "export", validate=False)
+
+
+def test_compat_refuses_a_hybrid_saying_why(checkpoint, tmp_path):
+    request = ExportRequest(model=str(checkpoint("lfm2")), dtype="fp32", ep="cpu", variant="attn_dynamic", compat=True)
+    with pytest.raises(ExportError, match="lfm2 has recurrent layers.*CausalConvWithState.*export it without compat"):
         export_model(request, tmp_path / "export", validate=False)
 
 

@@ -61,7 +61,7 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
     if request.compat:
         check_compat(variant.value, request.dtype.value, request.ep.value)
         check_compat_model(cfg.architecture, cfg.moe is not None, bool(arch.attention_sinks),
-                           (activations or request.activations).value)
+                           (activations or request.activations).value, cfg.recurrent is not None)
     beyond = [i for i in (request.quant.int8_layers if request.quant else ()) if i >= cfg.num_layers]
     if beyond:
         raise ExportError(f"quant int8_layers names layers {beyond}, but the model has {cfg.num_layers} "

@@ -68,8 +68,13 @@ def check_compat(variant: str, dtype: str, ep: str) -> None:
             "norm, rotary or attention; use dtype fp32 or fp16 with compat, or bf16 without it")
 
 
-def check_compat_model(architecture: str, moe: bool, attention_sinks: bool, activations: str) -> None:
+def check_compat_model(architecture: str, moe: bool, attention_sinks: bool, activations: str,
+                       recurrent: bool = False) -> None:
     """The compat refusals that depend on the checkpoint: what it is and what it computes in."""
+    if recurrent:
+        raise ExportError(
+            f"{architecture} has recurrent layers, whose fused ops (com.microsoft CausalConvWithState, GatedDeltaNet / "
+            "LinearAttention) older onnxruntime does not have: export it without compat (onnxruntime 1.31+)")
     if moe:
         raise ExportError(
             f"{architecture} is a mixture of experts, and the expert ops the export uses (com.microsoft MoE / QMoE "
