@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from exporter.graph.config import ModelConfig
+from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig
 from exporter.packaging.prequantized import decode_bytes, read_format
 from exporter.request import DType, EP, ExportRequest, QuantSpec, activation_dtype
 from exporter.validation.gates.quality import MAX_TOKENS as QUALITY_TOKENS, WINDOW as QUALITY_WINDOW
@@ -190,10 +190,10 @@ def recurrent_matmuls(config: ModelConfig) -> list[tuple[int, int, str]]:
     as the quantize pass keeps them; "router" counts a float weight), convolution and small vectors."""
     rc, h = config.recurrent, config.hidden_size
     values = rc.value_heads * rc.value_dim
-    if rc.kind == "gated_deltanet":
+    if rc.kind == GATED_DELTANET:
         return [(h, rc.channels + values, "matmul"), (h, 2 * rc.value_heads, "router"), (values, h, "matmul"),
                 (rc.conv_kernel, rc.channels, "router"), (1, 2 * rc.value_heads + rc.value_dim, "router")]
-    if rc.kind == "mamba2":
+    if rc.kind == MAMBA2:
         return [(h, values + rc.channels + rc.value_heads, "matmul"), (values, h, "matmul"),
                 (rc.conv_kernel + 1, rc.channels, "router"), (1, 3 * rc.value_heads + values, "router")]
     return [(h, 3 * h, "matmul"), (h, h, "matmul"), (rc.conv_kernel, h, "router")]

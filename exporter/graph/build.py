@@ -12,6 +12,7 @@ from exporter import __version__, contract
 from exporter.graph.architectures import ARCHITECTURES
 from exporter.graph.architectures.base import Architecture
 from exporter.packaging.checkpoint import Checkpoint
+from exporter.graph.components.gated_deltanet import GATED_DELTANET_OP, LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, load_model_config
@@ -255,7 +256,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
     builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer, request.ep.value)
     if request.layout == "hf":  # transformers.js's onnxruntime-node has no GatedDeltaNet kernel
-        builder.deltanet_op = "LinearAttention"
+        builder.deltanet_op = LINEAR_ATTENTION
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
@@ -280,7 +281,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     **({"recurrent": {"kind": cfg.recurrent.kind,
                                       "ops": ["CausalConvWithState"] + (
                                           [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else
-                                          ["GatedDeltaNet"] if cfg.recurrent.kind == MAMBA2 else []),
+                                          [GATED_DELTANET_OP] if cfg.recurrent.kind == MAMBA2 else []),
                                       "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)]}}
                        if cfg.recurrent else {}),
                     **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),

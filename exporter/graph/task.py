@@ -14,6 +14,7 @@ from exporter import contract as io
 from exporter.graph.architectures.base import POST_NORM, Architecture
 from exporter.graph.components.attention import StepInputs
 from exporter.graph.components.decoder import decoder_layer, norm, residual_norm
+from exporter.graph.components.gated_deltanet import LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, RopeConfig
@@ -176,7 +177,7 @@ def build_graph(
     cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim)
     out_cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim, output=True)
     caches_in = []
-    key_major = b.deltanet_op == "LinearAttention"
+    key_major = b.deltanet_op == LINEAR_ATTENTION
     for i in range(cfg.num_layers):
         if cfg.is_recurrent(i):  # a hybrid's recurrent layer: its states, not a KV cache
             caches_in.append(tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype, key_major)))

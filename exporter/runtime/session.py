@@ -346,9 +346,9 @@ class Decoder:
         caches = {name: self._device_value(np.zeros(shape, self.dtype.numpy)) for name, _ in self.pairs}
         # A hybrid's states in two buffers each, by input and output name: a step reads one and writes
         # the other, then they swap (``_swap_states``).
+        zeros = self.new_states(batch)
         for name_in, name_out in self.state_pairs:
-            for name, zeros in ((name_in, self.new_states(batch)[name_in]), (name_out, self.new_states(batch)[name_in])):
-                caches[name] = self._device_value(zeros)
+            caches[name_in], caches[name_out] = (self._device_value(zeros[name_in]) for _ in range(2))
         return caches
 
     def _bound_feeds(self, tokens: np.ndarray, past: int, buffer: int) -> dict[str, np.ndarray]:

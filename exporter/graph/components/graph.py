@@ -27,7 +27,7 @@ class GraphBuilder:
         self.ep = ep  # the EP the export is for
         # gated DeltaNet's recurrence op: GatedDeltaNet, or LinearAttention for transformers.js's older
         # onnxruntime-node (components/gated_deltanet.py)
-        self.deltanet_op = "GatedDeltaNet"
+        self.deltanet_op = "GatedDeltaNet"  # gated_deltanet.GATED_DELTANET_OP (which imports this module)
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 
