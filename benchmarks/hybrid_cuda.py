@@ -46,7 +46,50 @@ GEOMETRIES = {  # width of the real model, its layer pattern repeated to --layer
 }
 
 
-def parity(arch: str, work: Path) -> list[dict]:
+# nemotron_h's experts route through MoEGroupRouter: without it (onnxruntime-gpu 1.31.1) its tiny checkpoint is
+# measured with MLP blocks where the experts were (Nemotron-H's dense checkpoints are so).
+NEMOTRON_DENSE = {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]}
+
+
+def relu2_experts_known_answer() -> dict:
+    """The expert op's own relu2 (what a nemotron_h cuda export's experts run) on CUDA in fp16 against numpy:
+    4 experts of 64, top 2 of a softmax, 5 tokens."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    experts, hidden, width, k, tokens = 4, 64, 64, 2, 5
+    rng = np.random.default_rng(0)
+    up = (rng.standard_normal((experts, width, hidden)) * 0.2).astype(np.float16)
+    down = (rng.standard_normal((experts, hidden, width)) * 0.2).astype(np.float16)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float16)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float16)
+    node = helper.make_node("MoE", ["x", "r", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=k,
+                            activation_type="relu2", normalize_routing_weights=1)
+    graph = helper.make_graph([node], "relu2", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [tokens, hidden]),
+                                                helper.make_tensor_value_info("r", TensorProto.FLOAT16, [tokens, experts])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+                              [onnx.numpy_helper.from_array(up, "fc1"), onnx.numpy_helper.from_array(down, "fc2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+        got = session.run(None, {"x": x, "r": logits})[0].astype(np.float32)
+    except Exception as err:
+        return {"supported": False, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+    p = np.exp(logits.astype(np.float32) - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want = np.zeros((tokens, hidden), np.float32)
+    for t in range(tokens):
+        picked = np.argsort(-p[t])[:k]
+        for e, weight in zip(picked, p[t, picked] / p[t, picked].sum()):
+            a = np.maximum(up[e].astype(np.float32) @ x[t].astype(np.float32), 0) ** 2
+            want[t] += weight * (down[e].astype(np.float32) @ a)
+    error = float(np.abs(got - want).max())
+    return {"supported": True, "max_abs_error": error, "max_abs": float(np.abs(want).max()),
+            "passed": error <= 1e-2 * float(np.abs(want).max())}
+
+
+def parity(arch: str, work: Path, overrides: dict | None = None) -> list[dict]:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
     from exporter.runtime.session import Decoder
@@ -54,7 +97,7 @@ def parity(arch: str, work: Path) -> list[dict]:
     from exporter.validation.parity import run_parity
     from exporter.validation.reference import load_reference, reference_greedy
 
-    source = make_tiny_checkpoint(arch, work / arch)
+    source = make_tiny_checkpoint(arch, work / arch, **(overrides or {}))
     prompt = [int(t) for t in np.random.default_rng(len(arch)).integers(3, 250, size=70)]
     ref = reference_greedy(load_reference(source), prompt, 24)
     # The yardstick (what validation judges a half export by): transformers itself in that dtype, on the
@@ -70,7 +113,8 @@ def parity(arch: str, work: Path) -> list[dict]:
     rows = []
     for dtype in ("fp16", "bf16"):
         for variant in ("gqa", "attn_dynamic"):
-            row = {"arch": arch, "dtype": dtype, "variant": variant, "transformers_same_dtype": yardstick[dtype]}
+            row = {"arch": arch, "dtype": dtype, "variant": variant, "transformers_same_dtype": yardstick[dtype],
+                   **({"overrides": overrides} if overrides else {})}
             try:
                 request = ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant, max_seq_len=128)
                 out = export_model(request, work / f"{arch}-{dtype}-{variant}", validate=False).out_dir
@@ -131,8 +175,8 @@ def main() -> None:
     from onnxruntime.capi import onnxruntime_pybind11_state as C
 
     schemas = {s.name for s in C.get_all_operator_schema()} if hasattr(C, "get_all_operator_schema") else set()
-    archs = args.arch if args.arch is not None else [
-        a for a in HYBRID_ARCHITECTURES if a != "lfm2_moe" or "MoEGroupRouter" in schemas]
+    router = "MoEGroupRouter" in schemas
+    archs = args.arch if args.arch is not None else [a for a in HYBRID_ARCHITECTURES if a != "lfm2_moe" or router]
     import torch
     import transformers
 
@@ -141,11 +185,13 @@ def main() -> None:
                "versions": {"onnxruntime": ort.__version__, "transformers": transformers.__version__,
                             "torch": torch.__version__, "python": platform.python_version()},
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "left_out": [] if "lfm2_moe" in archs else ["lfm2_moe: this onnxruntime has no MoEGroupRouter"],
-               "parity": [], "speed": []}
+               "left_out": [] if router else ["lfm2_moe, nemotron_h's experts: this onnxruntime has no MoEGroupRouter "
+                                              "(nemotron_h measured with MLP blocks in their place)"],
+               "relu2_experts_known_answer": relu2_experts_known_answer(), "parity": [], "speed": []}
+    print(json.dumps({"relu2_experts_known_answer": results["relu2_experts_known_answer"]}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
-            results["parity"] += parity(arch, Path(tmp))
+            results["parity"] += parity(arch, Path(tmp), NEMOTRON_DENSE if arch == "nemotron_h" and not router else None)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
         for arch in filter(None, args.speed.split(",")):
             try:

@@ -103,7 +103,7 @@ def main() -> None:
     results = {"benchmark": "hybrid_graph", "command": "python benchmarks/hybrid_graph.py " + " ".join(
         f"--arch {a}" for a in args.arch), "versions": {"transformers": transformers.__version__,
                                                           "onnx": onnx.__version__, "python": platform.python_version()},
-               "checkpoints": "exporter/tiny_checkpoint.py (random weights: 4 layers, recurrent on 0 and 2)", "models": {}}
+               "checkpoints": "exporter/tiny_checkpoint.py (random weights; layers per family there: most 4, recurrent on 0 and 2)", "models": {}}
     for arch in args.arch:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = make_tiny_checkpoint(arch, Path(tmp) / "ckpt")

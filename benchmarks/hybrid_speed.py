@@ -1,9 +1,16 @@
-"""Prefill and decode speed of a hybrid (recurrent-state) LLM on the CPU: our export beside
-onnxruntime-genai's model builder and transformers' own exporter, one random checkpoint, one run.
+"""Prefill and decode speed of a hybrid (recurrent-state) LLM on the CPU (or, ``--ep cuda``, the GPU): our
+export beside onnxruntime-genai's model builder and transformers' own exporter, one random checkpoint, one run.
 
     python benchmarks/hybrid_speed.py --family qwen3_5_text            # Qwen3.5-0.8B-like, truncated to 4 layers
     python benchmarks/hybrid_speed.py --family lfm2 --layers 16        # LFM2-350M-like, all 16 layers
     python benchmarks/hybrid_speed.py --family qwen3_5_text --hidden 256 --layers 4 --prompt 256 --vocab 4096  # small
+    python benchmarks/hybrid_speed.py --ep cuda --precisions fp16 int4 --peers ours genai --family lfm2 --layers 16
+
+On CUDA (onnxruntime-gpu, onnxruntime-genai-cuda): ours exported for ep cuda, driven by Decoder's device binding
+(caches and states on the GPU, no CUDA graph: a hybrid's states alternate buffers); genai's builder export for
+``-e cuda`` in genai's Generator as it configures it; transformers.exporters' graph is a CPU one and not run there.
+Each step's time is also taken as the whole decode's wall time over its steps (genai may return before the GPU
+finishes a step; the wall of all steps cannot hide that).
 
 What it measures, per peer: the prefill of one ``--prompt``-token prompt as ONE call (ms), then the
 decode (ms per token: the median of ``--steps`` greedy steps after ``--warmup`` steps), batch 1,
@@ -144,7 +151,7 @@ class Ours:
     binds it) and each recurrent state alternating between two bound buffers. The bound steps feed a fixed
     token (compute does not depend on which); the greedy tokens come from an untimed host-array run."""
 
-    def __init__(self, folder: Path, threads: int):
+    def __init__(self, folder: Path, threads: int, ep: str = "cpu"):
         import onnxruntime as ort
 
         from exporter.runtime.session import Decoder
@@ -152,20 +159,22 @@ class Ours:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
-        self.decoder = Decoder(folder, "cpu", session_options=options)
+        self.decoder = Decoder(folder, ep, session_options=options)
 
     def generate(self, prompt: list[int], warmup: int, steps: int) -> dict:
         d = self.decoder
         buffer = len(prompt) + warmup + steps + 8
         caches = d.new_caches(buffer)
         prefill, _ = d.prefill_bound(np.array([prompt], np.int64), caches, buffer)
+        t0 = time.perf_counter()
         times, _ = d.decode_bound(caches, len(prompt), buffer, steps, warmup)
+        wall = (time.perf_counter() - t0) * 1e3 / (steps + warmup)
         state = d.new_state(1)  # greedy tokens, untimed, through host arrays
         logits = d.forward(np.array([prompt], np.int64), state)[:, -1]
         tokens = [int(logits[0].argmax())]
         for _ in range(warmup + steps):
             tokens.append(int(d.step([tokens[-1]], state)[0].argmax()))
-        return {"prefill_ms": prefill * 1e3, "step_ms": list(times), "tokens": tokens}
+        return {"prefill_ms": prefill * 1e3, "step_ms": list(times), "tokens": tokens, "wall_ms_per_step": wall}
 
 
 class Genai:
@@ -189,13 +198,15 @@ class Genai:
         t0 = time.perf_counter()
         generator.append_tokens(prompt)  # runs the prompt: the prefill
         prefill = time.perf_counter() - t0
-        times = []
+        times, start = [], time.perf_counter()
         while not generator.is_done():
             t0 = time.perf_counter()
             generator.generate_next_token()
             times.append(time.perf_counter() - t0)
-        tokens = [int(t) for t in generator.get_sequence(0)[len(prompt):]]
-        return {"prefill_ms": prefill * 1e3, "step_ms": [t * 1e3 for t in times[warmup:]], "tokens": tokens}
+        tokens = [int(t) for t in generator.get_sequence(0)[len(prompt):]]  # on the host: every step finished
+        wall = (time.perf_counter() - start) * 1e3 / len(times)
+        return {"prefill_ms": prefill * 1e3, "step_ms": [t * 1e3 for t in times[warmup:]], "tokens": tokens,
+                "wall_ms_per_step": wall}
 
 
 def _state_key(name: str) -> str:
@@ -273,20 +284,20 @@ class TransformersExporters:
 
 # --- building ------------------------------------------------------------------------------------------------
 
-def build_ours(checkpoint: Path, work: Path, dtype: str) -> tuple[Path, str]:
+def build_ours(checkpoint: Path, work: Path, dtype: str, ep: str = "cpu") -> tuple[Path, str]:
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 
-    out = work / f"ours_{dtype}_gqa"
-    export_model(ExportRequest(model=str(checkpoint), dtype=dtype, ep="cpu", variant="gqa"), out, validate=False,
+    out = work / f"ours_{dtype}_gqa_{ep}"
+    export_model(ExportRequest(model=str(checkpoint), dtype=dtype, ep=ep, variant="gqa"), out, validate=False,
                  overwrite=True)
-    return out, f"exportfarm export --model <ckpt> --out <out> --variant gqa --dtype {dtype} --ep cpu --no-validate"
+    return out, f"exportfarm export --model <ckpt> --out <out> --variant gqa --dtype {dtype} --ep {ep} --no-validate"
 
 
-def build_genai(checkpoint: Path, work: Path, precision: str) -> tuple[Path, str]:
-    out = work / f"genai_{precision}"
+def build_genai(checkpoint: Path, work: Path, precision: str, ep: str = "cpu") -> tuple[Path, str]:
+    out = work / f"genai_{precision}_{ep}"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
-           "-p", precision, "-e", "cpu", "-c", str(work / "genai_cache")]
+           "-p", precision, "-e", ep, "-c", str(work / "genai_cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip() or proc.stdout.strip())[-1500:]
@@ -297,7 +308,9 @@ def build_genai(checkpoint: Path, work: Path, precision: str) -> tuple[Path, str
 def summary(samples: list[dict]) -> dict:
     prefill = [round(s["prefill_ms"], 3) for s in samples]
     decode = [round(float(np.median(s["step_ms"])), 3) for s in samples]
+    wall = [round(s["wall_ms_per_step"], 3) for s in samples if "wall_ms_per_step" in s]
     return {"prefill_ms": float(np.median(prefill)), "decode_ms_per_token": float(np.median(decode)),
+            **({"decode_wall_ms_per_token": float(np.median(wall)), "decode_wall_ms_per_token_rounds": wall} if wall else {}),
             "prefill_ms_rounds": prefill, "decode_ms_per_token_rounds": decode,
             "decode_step_ms_all": [[round(t, 3) for t in s["step_ms"]] for s in samples]}
 
@@ -325,6 +338,7 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "int4"], choices=["fp32", "fp16", "int4"])
     parser.add_argument("--peers", nargs="+", default=["ours", "genai", "transformers"],
                         choices=["ours", "genai", "transformers"])
+    parser.add_argument("--ep", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--work-dir", type=Path)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/hybrid_speed_cpu.json")
     args = parser.parse_args()
@@ -333,6 +347,8 @@ def main() -> int:
     started = time.time()
 
     import onnxruntime
+    if args.ep == "cuda" and hasattr(onnxruntime, "preload_dlls"):
+        onnxruntime.preload_dlls()
     import onnxruntime_genai as og
     import torch
     import transformers
@@ -365,8 +381,8 @@ def main() -> int:
     for precision in args.precisions:
         if "ours" in args.peers:
             def make_ours(p=precision):
-                folder, commands[f"ours {p}"] = build_ours(checkpoint, work, p)
-                return Ours(folder, args.threads)
+                folder, commands[f"ours {p}"] = build_ours(checkpoint, work, p, args.ep)
+                return Ours(folder, args.threads, args.ep)
             attempt(f"ours {precision} gqa", make_ours)
             how[f"ours {precision} gqa"] = ("exporter.runtime.session.Decoder's IO binding as exportfarm bench drives it: "
                                             "prefill_bound(prompt) once, decode_bound steps (KV in one shared buffer "
@@ -379,13 +395,15 @@ def main() -> int:
                     source = work / "checkpoint_genai_view"
                     if not source.exists():
                         qwen35_genai_view(checkpoint, source)
-                folder, commands[f"genai {p}"] = build_genai(source, work, p)
+                folder, commands[f"genai {p}"] = build_genai(source, work, p, args.ep)
                 return Genai(folder, args.threads)
             attempt(f"genai builder {precision}", make_genai)
             how[f"genai builder {precision}"] = ("onnxruntime-genai og.Model/Generator: append_tokens(prompt) timed as the "
                                                  "prefill, generate_next_token() timed per step, greedy; genai_config "
                                                  f"session_options.intra_op_num_threads {args.threads}")
-    if "transformers" in args.peers:
+    if "transformers" in args.peers and args.ep == "cuda":
+        failed["transformers.exporters fp32"] = "not run on cuda: its graph here is fused for the CPU (ort_fusions='cpu')"
+    elif "transformers" in args.peers:
         info = {}
         attempt("transformers.exporters fp32",
                 lambda: TransformersExporters(checkpoint, work, args.prompt, args.threads, info))
@@ -438,6 +456,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), "load_average_before": load_before,
                     "load_average_after": os.getloadavg()},
+        "ep": args.ep, "device": (torch.cuda.get_device_name(0) if args.ep == "cuda" and torch.cuda.is_available() else None),
         "versions": {"onnxruntime": onnxruntime.__version__, "onnxruntime_genai": og.__version__,
                      "transformers": transformers.__version__, "torch": torch.__version__},
         "family": args.family, "checkpoint": {"weights": args.weights, "config_overrides": overrides,

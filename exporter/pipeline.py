@@ -212,6 +212,8 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
+        if request.layout == hf_layout.LAYOUT:  # a family transformers.js cannot drive: refused before any build
+            hf_layout.check_family(source.path)
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache, reference_cache)
         report = None
         if validate:

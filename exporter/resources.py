@@ -168,16 +168,29 @@ def layer_matmuls(config: ModelConfig, i: int) -> list[tuple[int, int, str]]:
     ("router", kept in float) and a shared expert's."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
     attention = [(h, (2 * q if config.attention_output_gate else q) + 2 * kv, "matmul"), (q, h, "matmul")]
-    if config.is_recurrent(i):
-        attention = recurrent_matmuls(config)
+    if config.is_recurrent(i):  # falcon_h1's parallel layers: both
+        attention = recurrent_matmuls(config) + (attention if config.is_attention(i) else [])
     moe = config.moe
     dense = [(h, 2 * config.intermediate_size, "matmul"), (config.intermediate_size, h, "matmul")]
+    if config.single_mixer:  # nemotron_h: a block is its one mixer; its MLP ungated (up, down)
+        if moe is not None and moe.sparse_layers[i]:
+            attention = []
+        elif config.is_feed_forward(i):
+            return [(h, config.intermediate_size, "matmul"), (config.intermediate_size, h, "matmul")]
+        else:
+            return attention
     if moe is None or not moe.sparse_layers[i]:
         return attention + dense
-    width = moe.expert_intermediate
-    mlp = [(h, moe.num_experts * 2 * width, "experts"), (width, moe.num_experts * h, "experts"),
+    width, inner = moe.expert_intermediate, moe.latent or h
+    # fc1 is [gate | up] interleaved: nemotron_h's ungated relu^2 experts store their up rows twice (components/moe.py)
+    mlp = [(inner, moe.num_experts * 2 * width, "experts"), (width, moe.num_experts * inner, "experts"),
            (h, moe.num_experts, "router")]
-    if moe.shared_expert_intermediate:
+    if moe.latent:
+        mlp += [(h, moe.latent, "matmul"), (moe.latent, h, "matmul")]
+    if moe.relu2_experts and moe.shared_expert_intermediate:
+        shared = moe.shared_expert_intermediate
+        mlp += [(h, shared, "matmul"), (shared, h, "matmul")]
+    elif moe.shared_expert_intermediate:
         shared = moe.shared_expert_intermediate
         mlp += [(h, 2 * shared, "matmul"), (shared, h, "matmul"), (h, 1, "router")]
     if config.architecture == "granitemoehybrid":  # its shared MLP beside the experts (intermediate_size's width)

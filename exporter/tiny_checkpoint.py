@@ -132,9 +132,26 @@ ARCH_CONFIGS.update({
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
         "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.03125, "logits_scaling": 0.5}),
+    # Nemotron-H: one mixer a block, every kind once or twice (Mamba2, experts, NoPE attention, relu^2 MLP);
+    # Mamba2 as above; 8 relu^2 experts of 32 in 2 groups (1 picked) at a latent width of 32, a shared expert of 48.
+    "nemotron_h": ("NemotronHConfig", {
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
+        "moe_latent_size": 32, "layer_norm_epsilon": 1e-5}),
+    # Falcon-H1: attention and Mamba2 side by side in both layers (Mamba2 as above, its output normed before
+    # the gate), every muP multiplier away from 1 so a misplaced one shows; the head's 3.0 gives decisive logits
+    # (at 1.5, 13 of 24 fp16 greedy steps had top-2 gaps under tests/test_hybrid.py's 0.25, none changed).
+    "falcon_h1": ("FalconH1Config", {
+        "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": "auto", "mamba_n_groups": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_rms_norm": True, "mamba_norm_before_gate": True, "key_multiplier": 0.7,
+        "attention_in_multiplier": 0.9, "attention_out_multiplier": 1.3, "ssm_in_multiplier": 1.1,
+        "ssm_out_multiplier": 0.8, "ssm_multipliers": [1.2, 0.9, 1.1, 0.8, 1.3], "mlp_multipliers": [1.1, 0.9],
+        "embedding_multiplier": 2.0, "lm_head_multiplier": 3.0}),
 })
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
-                        "lfm2_moe", "granitemoehybrid")
+                        "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 
@@ -150,6 +167,8 @@ def make_tiny_checkpoint(
     kwargs = {**BASE, **extra, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std, **overrides}
     if arch in ("phi3", "granitemoehybrid"):
         kwargs.pop("head_dim", None)  # derived from hidden / heads
+    if arch == "nemotron_h":  # its layer count is its block list's length, its norms' epsilon layer_norm_epsilon
+        kwargs.pop("num_hidden_layers"), kwargs.pop("rms_norm_eps")
     if "text_config" in extra:  # an image-text checkpoint: the sizes are its language model's
         text = {k: v for k, v in kwargs.items() if k not in ("text_config", "vision_config")}
         kwargs = {"text_config": {**text, **extra["text_config"]}, "vision_config": extra["vision_config"],
@@ -169,7 +188,7 @@ def make_tiny_checkpoint(
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):  # lfm2_moe's selection bias (zeros at init): large enough to pick
+            if name.endswith(("expert_bias", "e_score_correction_bias")):  # lfm2_moe's selection bias (zeros at init): large enough to pick
                 buffer.normal_(0.0, 0.5)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size) if max_shard_size else model.save_pretrained(out_dir)

@@ -338,6 +338,14 @@ def test_qwen3_5_is_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_p
     assert not (tmp_path / "repo").exists()
 
 
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "nemotron_h", "falcon_h1"])
+def test_a_mamba2_hybrid_is_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_path):
+    request = ExportRequest(model=str(checkpoint(arch)), ep="cpu", variant="attn_dynamic", layout="hf")
+    with pytest.raises(ExportError, match=f"no hf layout for a {arch} model: .*legacy layer types.*onnxruntime-genai runs it"):
+        export_model(request, tmp_path / "repo", validate=False)
+    assert not (tmp_path / "repo").exists()
+
+
 def test_a_farm_export_on_gateddeltanet_is_refused_for_the_hf_layout_saying_how(exported, checkpoint, tmp_path):
     with pytest.raises(ExportError, match="GatedDeltaNet.*export it with layout hf"):
         write_hf_layout(exported("qwen3_5_text", "attn_dynamic"), tmp_path / "repo", checkpoint("qwen3_5_text"))

@@ -121,19 +121,26 @@ def test_the_graph_holds_one_fused_recurrence_per_recurrent_layer(arch, exported
     ops = [n.op_type for n in model.graph.node]
     config = json.loads({p.key: p.value for p in model.metadata_props}[contract.META_CONFIG])
     recurrent = config["recurrent"]["layers"]
-    assert recurrent == [0, 2]
+    # nemotron_h's tiny blocks: Mamba2, experts, attention, MLP, Mamba2, experts; the others alternate two and two
+    assert recurrent == ([0, 4] if arch == "nemotron_h" else [0, 1] if arch == "falcon_h1" else [0, 2])
+    feed_forward = config["recurrent"].get("feed_forward_layers", [])
+    assert feed_forward == ([1, 3, 5] if arch == "nemotron_h" else [])
     assert ops.count("CausalConvWithState") == len(recurrent)
     # gated DeltaNet and Mamba2 run their recurrence on GatedDeltaNet (its gated_delta / gated rule); LFM2 has none
     assert ops.count("GatedDeltaNet") == (0 if config["recurrent"]["kind"] == "short_conv" else len(recurrent))
     assert config["recurrent"]["ops"] == ["CausalConvWithState"] + (["GatedDeltaNet"] if "GatedDeltaNet" in ops else [])
     assert not {"Loop", "Scan", "If"} & set(ops)
-    assert ops.count("Attention") == config["num_layers"] - len(recurrent)
+    assert ops.count("Attention") == len(config["recurrent"]["attention_layers"])
+    assert config["recurrent"]["attention_layers"] == (
+        [2] if arch == "nemotron_h" else [0, 1] if arch == "falcon_h1" else [1, 3])
     inputs = {i.name: i for i in model.graph.input}
     outputs = {o.name for o in model.graph.output}
-    for layer in recurrent:  # states by layer index, past_* in and present_* out; no KV cache
+    for layer in recurrent:  # states by layer index, past_* in and present_* out; no KV cache (falcon_h1: both)
         past, present = contract.state_names(layer, contract.CONV_STATE)
         assert past in inputs and present in outputs
-        assert f"past_key_values.{layer}.key" not in inputs
+        assert (f"past_key_values.{layer}.key" in inputs) == (arch == "falcon_h1")
+    for layer in feed_forward:  # an MLP / experts block carries nothing
+        assert not [name for name in inputs if name.endswith(f".{layer}") or f".{layer}." in name]
         dims = [d.dim_value or d.dim_param for d in inputs[past].type.tensor_type.shape.dim]
         assert dims[0] == contract.BATCH and all(isinstance(d, int) and d > 0 for d in dims[1:])
 
@@ -194,3 +201,66 @@ def _copy(state):
     import copy
 
     return copy.deepcopy(state)
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "lfm2_moe", "falcon_h1"])
+def test_a_validated_half_export_passes_every_gate(arch, checkpoint, tmp_path):
+    """The whole validation of an fp16 export: the structure gate counts attention on nemotron_h's one
+    attention block only (its MLP and experts blocks attend to nothing and carry nothing), the sigmoid
+    routers' fp32 selection biases are allowed in a half build, the weight gate finds every slice
+    (nemotron_h's experts' up rows read twice), the expert known answer and parity pass."""
+    from exporter.pipeline import export_model
+
+    request = ExportRequest(model=str(checkpoint(arch)), dtype="fp16", ep="cpu", variant="gqa")
+    out = export_model(request, tmp_path / "export", validate=True).out_dir
+    report = json.loads((out / "parity_report.json").read_text())
+    assert report["status"] == "passed" and not report["failed_gates"], report["failed_gates"]
+    census = next(g for g in report["gates"] if g["check"] == "attention op census")
+    attending = 1 if arch == "nemotron_h" else 2  # falcon_h1: both its layers attend beside Mamba2
+    assert census["measured"] == {"com.microsoft::GroupQueryAttention": attending}
+    fp32 = next(g for g in report["gates"] if g["check"].startswith("no float32 initializer"))
+    assert fp32["passed"] and not fp32.get("informational")
+
+
+def test_a_dense_nemotron_h_from_its_block_pattern_matches_transformers(tmp_path):
+    """Nemotron-H's dense checkpoints (Nemotron-H 8B, Nano 2): Mamba2, attention and relu^2 MLP blocks only,
+    named by config.json's hybrid_override_pattern as NVIDIA ships them ("M-M*-": no experts, no moe config)."""
+    from exporter.pipeline import export_model
+    from exporter.validation.reference import load_reference, reference_greedy
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+
+    source = make_tiny_checkpoint("nemotron_h", tmp_path / "dense",
+                                  layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp"])
+    config = json.loads((source / "config.json").read_text())
+    del config["layers_block_type"]
+    config["hybrid_override_pattern"] = "M-M*-"
+    (source / "config.json").write_text(json.dumps(config))
+    request = ExportRequest(model=str(source), ep="cpu", variant="attn_dynamic")
+    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    meta = json.loads({p.key: p.value for p in onnx.load(str(out / contract.MODEL_FILE), load_external_data=False)
+                       .metadata_props}[contract.META_CONFIG])
+    assert meta["recurrent"]["layers"] == [0, 2] and meta["recurrent"]["feed_forward_layers"] == [1, 4]
+    assert "moe" not in meta
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, size=LONG_PROMPT)]
+    ref = reference_greedy(load_reference(source), prompt, 24)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches
+
+
+@pytest.mark.parametrize("norm", [{"mamba_rms_norm": False}, {"mamba_norm_before_gate": False}])
+def test_falcon_h1_s_other_mamba_output_norms_match_transformers(norm, tmp_path):
+    """Falcon-H1's Mamba2 output without its norm (only y * silu(z)), and gated before it is normed (as
+    Granite's): the default (normed, then gated) is the tiny checkpoint's."""
+    from exporter.pipeline import export_model
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    source = make_tiny_checkpoint("falcon_h1", tmp_path / "ckpt", **norm)
+    out = export_model(ExportRequest(model=str(source), ep="cpu", variant="attn_dynamic"), tmp_path / "export",
+                       validate=False).out_dir
+    prompt = [int(t) for t in np.random.default_rng(6).integers(3, 250, size=LONG_PROMPT)]
+    ref = reference_greedy(load_reference(source), prompt, 24)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches

@@ -51,6 +51,9 @@ def _config(source):
     ("qwen3_next", "int4", "cpu", None, False),
     ("lfm2", "fp16", "cpu", None, True),
     ("granitemoehybrid", "int4", "cpu", None, False),
+    ("nemotron_h", "int4", "cpu", None, False),
+    ("nemotron_h", "fp16", "cpu", None, False),
+    ("falcon_h1", "int4", "cpu", None, False),
 ])
 def test_the_estimated_export_size_is_what_the_exporter_writes(checkpoint, tmp_path, arch, dtype, ep, quant, tied):
     # CUDA's QMoE takes experts 64 wide or wider (the tiny ones are 32)

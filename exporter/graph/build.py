@@ -119,10 +119,15 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
     for i in range(cfg.num_layers):
         if cfg.is_recurrent(i):
             _check_recurrent(cfg, arch, i, expect)
-        else:
+        if cfg.is_attention(i):
             _check_attention(cfg, arch, i, expect, q, kv)
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             _check_experts(cfg, arch, checkpoint, i, expect)
+            continue
+        if cfg.single_mixer:  # nemotron_h: a block is its one mixer; an MLP block's is ungated
+            if cfg.is_feed_forward(i):
+                expect(arch.gate_up_parts(i)[0].name, (cfg.intermediate_size, cfg.hidden_size))
+                expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
             continue
         gate_up = arch.gate_up_parts(i)
         for part in gate_up:
@@ -204,12 +209,20 @@ def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint,
         expect(fc1[0].name, (moe.num_experts, 2 * moe.expert_intermediate, hidden))
         expect(fc2[0].name, (moe.num_experts, hidden, moe.expert_intermediate))
         return
+    width = moe.latent or hidden  # nemotron_h's experts may run at a latent width
     for part in fc1:
         if part.name not in checkpoint:
             raise ExportError(f"the checkpoint has no {part.name}: config.json says {moe.num_experts} experts")
-        expect(part.name, (moe.expert_intermediate, hidden))
+        expect(part.name, (moe.expert_intermediate, width))
     for part in fc2:
-        expect(part.name, (hidden, moe.expert_intermediate))
+        expect(part.name, (width, moe.expert_intermediate))
+    if moe.latent:
+        expect(arch.moe_name(i, "fc1_latent_proj.weight"), (moe.latent, hidden))
+        expect(arch.moe_name(i, "fc2_latent_proj.weight"), (hidden, moe.latent))
+    if moe.relu2_experts and moe.shared_expert_intermediate:
+        names = arch.shared_expert_names(i)
+        expect(names["up"], (moe.shared_expert_intermediate, hidden))
+        expect(names["down"], (hidden, moe.shared_expert_intermediate))
     if arch.shared_expert and moe.shared_expert_intermediate:
         names, width = arch.shared_expert_names(i), moe.shared_expert_intermediate
         expect(names["gate"], (width, hidden))
@@ -282,7 +295,13 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                                       "ops": ["CausalConvWithState"] + (
                                           [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else
                                           [GATED_DELTANET_OP] if cfg.recurrent.kind == MAMBA2 else []),
-                                      "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)]}}
+                                      "layers": [i for i in range(cfg.num_layers) if cfg.is_recurrent(i)],
+                                      # the layers that attend (not nemotron_h's MLP / experts blocks; falcon_h1's
+                                      # layers attend and carry states)
+                                      "attention_layers": list(cfg.attention_layers),
+                                      **({"feed_forward_layers": [i for i in range(cfg.num_layers)
+                                                                  if cfg.is_feed_forward(i)]}
+                                         if cfg.single_mixer else {})}}
                        if cfg.recurrent else {}),
                     **({"moe": moe_metadata(cfg.moe, fused_mixer)} if cfg.moe else {}),
                     **({"quant": request.quant.to_dict()} if request.quant else {}),

@@ -15,22 +15,32 @@ _TRANSFORMERS_IMPORT = threading.Lock()
 
 # rope types whose frequencies are fixed per position (so a cos/sin table can be baked in).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")  # relu2: nemotron_h's relu(x)^2, ungated
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 # Layers with a fixed-size recurrent state instead of a KV cache (docs/graph-contracts.md, "Recurrent
 # state"): gated DeltaNet (qwen3_next, qwen3_5) and LFM2's gated short convolution.
 LINEAR, CONV = "linear_attention", "conv"
+# nemotron_h's blocks hold one mixer each: besides attention and Mamba2 (linear_attention), a block that is
+# only an MLP or only experts, with neither a KV cache nor a state.
+MLP_BLOCK, MOE_BLOCK = "mlp", "moe"
+# falcon_h1's layers run attention and Mamba2 side by side on the same normed input: a KV cache and states.
+PARALLEL = "hybrid"
 # model_type -> the layer types its config.json may name (a type not listed is refused by name).
 HYBRID_LAYER_TYPES = {
     "qwen3_next": (FULL, LINEAR), "qwen3_5_text": (FULL, LINEAR), "qwen3_5": (FULL, LINEAR),
     "qwen3_5_moe_text": (FULL, LINEAR), "qwen3_5_moe": (FULL, LINEAR), "lfm2": (FULL, CONV), "lfm2_moe": (FULL, CONV),
     # Granite 4.0-H: its Mamba2 layers are linear_attention to transformers 5 (config.json's "mamba", remapped).
     "granitemoehybrid": (FULL, LINEAR),
+    "nemotron_h": (FULL, LINEAR, MLP_BLOCK, MOE_BLOCK),
+    "falcon_h1": (PARALLEL,),
 }
 GATED_DELTANET, SHORT_CONV, MAMBA2 = "gated_deltanet", "short_conv", "mamba2"
-MAMBA2_TYPES = ("granitemoehybrid",)
+MAMBA2_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
+# Mamba2's output norm: gate then norm (granite, nemotron; falcon_h1 with mamba_norm_before_gate false), norm
+# then gate (falcon_h1's default), or no norm, only the gate (falcon_h1 without mamba_rms_norm).
+GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY = "gate_then_norm", "norm_then_gate", "gate_only"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +79,7 @@ class RecurrentConfig:
     conv_bias: bool = False
     norm_eps: float = 1e-6  # the gated output norm's (gated DeltaNet, Mamba2)
     proj_bias: bool = False  # Mamba2: in_proj and out_proj biased
+    gated_norm: str = GATE_THEN_NORM  # Mamba2's output norm (GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY)
 
     @property
     def conv_state(self) -> int:
@@ -94,6 +105,13 @@ class MoeConfig:
     # scaled by routed_scaling_factor (None: the softmax routing of every other family).
     sigmoid_routing: bool = False
     routed_scaling: float | None = None
+    # nemotron_h: the sigmoid routing limited to the best ``topk_group`` of ``groups`` expert groups (ranked by
+    # their two best biased scores), ungated relu^2 experts, and a latent width the experts run at (projected
+    # down before them and back after; None: hidden).
+    groups: int = 1
+    topk_group: int = 1
+    relu2_experts: bool = False
+    latent: int | None = None
 
     @property
     def op_normalize(self) -> bool:
@@ -117,6 +135,7 @@ MOE_TYPES = {
     "qwen3_5_moe": ("num_experts", "moe_intermediate_size"),
     "granitemoehybrid": ("num_local_experts", "intermediate_size"),
     "lfm2_moe": ("num_experts", "moe_intermediate_size"),
+    "nemotron_h": ("n_routed_experts", "moe_intermediate_size"),
 }
 # Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
 SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -153,6 +172,22 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
         sparse = tuple(i not in dense for i in range(num_layers))
         return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True, sparse,
                          sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+    if model_type == "nemotron_h":
+        if MOE_BLOCK not in hf.layer_types:
+            return None  # Nemotron-H's dense checkpoints: Mamba2, attention and MLP blocks only
+        if not getattr(hf, "norm_topk_prob", True):
+            raise ExportError("nemotron_h with norm_topk_prob false (the picked sigmoid scores unnormalized) is not "
+                              "exported: no such checkpoint is known; set it true only if the model was trained so")
+        groups, topk_group = int(getattr(hf, "n_group", 1) or 1), int(getattr(hf, "topk_group", 1) or 1)
+        if experts % groups or not 1 <= topk_group <= groups:
+            raise ExportError(f"config.json n_group {groups} / topk_group {topk_group} do not divide {experts} experts: "
+                              "n_group must divide n_routed_experts and topk_group lie between 1 and n_group")
+        latent = getattr(hf, "moe_latent_size", None)
+        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True,
+                         tuple(t == MOE_BLOCK for t in hf.layer_types),
+                         int(hf.moe_shared_expert_intermediate_size) if getattr(hf, "n_shared_experts", 1) else None,
+                         sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+                         groups=groups, topk_group=topk_group, relu2_experts=True, latent=int(latent) if latent else None)
     mixer = None
     if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
         mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2
@@ -200,14 +235,31 @@ class ModelConfig:
     lm_head_bias: bool = False  # phimoe
     recurrent: RecurrentConfig | None = None  # a hybrid's recurrent layers (layer_types LINEAR / CONV)
     attention_output_gate: bool = False  # qwen3_next / qwen3_5: o_proj(attn * sigmoid(gate)), gate from q_proj
+    # falcon_h1's muP multipliers (1.0 where absent): attention_in / attention_out / key, ssm_in / ssm_out, ssm (z, x,
+    # B, C, dt of Mamba2's projection), mlp_gate / mlp_down. Applied to activations, as transformers applies them.
+    multipliers: dict = dataclasses.field(default_factory=dict)
 
     def is_recurrent(self, layer: int) -> bool:
-        """Whether ``layer`` carries a recurrent state (and no KV cache)."""
-        return bool(self.layer_types) and self.layer_types[layer] in (LINEAR, CONV)
+        """Whether ``layer`` carries a recurrent state (and no KV cache, unless it is falcon_h1's parallel layer)."""
+        return bool(self.layer_types) and self.layer_types[layer] in (LINEAR, CONV, PARALLEL)
+
+    def is_feed_forward(self, layer: int) -> bool:
+        """Whether ``layer`` is a block with only an MLP or only experts (nemotron_h): no cache, no state."""
+        return bool(self.layer_types) and self.layer_types[layer] in (MLP_BLOCK, MOE_BLOCK)
+
+    def is_attention(self, layer: int) -> bool:
+        """Whether ``layer`` attends (and carries a KV cache)."""
+        return not self.layer_types or self.layer_types[layer] not in (LINEAR, CONV, MLP_BLOCK, MOE_BLOCK)
+
+    @property
+    def single_mixer(self) -> bool:
+        """Each layer one mixer (attention, recurrence, MLP or experts) after one norm (nemotron_h), not
+        attention or recurrence followed by an MLP."""
+        return self.architecture == "nemotron_h"
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if not self.is_recurrent(i))
+        return tuple(i for i in range(self.num_layers) if self.is_attention(i))
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -216,7 +268,7 @@ class ModelConfig:
         return None
 
     def uses_rope(self, layer: int) -> bool:
-        return not self.is_recurrent(layer) and (not self.rope_layers or self.rope_layers[layer])
+        return self.is_attention(layer) and (not self.rope_layers or self.rope_layers[layer])
 
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.rope_by_layer_type.get(self.layer_types[layer], self.rope) if self.rope_by_layer_type else self.rope
@@ -380,20 +432,29 @@ LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe")
 
 
 def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> RecurrentConfig | None:
-    if LINEAR in layer_types and model_type in MAMBA2_TYPES:
+    if (LINEAR in layer_types or PARALLEL in layer_types) and model_type in MAMBA2_TYPES:
         limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
         if limit != (0.0, float("inf")):
             # transformers clamps dt to it in a prefill but not in a one-token decode step: no single graph
             # reproduces both.
             raise ExportError(f"time_step_limit {list(limit)} in config.json: transformers applies it to a prompt but not "
                               "to a decode step, which one graph cannot match; only the default (0, inf) is exported")
-        heads, head_dim = int(hf.mamba_n_heads), int(hf.mamba_d_head)
-        groups, d_state = int(hf.mamba_n_groups), int(hf.mamba_d_state)
+        gated_norm = GATE_THEN_NORM
+        if model_type == "nemotron_h":  # its own names for the same sizes
+            heads, head_dim, groups, d_state = hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.ssm_state_size
+            taps, conv_bias, proj_bias = hf.conv_kernel, hf.use_conv_bias, hf.use_bias
+        else:
+            heads, head_dim, groups, d_state = hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_d_state
+            taps, conv_bias, proj_bias = hf.mamba_d_conv, hf.mamba_conv_bias, hf.mamba_proj_bias
+            if model_type == "falcon_h1":
+                gated_norm = (GATE_ONLY if not hf.mamba_rms_norm else NORM_THEN_GATE if hf.mamba_norm_before_gate
+                              else GATE_THEN_NORM)
+        heads, head_dim, groups, d_state = int(heads), int(head_dim), int(groups), int(d_state)
         if heads % groups:
-            raise ExportError(f"mamba_n_heads {heads} is not a multiple of mamba_n_groups {groups}: fix config.json")
-        return RecurrentConfig(MAMBA2, int(hf.mamba_d_conv), heads * head_dim + 2 * groups * d_state, groups, heads,
-                               d_state, head_dim, conv_bias=bool(hf.mamba_conv_bias), norm_eps=float(hf.rms_norm_eps),
-                               proj_bias=bool(hf.mamba_proj_bias))
+            raise ExportError(f"{heads} Mamba heads are not a multiple of its {groups} groups: fix config.json")
+        return RecurrentConfig(MAMBA2, int(taps), heads * head_dim + 2 * groups * d_state, groups, heads,
+                               d_state, head_dim, conv_bias=bool(conv_bias), norm_eps=float(hf.rms_norm_eps),
+                               proj_bias=bool(proj_bias), gated_norm=gated_norm)
     if LINEAR in layer_types:
         return RecurrentConfig(
             GATED_DELTANET, int(hf.linear_conv_kernel_dim),
@@ -422,6 +483,13 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         hf = hf.text_config
     if model_type in ("lfm2", "lfm2_moe"):  # its own name for the norms' epsilon
         hf.rms_norm_eps = hf.norm_eps
+    if model_type == "nemotron_h":
+        hf.rms_norm_eps = hf.layer_norm_epsilon
+    multipliers = {}
+    if model_type == "falcon_h1":
+        multipliers = {"attention_in": hf.attention_in_multiplier, "attention_out": hf.attention_out_multiplier,
+                       "key": hf.key_multiplier, "ssm_in": hf.ssm_in_multiplier, "ssm_out": hf.ssm_out_multiplier,
+                       "ssm": tuple(hf.ssm_multipliers), "mlp_gate": hf.mlp_multipliers[0], "mlp_down": hf.mlp_multipliers[1]}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
@@ -447,9 +515,11 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         layer_types = (FULL,) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # smollm3: 1 = rotary, 0 = none
     rope_layers = tuple(bool(v) for v in no_rope) if no_rope else ()
-    if model_type == "granitemoehybrid" and getattr(hf, "position_embedding_type", None) != "rope":
-        rope_layers = (False,) * hf.num_hidden_layers  # Granite 4.0-H attends without positions (NoPE)
-    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if (model_type == "granitemoehybrid" and getattr(hf, "position_embedding_type", None) != "rope"
+            or model_type == "nemotron_h"):
+        rope_layers = (False,) * hf.num_hidden_layers  # Granite 4.0-H and Nemotron-H attend without positions (NoPE)
+    act = (getattr(hf, "hidden_activation", None) or getattr(hf, "mlp_hidden_act", None)
+           or getattr(hf, "hidden_act", "silu"))
     if act not in SUPPORTED_ACTIVATIONS:
         raise ExportError(f"unsupported MLP activation {act!r}: supported are {', '.join(SUPPORTED_ACTIVATIONS)}")
     scalar = getattr(hf, "query_pre_attn_scalar", None)
@@ -484,12 +554,14 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         final_softcap=getattr(hf, "final_logit_softcapping", None),
         embedding_scale=embedding_scale,
         residual_scale=getattr(hf, "residual_multiplier", None),
-        logits_divisor=getattr(hf, "logits_scaling", None),
+        logits_divisor=(1.0 / hf.lm_head_multiplier if model_type == "falcon_h1" and hf.lm_head_multiplier != 1.0
+                        else getattr(hf, "logits_scaling", None)),
         moe=_moe_config(hf, model_type, hf.num_hidden_layers),
         clip_qkv=getattr(hf, "clip_qkv", None),
         lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
         recurrent=_recurrent_config(hf, model_type, layer_types),
         attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type not in ("lfm2", "lfm2_moe", *MAMBA2_TYPES),
+        multipliers=multipliers,
     )
 
 

@@ -179,11 +179,15 @@ def build_graph(
     caches_in = []
     key_major = b.deltanet_op == LINEAR_ATTENTION
     for i in range(cfg.num_layers):
-        if cfg.is_recurrent(i):  # a hybrid's recurrent layer: its states, not a KV cache
-            caches_in.append(tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype, key_major)))
-        else:
+        # An attention layer's KV cache, a recurrent layer's states (falcon_h1's parallel layers: both, in that
+        # order); nemotron_h's MLP / experts blocks carry nothing.
+        layer = ()
+        if cfg.is_attention(i):
             names = io.cache_names(variant, i)
-            caches_in.append((_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims)))
+            layer += (_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims))
+        if cfg.is_recurrent(i):
+            layer += tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype, key_major))
+        caches_in.append(layer)
         inputs += caches_in[-1]
     if variant is Variant.ATTN_STATIC:
         step.write_indices = _input(io.WRITE_INDICES, I64, [BATCH])
@@ -237,15 +241,16 @@ def build_graph(
         else:
             next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
             h, x = residual_norm(b, arch, x, mlp_out, next_norm, cfg.rms_norm_eps)
-        if cfg.is_recurrent(i):
-            outputs += [_name_output(value, io.state_names(i, kind)[1], dt, dims)
-                        for value, (kind, dt, dims) in zip(cache_out, state_layout(cfg, dtype, key_major))]
-        else:
+        if cfg.is_attention(i):
             names = io.cache_names(variant, i)
             outputs += [
                 _name_output(cache_out[0], names[2], dtype, out_cache_dims),
                 _name_output(cache_out[1], names[3], dtype, out_cache_dims),
             ]
+            cache_out = cache_out[2:]
+        if cfg.is_recurrent(i):
+            outputs += [_name_output(value, io.state_names(i, kind)[1], dt, dims)
+                        for value, (kind, dt, dims) in zip(cache_out, state_layout(cfg, dtype, key_major))]
         if on_layer:
             on_layer(i + 1, cfg.num_layers)
     if cfg.tie_word_embeddings:

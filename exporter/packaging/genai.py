@@ -47,9 +47,11 @@ GENAI_MODEL_TYPES = {
     # the graph has (absolute layer indices), whatever the type. "qwen3" feeds 2-D position_ids (where the
     # graph takes them); genai's own qwen3_5_text type feeds M-RoPE's [3, batch, seq], which a text graph
     # does not take, and it has no qwen3_next. lfm2's conv-only cache comes with the type and its
-    # decoder.layer_types.
+    # decoder.layer_types. genai 0.18 has no nemotron_h type: its generic decoder finds the Mamba2 states the
+    # same way (tests/test_genai.py generates transformers' tokens with it).
     "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
     "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "granitemoehybrid": "granitemoehybrid",
+    "nemotron_h": "decoder", "falcon_h1": "decoder",
 }
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)

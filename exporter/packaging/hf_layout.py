@@ -172,6 +172,20 @@ TRANSFORMERSJS_REFUSES = {
 TRANSFORMERSJS_REFUSES["granitemoehybrid"] = (
     "transformers.js 4.3 names Granite 4.0-H's states from the legacy layer types (mamba / attention), which "
     "transformers 5 rewrites to linear_attention / full_attention, so it feeds none of them")
+TRANSFORMERSJS_REFUSES["falcon_h1"] = (
+    "transformers.js 4.3 names Falcon-H1's states from legacy layer types (mamba / attention), where transformers 5 "
+    "writes every layer as hybrid, so it feeds none of them")
+TRANSFORMERSJS_REFUSES["nemotron_h"] = (
+    "transformers.js 4.3 names Nemotron-H's states from legacy layer types (mamba / attention) in layers_block_type, "
+    "which transformers 5 writes as linear_attention / full_attention / mlp / moe (and the checkpoints as "
+    "hybrid_override_pattern, where it gives every block a KV cache and a state), so it feeds none of them")
+
+
+def check_family(checkpoint_dir: Path) -> None:
+    """ExportError when transformers.js cannot drive the checkpoint's family (TRANSFORMERSJS_REFUSES)."""
+    path = checkpoint_file(checkpoint_dir, CONFIG_FILE, required=False)
+    if path is not None:
+        _checked_config(json.loads(path.read_text()))
 
 
 def _checked_config(config: dict) -> dict:

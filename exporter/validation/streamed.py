@@ -126,9 +126,11 @@ class StreamedReference:
         for prefix, buffer_owner in model.named_modules():
             for name, buffer in list(buffer_owner._buffers.items()):
                 full = f"{prefix}.{name}" if prefix else name
-                if buffer is not None and name not in buffer_owner._non_persistent_buffers_set and full in self.source:
-                    # A persistent buffer the checkpoint stores (lfm2_moe's expert_bias): its value, not the
-                    # construction's (zeros). Small: read once, kept in its own dtype (fp32 routing biases).
+                stored = full in self.source or self._merged.get(full, ("",))[0] == "renamed"
+                if buffer is not None and name not in buffer_owner._non_persistent_buffers_set and stored:
+                    # A persistent buffer the checkpoint stores (lfm2_moe's expert_bias, nemotron_h's
+                    # e_score_correction_bias under backbone.*): its value, not the construction's (zeros).
+                    # Small: read once, kept in its own dtype (fp32 routing biases).
                     buffer_owner._buffers[name] = self._tensor(full).to(buffer.dtype)
                 elif buffer is not None and buffer.device != self.device:
                     buffer_owner._buffers[name] = buffer.to(self.device)

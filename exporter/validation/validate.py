@@ -237,7 +237,8 @@ def validate_export(
     compat = is_compat(meta)
     recurrent = cfg.get("recurrent") or {}
     gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat,
-                             tuple(recurrent.get("layers", ())), tuple(recurrent.get("ops", ())))
+                             tuple(recurrent.get("layers", ())), tuple(recurrent.get("ops", ())),
+                             recurrent.get("attention_layers"))
     timings["structure"] = time.perf_counter() - t0
     checkpoints.checkpoint()
 

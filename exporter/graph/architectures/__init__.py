@@ -1,8 +1,8 @@
 """Registry of supported architectures, keyed by config.json ``model_type``."""
 
 from exporter.graph.architectures import (
-    gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, olmo2, olmoe, phi3, phimoe, qwen2,
-    qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
+    falcon_h1, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
+    olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
 )
 from exporter.graph.architectures.base import Architecture
 
@@ -10,7 +10,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     m.model_type: m
     for m in (*(f.ARCHITECTURE for f in (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, granite, olmo2, smollm3,
                                          mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, gpt_oss, phimoe)),
-              # Hybrids: recurrent layers (gated DeltaNet, short convolution) beside attention layers.
+              # Hybrids: recurrent layers (gated DeltaNet, short convolution, Mamba2) beside attention layers.
               qwen3_next.ARCHITECTURE, qwen3_5.TEXT, qwen3_5.ARCHITECTURE, qwen3_5_moe.TEXT, qwen3_5_moe.ARCHITECTURE,
-              lfm2.ARCHITECTURE, lfm2.MOE, granitemoehybrid.ARCHITECTURE)
+              lfm2.ARCHITECTURE, lfm2.MOE, granitemoehybrid.ARCHITECTURE,
+              nemotron_h.ARCHITECTURE, falcon_h1.ARCHITECTURE)
 }

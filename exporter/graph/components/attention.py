@@ -40,6 +40,7 @@ class AttentionWeights:
     # qwen3_next / qwen3_5: qkv packs [q | k | v | gate] (the gate's rows taken from q_proj, where they
     # alternate with the query's head by head), and the output is attn * sigmoid(gate) before o.
     output_gate: bool = False
+    qkv_scale: ir.Value | None = None  # [q + k + v] per output channel, after the projection (falcon_h1's key_multiplier)
 
 
 @dataclasses.dataclass
@@ -70,9 +71,14 @@ def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm
     return b.op("Reshape", [per_head, b.ints(0, 0, num_heads * head_dim)])
 
 
+def _projected(b: GraphBuilder, x: ir.Value, w: AttentionWeights) -> ir.Value:
+    qkv = linear(b, x, w.qkv, w.qkv_bias)
+    return b.op("Mul", [qkv, w.qkv_scale]) if w.qkv_scale is not None else qkv
+
+
 def _split_qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig):
     """q, k, v and the output gate (None without one) of one packed projection."""
-    qkv = linear(b, x, w.qkv, w.qkv_bias)
+    qkv = _projected(b, x, w)
     if w.output_gate:
         return b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size, cfg.q_size)], {"axis": -1},
                           num_outputs=4)
@@ -229,7 +235,7 @@ def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
     gate = None
     if w.q_norm is None and not w.output_gate:
-        query, key, value = _clipped(b, linear(b, x, w.qkv, w.qkv_bias), cfg), None, None
+        query, key, value = _clipped(b, _projected(b, x, w), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value, gate = _split_qkv(b, x, w, cfg)

@@ -3,6 +3,10 @@ into the norm that follows them where there is one."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 import onnx_ir as ir
 
 from exporter.graph.architectures.base import POST_NORM, SANDWICH, Architecture
@@ -17,11 +21,11 @@ from exporter.graph.components.attention import (
 from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
 from exporter.graph.components.graph import GraphBuilder, packed
 from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
-from exporter.graph.components.mlp import gated_mlp
+from exporter.graph.components.mlp import gated_mlp, relu2_mlp
 from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.components.short_conv import ShortConvWeights, short_conv
-from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig
+from exporter.graph.config import GATE_ONLY, GATED_DELTANET, MAMBA2, MOE_BLOCK, ModelConfig
 from exporter.packaging.checkpoint import WeightPart
 from exporter.errors import ExportError
 from exporter.request import Variant
@@ -103,6 +107,34 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
     )
 
 
+def _mup_vector(b: GraphBuilder, cfg: ModelConfig) -> ir.Value | None:
+    """falcon_h1's Mamba2 projection scales, one per output row: z, x (inner each), B, C (groups x d_state
+    each), dt (heads); None for the other families."""
+    if "ssm" not in cfg.multipliers or all(m == 1.0 for m in cfg.multipliers["ssm"]):
+        return None
+    rc = cfg.recurrent
+    widths = (rc.value_heads * rc.value_dim,) * 2 + (rc.key_heads * rc.key_dim,) * 2 + (rc.value_heads,)
+    vector = np.concatenate([np.full(n, m, np.float32) for n, m in zip(widths, cfg.multipliers["ssm"])])
+    return b.constant(vector.astype(b.dtype.numpy()), "falcon_h1_mup_vector")
+
+
+def _parallel_mixers(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: ModelConfig, i: int, variant: Variant,
+                     step: StepInputs, cache: tuple[ir.Value, ...]) -> tuple[ir.Value, tuple[ir.Value, ...]]:
+    """falcon_h1's layer ``i``: attention and Mamba2 on the same normed ``h``, each with its muP multipliers,
+    added; ``cache`` (key, value, conv, ssm) in, the same out."""
+    m = cfg.multipliers
+    weights = attention_weights(b, arch, cfg, i)
+    if m.get("key", 1.0) != 1.0:
+        scale = np.concatenate([np.ones(cfg.q_size, np.float32), np.full(cfg.kv_size, m["key"], np.float32),
+                                np.ones(cfg.kv_size, np.float32)])
+        weights = dataclasses.replace(weights, qkv_scale=b.constant(scale.astype(b.dtype.numpy()), "falcon_h1_key_scale"))
+    attn_out, key_out, value_out = ATTENTION[variant](b, _scaled(b, h, m.get("attention_in")), weights, cfg, step,
+                                                      *cache[:2])
+    ssm_out, states = recurrent_mixer(b, _scaled(b, h, m.get("ssm_in")), arch, cfg, i, step, cache[2:])
+    out = b.op("Add", [_scaled(b, attn_out, m.get("attention_out")), _scaled(b, ssm_out, m.get("ssm_out"))])
+    return out, (key_out, value_out, *states)
+
+
 def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: ModelConfig, i: int, step: StepInputs,
                     states: tuple[ir.Value, ...]) -> tuple[ir.Value, tuple[ir.Value, ...]]:
     """A hybrid's recurrent layer ``i`` on ``h``: (its output, its states after the step)."""
@@ -119,13 +151,14 @@ def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: Model
         out, conv_state, recurrent_state = gated_deltanet(b, h, weights, cfg, step.token_mask, *states)
         return out, (conv_state, recurrent_state)
     if rc.kind == MAMBA2:
-        f32, proj_bias = ir.DataType.FLOAT, (lambda t: b.weight(name(t))) if rc.proj_bias else (lambda t: None)  # noqa: E731
+        f32, proj_bias = ir.DataType.FLOAT, lambda t: _optional(b, name(t))  # noqa: E731 (falcon_h1: in and out apart)
         weights = Mamba2Weights(
             in_proj=b.weight(name("in_proj.weight")), conv=b.weight(name("conv1d.weight")),
             conv_bias=b.weight(name("conv1d.bias")) if rc.conv_bias else None,
             a_log=b.weight(name("A_log"), dtype=f32), dt_bias=b.weight(name("dt_bias"), dtype=f32),
-            d=b.weight(name("D")), norm=b.weight(name("norm.weight")), out=b.weight(name("out_proj.weight")),
-            in_bias=proj_bias("in_proj.bias"), out_bias=proj_bias("out_proj.bias"))
+            d=b.weight(name("D")),
+            norm=b.weight(name("norm.weight")) if rc.gated_norm != GATE_ONLY else None, out=b.weight(name("out_proj.weight")),
+            in_bias=proj_bias("in_proj.bias"), out_bias=proj_bias("out_proj.bias"), in_scale=_mup_vector(b, cfg))
         out, conv_state, ssm_state = mamba2(b, h, weights, cfg, step.token_mask, *states)
         return out, (conv_state, ssm_state)
     biased = (lambda t: b.weight(name(t))) if rc.conv_bias else (lambda t: None)  # noqa: E731
@@ -134,6 +167,21 @@ def recurrent_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: Model
                                conv_bias=biased("conv.bias"), out_bias=biased("out_proj.bias"))
     out, conv_state = short_conv(b, h, weights, cfg, step.token_mask, *states)
     return out, (conv_state,)
+
+
+def _single_mixer(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: ModelConfig, i: int, variant: Variant,
+                  step: StepInputs, cache: tuple[ir.Value, ...]) -> tuple[ir.Value, tuple[ir.Value, ...]]:
+    """nemotron_h's block ``i``: its one mixer on the normed ``h``: (output, caches out: none for an MLP or
+    experts block)."""
+    if cfg.is_recurrent(i):
+        return recurrent_mixer(b, h, arch, cfg, i, step, cache)
+    if cfg.is_attention(i):
+        out, key_out, value_out = ATTENTION[variant](b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
+        return out, (key_out, value_out)
+    if cfg.layer_types[i] == MOE_BLOCK:
+        return moe_mlp(b, h, arch, cfg, i), ()
+    up, = arch.gate_up_parts(i)
+    return relu2_mlp(b, h, b.weight(up.name), b.weight(f"{arch.names(i)['down']}.weight")), ()
 
 
 def decoder_layer(
@@ -155,7 +203,12 @@ def decoder_layer(
     """
     names = arch.names(i)
     eps = cfg.rms_norm_eps
-    if cfg.is_recurrent(i):
+    if cfg.single_mixer:
+        out, cache_out = _single_mixer(b, h, arch, cfg, i, variant, step, cache)
+        return out, x, cache_out
+    if cfg.is_recurrent(i) and cfg.is_attention(i):
+        attn_out, cache_out = _parallel_mixers(b, h, arch, cfg, i, variant, step, cache)
+    elif cfg.is_recurrent(i):
         attn_out, cache_out = recurrent_mixer(b, h, arch, cfg, i, step, cache)
     else:
         attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
@@ -180,8 +233,9 @@ def decoder_layer(
         down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None
         mlp_out = gated_mlp(
             b, h, _packed_weight(b, arch.gate_up_parts(i)), b.weight(f"{names['down']}.weight"),
-            cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act,
+            cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act, cfg.multipliers.get("mlp_gate"),
         )
+        mlp_out = _scaled(b, mlp_out, cfg.multipliers.get("mlp_down"))
     if arch.norm_layout in (SANDWICH, POST_NORM):
         mlp_out = norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, cache_out

@@ -1,4 +1,5 @@
-"""The gated MLP (SiLU, or tanh-GELU for gemma) with gate and up packed into one matmul."""
+"""The gated MLP (SiLU, or tanh-GELU for gemma) with gate and up packed into one matmul; nemotron_h's
+ungated relu^2 MLP."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from exporter.graph.components.graph import GraphBuilder, linear
 def gated_mlp(
     b: GraphBuilder, x: ir.Value, gate_up: ir.Value, down: ir.Value, intermediate: int,
     gate_up_bias: ir.Value | None = None, down_bias: ir.Value | None = None, act: str = "silu",
+    gate_scale: float | None = None,
 ) -> ir.Value:
+    """``gate_scale``: the gate multiplied before its activation (falcon_h1's mlp multiplier)."""
     gate, up = b.op_multi(
         "Split", [linear(b, x, gate_up, gate_up_bias), b.ints(intermediate, intermediate)], {"axis": -1},
         num_outputs=2,
     )
+    if gate_scale is not None and gate_scale != 1.0:
+        gate = b.op("Mul", [gate, b.scalar(gate_scale)])
     if act == "gelu_pytorch_tanh":
         activated = b.op("Gelu", [gate], {"approximate": "tanh"})  # opset 20
     else:
         # Sigmoid + Mul: ORT fuses it into one QuickGelu(alpha=1) kernel at session creation.
         activated = b.op("Mul", [gate, b.op("Sigmoid", [gate])])
     return linear(b, b.op("Mul", [activated, up]), down, down_bias)
+
+
+def relu2_mlp(b: GraphBuilder, x: ir.Value, up: ir.Value, down: ir.Value) -> ir.Value:
+    """down(relu(up(x))^2), nemotron_h's MLP and shared expert."""
+    activated = b.op("Relu", [linear(b, x, up)])
+    return linear(b, b.op("Mul", [activated, activated]), down)

@@ -16,8 +16,10 @@ CONTROL_FLOW = {"If", "Loop", "Scan"}
 # Initializers allowed to stay float32 in an fp16/bf16 build: gated DeltaNet's decay parameters,
 # which GatedDeltaNet takes in fp32 only (rope tables and norms are stored in the model dtype). By
 # name suffix; listed in the report so an exception is always visible.
-FP32_ALLOWED: tuple[str, ...] = (".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias",
-                                 "l2_norm_scale_")  # (DeltaNet's q / k L2 norms, computed in fp32)
+# A half export's fp32 initializers: a recurrent layer's decay parameters (its log decay is computed in fp32, as
+# transformers computes it), the sigmoid routers' selection biases (lfm2_moe's expert_bias, nemotron_h's
+# e_score_correction_bias: fp32 into MoEGroupRouter) and DeltaNet's q / k L2 norm scales.
+FP32_ALLOWED: tuple[str, ...] = (".A_log", ".dt_bias", ".expert_bias", ".e_score_correction_bias", "l2_norm_scale_")
 # A recurrent layer's ops: exactly one recurrence per layer, never unrolled.
 # The op that runs gated DeltaNet's recurrence is the export's own (its metadata's recurrent.op:
 # GatedDeltaNet, or LinearAttention in an hf-layout export, components/gated_deltanet.py).
@@ -83,11 +85,12 @@ def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
 
 
 def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
-                    compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_ops: tuple[str, ...] = ()
-                    ) -> list[GateResult]:
+                    compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_ops: tuple[str, ...] = (),
+                    attention_layers: list[int] | None = None) -> list[GateResult]:
     """``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata);
     ``recurrent_layers``: a hybrid's layers with a recurrent state and no attention, each holding one of
-    each of ``recurrent_ops`` (com.microsoft op types)."""
+    each of ``recurrent_ops`` (com.microsoft op types); ``attention_layers``: a hybrid's layers that attend
+    (its metadata's: nemotron_h's MLP / experts blocks do not, falcon_h1's layers attend beside Mamba2)."""
     results = []
     model = onnx.load(str(model_path), load_external_data=False)
     try:
@@ -100,7 +103,7 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
     nodes = list(_all_nodes(graph))
     census = collections.Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for _, n in nodes)
 
-    attending = num_layers - len(recurrent_layers)
+    attending = len(attention_layers) if attention_layers is not None else num_layers - len(recurrent_layers)
     expected = {
         "attn_static": {"Attention": attending, "TensorScatter": 2 * attending},
         "gqa": {"com.microsoft::GroupQueryAttention": attending},
