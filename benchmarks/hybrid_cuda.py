@@ -43,6 +43,12 @@ GEOMETRIES = {  # width of the real model, its layer pattern repeated to --layer
                              mamba_d_conv=4, num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
                              shared_intermediate_size=1024, vocab_size=100352,
                              layer_types=["mamba"] * 3 + ["attention"]),
+    # transformers' NemotronHConfig default sizes (Nemotron-H-8B's width: Mamba2 of 128 heads x 64, d_state 128, 8
+    # groups; a relu^2 MLP of 21504; 32 heads of 128, 8 KV heads), blocks M - M * - repeated.
+    "nemotron_h": dict(hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                       conv_kernel=4, vocab_size=131072,
+                       layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp"]),
 }
 
 
@@ -51,9 +57,10 @@ GEOMETRIES = {  # width of the real model, its layer pattern repeated to --layer
 NEMOTRON_DENSE = {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]}
 
 
-def relu2_experts_known_answer() -> dict:
-    """The expert op's own relu2 (what a nemotron_h cuda export's experts run) on CUDA in fp16 against numpy:
-    4 experts of 64, top 2 of a softmax, 5 tokens."""
+def relu2_experts_known_answer(form: str = "relu2") -> dict:
+    """nemotron_h's relu^2 experts on CUDA in fp16 against numpy, 4 experts of 64, top 2 of a softmax, 5 tokens:
+    ``form`` "swiglu_gate_is_up" (what an export holds: the op's SwiGLU with gate = up, components/moe.py) or
+    "relu2", the op's own activation."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -64,13 +71,21 @@ def relu2_experts_known_answer() -> dict:
     down = (rng.standard_normal((experts, hidden, width)) * 0.2).astype(np.float16)
     x = rng.standard_normal((tokens, hidden)).astype(np.float16)
     logits = rng.standard_normal((tokens, experts)).astype(np.float16)
+    from exporter.graph.components.moe import RELU2_ALPHA
+
+    if form == "relu2":  # not what an export holds: measured to know whether the op's own relu2 can replace it
+        attrs, fc1 = {"activation_type": "relu2"}, up
+    else:  # each expert's up rows twice, interleaved as gate and up
+        attrs = {"activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": RELU2_ALPHA, "activation_beta": 0.0}
+        fc1 = np.stack([up, up], axis=2).reshape(experts, 2 * width, hidden)
     node = helper.make_node("MoE", ["x", "r", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=k,
-                            activation_type="relu2", normalize_routing_weights=1)
+                            normalize_routing_weights=1, **attrs)
     graph = helper.make_graph([node], "relu2", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [tokens, hidden]),
                                                 helper.make_tensor_value_info("r", TensorProto.FLOAT16, [tokens, experts])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
-                              [onnx.numpy_helper.from_array(up, "fc1"), onnx.numpy_helper.from_array(down, "fc2")])
+                              [onnx.numpy_helper.from_array(fc1, "fc1"), onnx.numpy_helper.from_array(down, "fc2")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10  # onnx's default (14 in 1.23) is newer than onnxruntime 1.31 reads
     try:
         session = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
         got = session.run(None, {"x": x, "r": logits})[0].astype(np.float32)
@@ -137,9 +152,13 @@ def speed(arch: str, layers: int, work: Path, context: int = 2048, steps: int = 
     from exporter.tiny_checkpoint import make_tiny_checkpoint
 
     geometry = dict(GEOMETRIES[arch])
-    pattern = geometry.pop("layer_types")
-    geometry.update(num_hidden_layers=layers, layer_types=[pattern[i % len(pattern)] for i in range(layers)],
-                    max_position_embeddings=8192)
+    if "layers_block_type" in geometry:  # nemotron_h: its block list is its depth
+        pattern = geometry.pop("layers_block_type")
+        geometry["layers_block_type"] = [pattern[i % len(pattern)] for i in range(layers)]
+    else:
+        pattern = geometry.pop("layer_types")
+        geometry.update(num_hidden_layers=layers, layer_types=[pattern[i % len(pattern)] for i in range(layers)])
+    geometry.update(max_position_embeddings=8192)
     source = make_tiny_checkpoint(arch, work / f"{arch}-speed", dtype="bfloat16", init_std=0.02, **geometry)
     request = ExportRequest(model=str(source), dtype="fp16", ep="cuda", variant="gqa", max_seq_len=4096)
     start = time.perf_counter()
@@ -187,7 +206,8 @@ def main() -> None:
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                "left_out": [] if router else ["lfm2_moe, nemotron_h's experts: this onnxruntime has no MoEGroupRouter "
                                               "(nemotron_h measured with MLP blocks in their place)"],
-               "relu2_experts_known_answer": relu2_experts_known_answer(), "parity": [], "speed": []}
+               "relu2_experts_known_answer": {f: relu2_experts_known_answer(f) for f in ("relu2", "swiglu_gate_is_up")},
+               "parity": [], "speed": []}
     print(json.dumps({"relu2_experts_known_answer": results["relu2_experts_known_answer"]}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:

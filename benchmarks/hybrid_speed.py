@@ -84,6 +84,14 @@ GEOMETRIES = {
         num_key_value_heads=8, head_dim=64, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True, tie_word_embeddings=True, full_attn_idxs=[2, 5, 8, 10, 12, 14],
     ),
+    # Granite-4.0-H-Tiny's width (as benchmarks/hybrid_cuda.py): Mamba2 of 48 heads x 64, d_state 128, 64 experts of
+    # 512 (6 a token) and a shared MLP of 1024 on every layer, NoPE attention; the layers here 3 Mamba2 to 1 attention.
+    "granitemoehybrid": dict(
+        vocab_size=100352, hidden_size=1536, num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
+        mamba_n_heads=48, mamba_d_head="auto", mamba_expand=2, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
+        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512, shared_intermediate_size=1024,
+        position_embedding_type="nope", tie_word_embeddings=True,
+    ),
 }
 
 
@@ -101,6 +109,8 @@ def geometry(args) -> dict:
         if args.hidden is not None and args.head_dim is None:
             g["head_dim"] = g["hidden_size"] // g["num_attention_heads"]
         g["full_attn_idxs"] = [i for i in g["full_attn_idxs"] if i < n] or [n - 1]
+    elif args.family == "granitemoehybrid":
+        g["layer_types"] = ["attention" if (i + 1) % 4 == 0 else "mamba" for i in range(n)]
     else:  # Qwen3.5: every 4th layer full attention (3:1)
         g["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(full_layers)][:n]
         if "full_attention" not in g["layer_types"]:

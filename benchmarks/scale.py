@@ -154,6 +154,37 @@ def run_sampled(cmd: list[str], log: Path, env: dict | None = None, gpu: GpuMemo
 # --- checkpoints ----------------------------------------------------------------------------------
 
 
+# Geometries whose layers build_checkpoints writes itself (llama-like tensors); every other family (hybrids,
+# mixtures of experts) is made by transformers' own model class and save_pretrained, one checkpoint a depth.
+HAND_WRITTEN_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def build_with_transformers(geometry: str, depths: list[int], root: Path) -> dict[int, Path]:
+    """A random-weight bf16 checkpoint of ``geometry`` at each depth, built by transformers' model class (its own
+    initialization, std 0.02) and written by save_pretrained under the checkpoint's own tensor names."""
+    import torch
+    import transformers
+
+    from exporter.geometries import geometry_config
+
+    out = {}
+    for n in depths:
+        folder = root / f"{geometry}-L{n}"
+        if not (folder / ".complete").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            config = dict(geometry_config(geometry, n))
+            config.pop("architectures", None), config.pop("torch_dtype", None)
+            hf = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+            model.save_pretrained(folder, max_shard_size="2GB")
+            del model
+            (folder / ".complete").touch()
+            print(f"  {folder.name}: written", flush=True)
+        out[n] = folder
+    return out
+
+
 def build_checkpoints(geometry: str, depths: list[int], root: Path) -> dict[int, Path]:
     """The deepest checkpoint written once (a shard per layer), the others linking its shards."""
     import torch
@@ -161,6 +192,8 @@ def build_checkpoints(geometry: str, depths: list[int], root: Path) -> dict[int,
 
     from exporter.geometries import geometry_config, write_geometry_config
 
+    if geometry_config(geometry)["model_type"] not in HAND_WRITTEN_TYPES:
+        return build_with_transformers(geometry, depths, root)
     deepest = max(depths)
     full = root / f"{geometry}-L{deepest}"
     config = geometry_config(geometry, deepest)
@@ -346,7 +379,8 @@ def main() -> None:
     if args.build_only:
         print(f"checkpoints written in {build_s:.0f} s", flush=True)
         return
-    full_depth = geometry_config(args.geometry)["num_hidden_layers"]
+    full = geometry_config(args.geometry)
+    full_depth = full.get("num_hidden_layers") or len(full["hybrid_override_pattern"])  # nemotron_h: a letter a block
     full_config = load_model_config(write_geometry_config(args.geometry, args.work / f"{args.geometry}-full-config"),
                                     ARCHITECTURES)
     earlier = json.loads(args.out.read_text()) if args.append and args.out.is_file() else {}
@@ -370,7 +404,13 @@ def main() -> None:
                    reference_on_gpu=_reference_on_gpu(args.ep)).to_dict()}
         result["runs"].append(run)
         for n in depths:
-            run["depths"].append(measure_depth(checkpoints[n], n, dtype, args.ep, args.work, args.bench, gpu))
+            try:
+                run["depths"].append(measure_depth(checkpoints[n], n, dtype, args.ep, args.work, args.bench, gpu))
+            except RuntimeError as err:  # a stage that died (killed for memory: -9) is a finding, kept with its words
+                run.setdefault("failed_depths", []).append({"layers": n, "error": str(err)[:600]})
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
+                print(f"[L{n}-{dtype}-{args.ep}] failed: {str(err).splitlines()[0][:300]}", flush=True)
+                continue
             run["fits"] = {
                 "export_rss_anon": fit(run["depths"], lambda r: r["export"]["peak_rss_anon_gib"], full_depth),
                 "session_rss_anon": fit(run["depths"], lambda r: r["session"]["peak_rss_anon_gib"], full_depth),

@@ -1,7 +1,9 @@
 """config.json of real production models (their geometry, no weights), optionally cut to fewer layers.
 
 Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
-gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them.
+gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them; the hybrids Qwen3-Next-80B-A3B
+(transformers' Qwen3NextConfig defaults, which are that checkpoint's), Nemotron-3-Nano-30B-A3B (its published block
+pattern and sizes), Qwen3.5-0.8B's language model and Granite-4.0-H-Tiny.
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -91,6 +93,31 @@ GEOMETRIES: dict[str, dict] = {
         "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 32000,
         "torch_dtype": "bfloat16",
     },
+    # Hybrids. Qwen3-Next-80B-A3B: 48 layers, gated DeltaNet on 3 of every 4 (16 key heads, 32 value heads of
+    # 128), 512 experts of 512 (10 a token) with a shared expert of 512 on every layer.
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "decoder_sparse_step": 1, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10, "num_experts": 512, "norm_topk_prob": True,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+        "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    # Nemotron-3-Nano-30B-A3B: 52 blocks (23 Mamba2 of 64 heads x 64, d_state 128, 8 groups; 23 of 128 relu^2
+    # experts of 1856, 6 a token, a shared expert of 3712; 6 attention blocks of 32 heads, 2 KV heads).
+    "nemotron-3-nano-30b-a3b": {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_attention_heads": 32,
+        "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128,
+        "n_groups": 8, "conv_kernel": 4, "use_conv_bias": True, "intermediate_size": 1856, "n_routed_experts": 128,
+        "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "mlp_hidden_act": "relu2",
+        "layer_norm_epsilon": 1e-5, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -106,7 +133,9 @@ def geometry_config(name: str, layers: int | None = None) -> dict:
     if name not in GEOMETRIES:
         raise KeyError(f"unknown geometry {name!r}: known are {', '.join(GEOMETRIES)}")
     config = dict(GEOMETRIES[name])
-    if layers is not None:
+    if layers is not None and "hybrid_override_pattern" in config:  # nemotron_h: one letter a block
+        config["hybrid_override_pattern"] = config["hybrid_override_pattern"][:layers]
+    elif layers is not None:
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:
             config["max_window_layers"] = layers

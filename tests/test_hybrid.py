@@ -2,7 +2,8 @@
 CPU, through each variant's own cache contract and the recurrent states carried between calls.
 
 The tiny checkpoints (exporter/tiny_checkpoint.py HYBRID_ARCHITECTURES) interleave two recurrent layers
-with two attention layers; prompts of 70 tokens run past the convolution's window (3-4 taps) and past
+with two attention layers (nemotron_h: six one-mixer blocks; falcon_h1: two layers of attention and Mamba2
+side by side); prompts of 70 tokens run past the convolution's window (3-4 taps) and past
 GatedDeltaNet's chunk (64 tokens), so a prefill crosses chunks and the state it leaves is what decode
 continues from.
 """
@@ -260,6 +261,27 @@ def test_falcon_h1_s_other_mamba_output_norms_match_transformers(norm, tmp_path)
     out = export_model(ExportRequest(model=str(source), ep="cpu", variant="attn_dynamic"), tmp_path / "export",
                        validate=False).out_dir
     prompt = [int(t) for t in np.random.default_rng(6).integers(3, 250, size=LONG_PROMPT)]
+    ref = reference_greedy(load_reference(source), prompt, 24)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_stack_without_attention_runs_on_its_states_alone(variant, tmp_path):
+    """Mamba2 and MLP blocks only (a depth-truncated Nemotron-H, or an attention-free Mamba2 model): no KV cache
+    anywhere, the states carry every token; each variant against transformers."""
+    from exporter.pipeline import export_model
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    source = make_tiny_checkpoint("nemotron_h", tmp_path / "ckpt",
+                                  layers_block_type=["linear_attention", "mlp", "linear_attention", "mlp"])
+    request = ExportRequest(model=str(source), ep="cpu", variant=variant, max_seq_len=128)
+    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    inputs = [i.name for i in onnx.load(str(out / contract.MODEL_FILE), load_external_data=False).graph.input]
+    assert not [name for name in inputs if "key" in name or "value" in name]
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=LONG_PROMPT)]
     ref = reference_greedy(load_reference(source), prompt, 24)
     result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
     assert _close(result), result

@@ -185,7 +185,7 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
         latent = getattr(hf, "moe_latent_size", None)
         return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True,
                          tuple(t == MOE_BLOCK for t in hf.layer_types),
-                         int(hf.moe_shared_expert_intermediate_size) if getattr(hf, "n_shared_experts", 1) else None,
+                         int(hf.moe_shared_expert_intermediate_size),  # transformers builds it whatever n_shared_experts says
                          sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
                          groups=groups, topk_group=topk_group, relu2_experts=True, latent=int(latent) if latent else None)
     mixer = None

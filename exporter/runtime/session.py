@@ -181,10 +181,14 @@ class Decoder:
         if self.state_pairs and cuda_graph:
             raise ValueError("a hybrid's recurrent states are taken from each step's outputs, which a CUDA graph "
                              "cannot capture: run it without CUDA graphs")
-        first = self.inputs[self.pairs[0][0]]
-        self.dtype: DType = BY_ORT[first.type]
-        self.cache_dims = list(first.shape)
-        if not isinstance(self.cache_dims[-1], int):
+        if not self.pairs:  # no attention layer at all (a recurrent stack: Mamba2 and MLP blocks): the logits' dtype
+            self.dtype: DType = BY_ORT[self.session.get_outputs()[0].type]
+            self.cache_dims = []
+        else:
+            first = self.inputs[self.pairs[0][0]]
+            self.dtype = BY_ORT[first.type]
+            self.cache_dims = list(first.shape)
+        if self.cache_dims and not isinstance(self.cache_dims[-1], int):
             # onnxruntime-genai's builder leaves head_dim symbolic; its genai_config.json has it.
             genai = json.loads((self.model_path.parent / GENAI_CONFIG_FILE).read_text())["model"]["decoder"]
             self.cache_dims[-1] = genai["head_size"]

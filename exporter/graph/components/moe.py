@@ -11,11 +11,13 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
   node); otherwise in the graph (``sparse_mixer``, ~30 small nodes), the op given log weights.
 - gpt-oss: a biased router (the op's softmax over all experts then renormalized top k is its softmax
   over the top-k logits), expert biases and the clamped SwiGLU as attributes.
-- nemotron_h: ungated relu^2 experts. On CUDA the op's own ``relu2`` (fc1 the up rows). The CPU kernels have
-  no relu^2, so there the op runs its SwiGLU with gate = up (each expert's up rows twice, interleaved),
-  beta 0 and a steep alpha: up * sigmoid(alpha up) * up is relu(up)^2 to fp32 rounding (sigmoid(alpha u)
-  is exactly 0 or 1 in fp32 for |u| > 17 / alpha; below that the difference is under u^2 < 3e-10); fc1 is
-  twice the model's there. Grouped sigmoid routing on MoEGroupRouter, then the latent projections and a
+- nemotron_h: ungated relu^2 experts, as the op's SwiGLU with gate = up (each expert's up rows twice,
+  interleaved), beta 0 and a steep alpha: up * sigmoid(alpha up) * up is relu(up)^2 to fp32 rounding
+  (sigmoid(alpha u) is exactly 0 or 1 in fp32 for |u| > 17 / alpha; below that the difference is under
+  u^2 < 3e-10). The CPU kernels have no relu^2, and onnxruntime-gpu 1.31.1's CUDA kernels refuse the op's
+  relu2 ("Unsupported MoE activation type"; 1.32's schema lists it for CUDA, not measured here), while this
+  form was measured right on both (benchmarks/hybrid_cuda.py relu2_experts_known_answer); its cost is an
+  fc1 twice the model's. Grouped sigmoid routing on MoEGroupRouter, then the latent projections and a
   relu^2 shared expert.
 """
 
@@ -29,26 +31,17 @@ from exporter.graph.components.mlp import gated_mlp, relu2_mlp
 from exporter.graph.config import ModelConfig, MoeConfig
 
 MS_DOMAIN = "com.microsoft"
-# nemotron_h's relu^2 experts (above): the op's own relu2 (CUDA), or its SwiGLU with gate = up and an alpha
-# that makes the gate a step function (CPU).
-RELU2_NATIVE, RELU2_SWIGLU = "relu2", "swiglu_gate_is_up"
+# nemotron_h's relu^2 experts (above): the SwiGLU alpha that makes the gate a step function.
 RELU2_ALPHA = 1e6
 
 
-def relu2_form(ep: str) -> str:
-    return RELU2_NATIVE if ep == "cuda" else RELU2_SWIGLU
-
-
 def expert_attributes(top_k: int, normalize: bool, alpha: float | None = None, limit: float | None = None,
-                      relu2: str | None = None) -> dict:
+                      relu2: bool = False) -> dict:
     """The MoE op's attributes for this routing, every one stated (the op's defaults are relu,
     k = 1, no fusion). gpt-oss's clamped SwiGLU is ``alpha`` with beta 1 (its up + 1) and ``limit``;
-    ``relu2`` (nemotron_h): ``RELU2_NATIVE`` the op's relu2 (CUDA), ``RELU2_SWIGLU`` a SwiGLU of gate = up
-    (module docstring)."""
+    ``relu2`` (nemotron_h): relu^2 as a SwiGLU of gate = up (module docstring)."""
     attrs = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "normalize_routing_weights": int(normalize)}
-    if relu2 == RELU2_NATIVE:
-        attrs.update(activation_type="relu2", swiglu_fusion=0)
-    elif relu2 == RELU2_SWIGLU:
+    if relu2:
         attrs.update(activation_alpha=RELU2_ALPHA, activation_beta=0.0)
     elif alpha is not None:
         attrs.update(activation_alpha=float(alpha), activation_beta=1.0)
@@ -87,7 +80,7 @@ def moe_metadata(moe: MoeConfig, fused_mixer: bool) -> dict:
 def experts_op(b: GraphBuilder, x: ir.Value, logits: ir.Value, fc1: ir.Value, fc2: ir.Value, top_k: int,
                normalize: bool, fc1_bias: ir.Value | None = None, fc2_bias: ir.Value | None = None,
                alpha: float | None = None, limit: float | None = None, sparse_mixer: bool = False,
-               relu2: str | None = None) -> ir.Value:
+               relu2: bool = False) -> ir.Value:
     """The fused op on [tokens or batch x seq, hidden] and the router's raw logits [tokens, experts]."""
     attrs = expert_attributes(top_k, normalize, alpha, limit, relu2)
     if sparse_mixer:
@@ -100,19 +93,14 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     moe = cfg.moe
     fc1_parts, fc2_parts = arch.expert_parts(i, moe.num_experts, moe.expert_intermediate, has=b.has_weight)
     stem = arch.moe_name(i, "experts")
-    relu2 = relu2_form(b.ep) if moe.relu2_experts else None
-    if relu2 == RELU2_NATIVE:  # the up rows once (the architecture lists each expert's up as its gate and up)
-        fc1 = b.stacked_weight(f"{stem}.fc1_up", fc1_parts[::2], experts=moe.num_experts)
-    else:
-        fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts,
-                               interleave=arch.expert_interleave)
+    fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
     fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
     if moe.sigmoid_routing:  # lfm2_moe, nemotron_h: the bias picks experts, it does not add to the logits
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
         routing = sigmoid_router(b, logits, b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
                                  moe.top_k, moe.groups, moe.topk_group)
         inner = linear(b, x, b.weight(arch.moe_name(i, "fc1_latent_proj.weight"))) if moe.latent else x
-        y = experts_op(b, inner, routing, fc1, fc2, moe.top_k, True, relu2=relu2)
+        y = experts_op(b, inner, routing, fc1, fc2, moe.top_k, True, relu2=moe.relu2_experts)
         if moe.latent:
             y = linear(b, y, b.weight(arch.moe_name(i, "fc2_latent_proj.weight")))
         y = b.op("Mul", [y, b.scalar(moe.routed_scaling)]) if moe.routed_scaling != 1.0 else y
