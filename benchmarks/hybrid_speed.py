@@ -37,7 +37,9 @@ How each peer is driven (each the way its own runtime drives it):
   tensors renamed model.* -> model.language_model.*). Its genai_config.json gets
   ``session_options.intra_op_num_threads``; driven by onnxruntime-genai's Generator: ``append_tokens(prompt)``
   (timed: prefill), then ``generate_next_token()`` timed per step, greedy.
-- transformers: ``transformers.exporters``: ``decompose_prefill_decode`` (a real ``generate()`` run)
+- transformers: ``transformers.exporters`` (it needs onnxscript 0.7.0, not a dependency of the project: install it
+  apart, e.g. ``pip install --target /tmp/oscript --no-deps onnxscript==0.7.0`` and ``PYTHONPATH=/tmp/oscript``):
+  ``decompose_prefill_decode`` (a real ``generate()`` run)
   captures a prefill call (empty cache) and a decode call (the cache after the prefill); each is exported
   with ``OnnxExporter().export(model, inputs, config=OnnxConfig(dynamic=True, ort_fusions="cpu"))``, fp32.
   The prefill graph takes input_ids / position_ids (and the cache's scalar counters) and returns the cache
