@@ -223,11 +223,25 @@ def test_a_validated_half_export_passes_every_gate(arch, checkpoint, tmp_path):
     assert fp32["passed"] and not fp32.get("informational")
 
 
+def _exported_matches_transformers(source, out, variant="attn_dynamic", seed=5, max_seq_len=None):
+    """Export the checkpoint ``source`` to ``out`` (unvalidated) and check it against transformers like the tests
+    above (1e-4 of the logit range over a 70-token prompt, 24 greedy steps); returns the export's folder."""
+    from exporter.pipeline import export_model
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    request = ExportRequest(model=str(source), ep="cpu", variant=variant, max_seq_len=max_seq_len)
+    exported_dir = export_model(request, out, validate=False).out_dir
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=LONG_PROMPT)]
+    ref = reference_greedy(load_reference(source), prompt, 24)
+    result = run_parity(Decoder(exported_dir), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches
+    return exported_dir
+
+
 def test_a_dense_nemotron_h_from_its_block_pattern_matches_transformers(tmp_path):
     """Nemotron-H's dense checkpoints (Nemotron-H 8B, Nano 2): Mamba2, attention and relu^2 MLP blocks only,
     named by config.json's hybrid_override_pattern as NVIDIA ships them ("M-M*-": no experts, no moe config)."""
-    from exporter.pipeline import export_model
-    from exporter.validation.reference import load_reference, reference_greedy
     from exporter.tiny_checkpoint import make_tiny_checkpoint
 
     source = make_tiny_checkpoint("nemotron_h", tmp_path / "dense",
@@ -236,53 +250,31 @@ def test_a_dense_nemotron_h_from_its_block_pattern_matches_transformers(tmp_path
     del config["layers_block_type"]
     config["hybrid_override_pattern"] = "M-M*-"
     (source / "config.json").write_text(json.dumps(config))
-    request = ExportRequest(model=str(source), ep="cpu", variant="attn_dynamic")
-    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    out = _exported_matches_transformers(source, tmp_path / "export")
     meta = json.loads({p.key: p.value for p in onnx.load(str(out / contract.MODEL_FILE), load_external_data=False)
                        .metadata_props}[contract.META_CONFIG])
     assert meta["recurrent"]["layers"] == [0, 2] and meta["recurrent"]["feed_forward_layers"] == [1, 4]
     assert "moe" not in meta
-    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, size=LONG_PROMPT)]
-    ref = reference_greedy(load_reference(source), prompt, 24)
-    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
-    assert _close(result), result
-    assert result.tokens == ref.tokens, result.mismatches
 
 
 @pytest.mark.parametrize("norm", [{"mamba_rms_norm": False}, {"mamba_norm_before_gate": False}])
 def test_falcon_h1_s_other_mamba_output_norms_match_transformers(norm, tmp_path):
     """Falcon-H1's Mamba2 output without its norm (only y * silu(z)), and gated before it is normed (as
     Granite's): the default (normed, then gated) is the tiny checkpoint's."""
-    from exporter.pipeline import export_model
     from exporter.tiny_checkpoint import make_tiny_checkpoint
-    from exporter.validation.reference import load_reference, reference_greedy
 
-    source = make_tiny_checkpoint("falcon_h1", tmp_path / "ckpt", **norm)
-    out = export_model(ExportRequest(model=str(source), ep="cpu", variant="attn_dynamic"), tmp_path / "export",
-                       validate=False).out_dir
-    prompt = [int(t) for t in np.random.default_rng(6).integers(3, 250, size=LONG_PROMPT)]
-    ref = reference_greedy(load_reference(source), prompt, 24)
-    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
-    assert _close(result), result
-    assert result.tokens == ref.tokens, result.mismatches
+    _exported_matches_transformers(make_tiny_checkpoint("falcon_h1", tmp_path / "ckpt", **norm), tmp_path / "export",
+                                   seed=6)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_stack_without_attention_runs_on_its_states_alone(variant, tmp_path):
     """Mamba2 and MLP blocks only (a depth-truncated Nemotron-H, or an attention-free Mamba2 model): no KV cache
     anywhere, the states carry every token; each variant against transformers."""
-    from exporter.pipeline import export_model
     from exporter.tiny_checkpoint import make_tiny_checkpoint
-    from exporter.validation.reference import load_reference, reference_greedy
 
     source = make_tiny_checkpoint("nemotron_h", tmp_path / "ckpt",
                                   layers_block_type=["linear_attention", "mlp", "linear_attention", "mlp"])
-    request = ExportRequest(model=str(source), ep="cpu", variant=variant, max_seq_len=128)
-    out = export_model(request, tmp_path / "export", validate=False).out_dir
+    out = _exported_matches_transformers(source, tmp_path / "export", variant, seed=7, max_seq_len=128)
     inputs = [i.name for i in onnx.load(str(out / contract.MODEL_FILE), load_external_data=False).graph.input]
     assert not [name for name in inputs if "key" in name or "value" in name]
-    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=LONG_PROMPT)]
-    ref = reference_greedy(load_reference(source), prompt, 24)
-    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
-    assert _close(result), result
-    assert result.tokens == ref.tokens, result.mismatches
