@@ -156,7 +156,7 @@ def run_sampled(cmd: list[str], log: Path, env: dict | None = None, gpu: GpuMemo
 
 # Geometries whose layers build_checkpoints writes itself (llama-like tensors); every other family (hybrids,
 # mixtures of experts) is made by transformers' own model class and save_pretrained, one checkpoint a depth.
-HAND_WRITTEN_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+HAND_WRITTEN_TYPES = ("llama", "qwen2")  # the tensors the writer below knows (qwen2: its q / k / v biases)
 
 
 def build_with_transformers(geometry: str, depths: list[int], root: Path) -> dict[int, Path]:
