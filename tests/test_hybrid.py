@@ -154,10 +154,10 @@ def test_recurrent_state_is_fp32_in_an_fp16_export(exported):
     assert types["past_key_values.1.key"] == onnx.TensorProto.FLOAT16
 
 
-def _with_config(checkpoint, tmp_path, **changes):
+def _with_config(checkpoint, tmp_path, arch="lfm2", **changes):
     import shutil
 
-    source = checkpoint("lfm2")
+    source = checkpoint(arch)
     out = tmp_path / "edited"
     shutil.copytree(source, out)
     config = json.loads((out / "config.json").read_text())
@@ -175,6 +175,17 @@ def test_a_layer_type_the_exporter_does_not_know_is_refused_by_name(checkpoint, 
         build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
     path = _with_config(checkpoint, tmp_path / "2", layer_types=["hyena", "full_attention", "conv", "full_attention"])
     with pytest.raises(ExportError, match=r"transformers refuses .*config.json: .*'hyena'"):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_group": 3}, r"n_group 3 / topk_group 1 do not divide 8 experts: n_group must divide n_routed_experts"),
+    ({"topk_group": 3}, r"n_group 2 / topk_group 3 do not divide 8 experts: .*topk_group lie between 1 and n_group"),
+    ({"norm_topk_prob": False}, r"nemotron_h with norm_topk_prob false .* is not exported"),
+])
+def test_nemotron_h_routing_the_exporter_cannot_reproduce_is_refused_by_name(changes, message, checkpoint, tmp_path):
+    path = _with_config(checkpoint, tmp_path, "nemotron_h", **changes)
+    with pytest.raises(ExportError, match=message):
         build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
 
 
