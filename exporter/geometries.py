@@ -3,7 +3,7 @@
 Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
 gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them; the hybrids Qwen3-Next-80B-A3B
 (transformers' Qwen3NextConfig defaults, which are that checkpoint's), Nemotron-3-Nano-30B-A3B (its published block
-pattern and sizes), Qwen3.5-0.8B's language model and Granite-4.0-H-Tiny.
+pattern and sizes), Qwen3.5-0.8B's language model and Granite-4.0-H-Small (sizes published, attention positions assumed).
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -117,6 +117,34 @@ GEOMETRIES: dict[str, dict] = {
         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "mlp_hidden_act": "relu2",
         "layer_norm_epsilon": 1e-5, "max_position_embeddings": 262144, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    # Granite-4.0-H-Small (32B, 9B active): 40 layers, Mamba2 (128 heads of 64, d_state 128, one group) on 36 and
+    # attention (32 heads, 8 KV, NoPE) on 4, every layer with 72 experts of 768 (10 a token) and a shared expert of
+    # 1536. The sizes are its published config.json's; where the four attention layers sit (5, 15, 25, 35) is
+    # taken from the one-in-ten pattern of the Granite 4.0 H family, not read off the file.
+    "granite-4.0-h-small": {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "vocab_size": 100352,
+        "hidden_size": 4096, "intermediate_size": 768, "shared_intermediate_size": 1536, "num_hidden_layers": 40,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 72, "num_experts_per_tok": 10,
+        "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+        "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)], "position_embedding_type": "nope",
+        "attention_multiplier": 0.0078125, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "logits_scaling": 8.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "hidden_act": "silu", "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256,
+        "torch_dtype": "bfloat16",
+    },
+    # Qwen3.5-0.8B's language model (its text_config): 24 layers, gated DeltaNet on 3 of every 4 (16 key and 16
+    # value heads of 128), gated attention (8 heads, 2 KV heads of 256, a quarter rotary) on the fourth.
+    "qwen3.5-0.8b": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024,
+        "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 256, "attn_output_gate": True, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+        "tie_word_embeddings": True, "hidden_act": "silu", "eos_token_id": 248044, "torch_dtype": "bfloat16",
     },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,

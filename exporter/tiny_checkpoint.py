@@ -150,6 +150,37 @@ ARCH_CONFIGS.update({
         "ssm_out_multiplier": 0.8, "ssm_multipliers": [1.2, 0.9, 1.1, 0.8, 1.3], "mlp_multipliers": [1.1, 0.9],
         "embedding_multiplier": 2.0, "lm_head_multiplier": 3.0}),
 })
+# Latent attention and grouped sigmoid routing (issue 47). Both: 8 experts of 32 in 4 groups (2 groups picked,
+# 2 experts a token) by sigmoid scores with a learned selection bias, a shared expert of 32, routed_scaling_factor
+# 1.5, the first layer dense. glm4_moe: GQA with biased q / k / v, per-head q / k norms, half the head rotated.
+# deepseek_v3: multi-head latent attention, q through a rank-32 latent, keys and values through a rank-32 latent
+# (kv_lora_rank) plus one shared rotary key of 16 (qk_rope_head_dim), no-rope query / key parts of 16, values of
+# 24 (v_head_dim != qk head dim, so a mix-up shows), the interleaved rotary of its checkpoints.
+_GROUPED_EXPERTS = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=4, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1)
+ARCH_CONFIGS.update({
+    "glm4_moe": ("Glm4MoeConfig", {**_GROUPED_EXPERTS, "num_hidden_layers": 3, "head_dim": 32, "attention_bias": True,
+                                   "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5}}),
+    "deepseek_v3": ("DeepseekV3Config", {**_GROUPED_EXPERTS, "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                         "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+                                         "qk_nope_head_dim": 16, "v_head_dim": 24, "rope_interleave": True,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+})
+# The 2025-26 families built by hand (issue 47).
+# Dense: seed_oss's biased q / k / v; ernie4_5's interleaved rotary with every projection biased; olmo3's and exaone4's
+# post-norm layers with a window of 8 on every other layer (exaone4's global layers without rotary), olmo3 with a
+# rope per layer type.
+ARCH_CONFIGS.update({
+    "seed_oss": ("SeedOssConfig", {"attention_bias": True}),
+    "ernie4_5": ("Ernie4_5Config", {"use_bias": True}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}}),
+    "exaone4": ("Exaone4Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+})
+NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "seed_oss", "ernie4_5", "olmo3", "exaone4")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")

@@ -33,7 +33,7 @@ from exporter.tiny_checkpoint import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
 )
-from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, MOE_ARCHITECTURES
+from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, NEW_ARCHITECTURES
 from tests.conftest import ARCHITECTURES, MAX_SEQ_LEN
 
 NEW_TOKENS = 20
@@ -100,7 +100,9 @@ def _transformers_greedy(checkpoint, prompt: list[int], new_tokens: int) -> list
 GENAI_CASES = [(arch, variant) for arch in ARCHITECTURES for variant in GENAI_VARIANTS] + [
     (arch, variant) for arch in MOE_ARCHITECTURES for variant in GENAI_VARIANTS if arch != "gpt_oss" or variant == "gqa"] + [
     # Hybrids: genai carries their recurrent states (past_conv.%d / past_recurrent.%d) from genai_config.json.
-    (arch, variant) for arch in HYBRID_ARCHITECTURES for variant in GENAI_VARIANTS]
+    (arch, variant) for arch in HYBRID_ARCHITECTURES for variant in GENAI_VARIANTS] + [
+    # The 2025-26 families; deepseek_v3's latent cache is one KV head of kv_lora_rank + qk_rope_head_dim.
+    (arch, variant) for arch in NEW_ARCHITECTURES for variant in GENAI_VARIANTS]
 
 
 @pytest.mark.parametrize("arch, variant", GENAI_CASES)

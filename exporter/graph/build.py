@@ -167,7 +167,25 @@ def _check_recurrent(cfg: ModelConfig, arch: Architecture, i: int, expect) -> No
         expect(name("out_proj.weight"), (hidden, hidden))
 
 
+def _check_latent_attention(cfg: ModelConfig, arch: Architecture, i: int, expect) -> None:
+    """deepseek_v3's projections have the ranks and head sizes config.json gives (components/latent_attention.py)."""
+    lat, attn, hidden, heads = cfg.latent, f"{arch.layer_prefix(i)}.self_attn", cfg.hidden_size, cfg.num_heads
+    q_width = heads * (lat.nope_dim + lat.rope_dim)
+    if lat.q_rank:
+        expect(f"{attn}.q_a_proj.weight", (lat.q_rank, hidden))
+        expect(f"{attn}.q_a_layernorm.weight", (lat.q_rank,))
+        expect(f"{attn}.q_b_proj.weight", (q_width, lat.q_rank))
+    else:
+        expect(f"{attn}.q_proj.weight", (q_width, hidden))
+    expect(f"{attn}.kv_a_proj_with_mqa.weight", (lat.kv_rank + lat.rope_dim, hidden))
+    expect(f"{attn}.kv_a_layernorm.weight", (lat.kv_rank,))
+    expect(f"{attn}.kv_b_proj.weight", (heads * (lat.nope_dim + lat.value_dim), lat.kv_rank))
+    expect(f"{attn}.o_proj.weight", (hidden, heads * lat.value_dim))
+
+
 def _check_attention(cfg: ModelConfig, arch: Architecture, i: int, expect, q: int, kv: int) -> None:
+    if cfg.latent is not None:
+        return _check_latent_attention(cfg, arch, i, expect)
     parts = arch.qkv_parts(i)
     rows_of = (q, kv, kv)
     if cfg.attention_output_gate:  # q_proj holds each head's query and its gate

@@ -120,6 +120,21 @@ class MoeConfig:
         return self.normalize or self.sparse_mixer_eps is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (deepseek_v3): queries through an optional low-rank latent (``q_rank``), keys
+    and values of every head expanded from one shared latent of ``kv_rank`` (kv_b_proj), beside one shared
+    rotary key of ``rope_dim``; per head a query / key of ``nope_dim`` + ``rope_dim`` and a value of
+    ``value_dim``. ``interleaved``: the rotary pairs adjacent dims (rope_interleave, its checkpoints' layout)."""
+
+    q_rank: int | None
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    value_dim: int
+    interleaved: bool
+
+
 # model_type -> config.json key of the expert count (qwen3_moe's own class writes num_local_experts
 # through its attribute map, so both are read) and of the expert width.
 MOE_TYPES = {
@@ -136,7 +151,13 @@ MOE_TYPES = {
     "granitemoehybrid": ("num_local_experts", "intermediate_size"),
     "lfm2_moe": ("num_experts", "moe_intermediate_size"),
     "nemotron_h": ("n_routed_experts", "moe_intermediate_size"),
+    "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
+    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
 }
+# DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, experts picked within the best topk_group of n_group groups
+# by score + e_score_correction_bias, the picked scores renormalized and scaled by routed_scaling_factor; SwiGLU
+# experts, an ungated shared expert of n_shared_experts x moe_intermediate_size, the first_k_dense_replace layers dense.
+GROUPED_SIGMOID_TYPES = ("glm4_moe", "deepseek_v3")
 # Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
 SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
@@ -188,6 +209,22 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
                          int(hf.moe_shared_expert_intermediate_size),  # transformers builds it whatever n_shared_experts says
                          sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
                          groups=groups, topk_group=topk_group, relu2_experts=True, latent=int(latent) if latent else None)
+    if model_type in GROUPED_SIGMOID_TYPES:
+        if not getattr(hf, "norm_topk_prob", True):
+            raise ExportError(f"{model_type} with norm_topk_prob false (the picked sigmoid scores unnormalized) is not "
+                              "exported: the expert op renormalizes what the router picks; no such checkpoint is known")
+        groups, topk_group = int(getattr(hf, "n_group", 1) or 1), int(getattr(hf, "topk_group", 1) or 1)
+        if experts % groups or not 1 <= topk_group <= groups:
+            raise ExportError(f"config.json n_group {groups} / topk_group {topk_group} do not divide {experts} experts: "
+                              "n_group must divide n_routed_experts and topk_group lie between 1 and n_group")
+        dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+        if dense >= num_layers:
+            return None  # every layer dense (a depth-truncated checkpoint)
+        shared = int(getattr(hf, "n_shared_experts", 0) or 0) * int(hf.moe_intermediate_size)
+        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True,
+                         tuple(i >= dense for i in range(num_layers)), shared or None, sigmoid_routing=True,
+                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), groups=groups,
+                         topk_group=topk_group)
     mixer = None
     if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
         mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2
@@ -238,6 +275,9 @@ class ModelConfig:
     # falcon_h1's muP multipliers (1.0 where absent): attention_in / attention_out / key, ssm_in / ssm_out, ssm (z, x,
     # B, C, dt of Mamba2's projection), mlp_gate / mlp_down. Applied to activations, as transformers applies them.
     multipliers: dict = dataclasses.field(default_factory=dict)
+    # deepseek_v3's multi-head latent attention; its caches hold the latent: one KV head of kv_rank + rope_dim.
+    latent: LatentAttentionConfig | None = None
+    rotary_interleaved: bool = False  # the rotary pairs adjacent dims (ernie4_5, cohere2), not the two halves
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether ``layer`` carries a recurrent state (and no KV cache, unless it is falcon_h1's parallel layer)."""
@@ -466,6 +506,22 @@ def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> Recu
     return None
 
 
+LATENT_TYPES = ("deepseek_v3",)
+# Families whose rotary pairs adjacent dims (x0, x1), (x2, x3), ... (transformers' rotate_half on [..., ::2]).
+INTERLEAVED_ROTARY_TYPES = ("ernie4_5", "ernie4_5_moe", "cohere2")
+# Families whose global (full_attention) layers attend without positions when the others slide (exaone4, cohere2).
+NOPE_GLOBAL_TYPES = ("exaone4", "cohere2")
+
+
+def _latent_config(hf) -> LatentAttentionConfig:
+    if not hf.kv_lora_rank or not hf.qk_rope_head_dim or not hf.v_head_dim:
+        raise ExportError("config.json of this deepseek_v3 model lacks kv_lora_rank, qk_rope_head_dim or v_head_dim: "
+                          "multi-head latent attention needs all three")
+    return LatentAttentionConfig(int(hf.q_lora_rank) if hf.q_lora_rank else None, int(hf.kv_lora_rank),
+                                 int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim), int(hf.v_head_dim),
+                                 bool(getattr(hf, "rope_interleave", True)))
+
+
 def _lfm2_intermediate(hf) -> int:
     """LFM2's MLP width, adjusted as its MLP module adjusts it (transformers' Lfm2MLP)."""
     width = hf.intermediate_size
@@ -492,6 +548,9 @@ def _model_config(hf, model_type: str) -> ModelConfig:
                        "ssm": tuple(hf.ssm_multipliers), "mlp_gate": hf.mlp_multipliers[0], "mlp_down": hf.mlp_multipliers[1]}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    latent = _latent_config(hf) if model_type in LATENT_TYPES else None
+    if latent is not None:  # the rope covers the shared rotary key; the caches one head of latent + rotary key
+        head_dim = latent.rope_dim
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
     per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
     if per_type:  # gemma3: {"sliding_attention": {...}, "full_attention": {...}}
@@ -515,6 +574,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         layer_types = (FULL,) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # smollm3: 1 = rotary, 0 = none
     rope_layers = tuple(bool(v) for v in no_rope) if no_rope else ()
+    if model_type in NOPE_GLOBAL_TYPES and sliding is not None:
+        rope_layers = tuple(t == SLIDING for t in layer_types)
     if (model_type == "granitemoehybrid" and getattr(hf, "position_embedding_type", None) != "rope"
             or model_type == "nemotron_h"):
         rope_layers = (False,) * hf.num_hidden_layers  # Granite 4.0-H and Nemotron-H attend without positions (NoPE)
@@ -524,6 +585,12 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         raise ExportError(f"unsupported MLP activation {act!r}: supported are {', '.join(SUPPORTED_ACTIVATIONS)}")
     scalar = getattr(hf, "query_pre_attn_scalar", None)
     attention_scale = getattr(hf, "attention_multiplier", None) or (scalar ** -0.5 if scalar else None)
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if latent is not None:
+        from transformers.modeling_rope_utils import yarn_apply_mscale  # yarn's mscale_all_dim on the softmax scale
+
+        attention_scale = yarn_apply_mscale(rope.parameters, (latent.nope_dim + latent.rope_dim) ** -0.5)
+        head_dim, num_kv_heads = latent.kv_rank + latent.rope_dim, 1
     embedding_scale = getattr(hf, "embedding_multiplier", None)
     if model_type in ("gemma2", "gemma3_text"):
         embedding_scale = hf.hidden_size ** 0.5
@@ -535,14 +602,14 @@ def _model_config(hf, model_type: str) -> ModelConfig:
                            if model_type == "granitemoehybrid" else (getattr(hf, "intermediate_size", None) or 0)),
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         rope=rope,
-        attention_bias=bool(getattr(hf, "attention_bias", False)),
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False) or getattr(hf, "use_bias", False)),  # ernie: use_bias
+        mlp_bias=bool(getattr(hf, "mlp_bias", False) or getattr(hf, "use_bias", False)),
         sliding_window=sliding,
         hf_config=hf,
         layer_types=layer_types,
@@ -562,6 +629,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         recurrent=_recurrent_config(hf, model_type, layer_types),
         attention_output_gate=model_type in HYBRID_LAYER_TYPES and model_type not in ("lfm2", "lfm2_moe", *MAMBA2_TYPES),
         multipliers=multipliers,
+        latent=latent,
+        rotary_interleaved=model_type in INTERLEAVED_ROTARY_TYPES,
     )
 
 

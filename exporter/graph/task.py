@@ -122,7 +122,7 @@ def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int,
     """cos/sin tables of ``rope`` and this step's way into them (longrope picks its half in-graph)."""
     tables = rope_tables(cfg, table_len, rope, b.rope_cache)
     cos, sin = rope_constants(b, tables, rope.layer_type)
-    rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim)
+    rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim, interleaved=cfg.rotary_interleaved)
     if variant is Variant.GQA:
         if tables.switch_at is not None:
             # The longest real sequence, not the mask width: with a shared max-length buffer the mask

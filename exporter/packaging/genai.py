@@ -52,6 +52,9 @@ GENAI_MODEL_TYPES = {
     "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
     "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "decoder", "falcon_h1": "decoder",
+    # DeepSeek-V3's latent attention caches one KV head of kv_lora_rank + qk_rope_head_dim (head_size in the config):
+    # to genai a grouped-query decoder; the absorption is in the graph.
+    "glm4_moe": "decoder", "deepseek_v3": "decoder",
 }
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)

@@ -1,7 +1,7 @@
 """Registry of supported architectures, keyed by config.json ``model_type``."""
 
 from exporter.graph.architectures import (
-    falcon_h1, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
+    deepseek_v3, ernie4_5, exaone4, falcon_h1, glm4_moe, olmo3, seed_oss, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
     olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
 )
 from exporter.graph.architectures.base import Architecture
@@ -13,5 +13,9 @@ ARCHITECTURES: dict[str, Architecture] = {
               # Hybrids: recurrent layers (gated DeltaNet, short convolution, Mamba2) beside attention layers.
               qwen3_next.ARCHITECTURE, qwen3_5.TEXT, qwen3_5.ARCHITECTURE, qwen3_5_moe.TEXT, qwen3_5_moe.ARCHITECTURE,
               lfm2.ARCHITECTURE, lfm2.MOE, granitemoehybrid.ARCHITECTURE,
-              nemotron_h.ARCHITECTURE, falcon_h1.ARCHITECTURE)
+              nemotron_h.ARCHITECTURE, falcon_h1.ARCHITECTURE,
+              # Grouped sigmoid routing and multi-head latent attention (DeepSeek-V3's).
+              glm4_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE,
+              # The 2025-26 dense families.
+              seed_oss.ARCHITECTURE, ernie4_5.ARCHITECTURE, olmo3.ARCHITECTURE, exaone4.ARCHITECTURE)
 }

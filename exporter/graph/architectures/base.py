@@ -23,6 +23,7 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     qk_norm_per_head: bool = True  # False: q_norm / k_norm over the whole projection (olmo2)
+    qk_norm_key: str | None = None  # config.json's switch for the q / k norms where the family makes them optional
     fused_qkv: bool = False  # one qkv_proj tensor in the checkpoint (phi3)
     fused_gate_up: bool = False  # one gate_up_proj tensor in the checkpoint (phi3)
     norm_layout: str = PRE_NORM

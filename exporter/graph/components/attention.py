@@ -57,6 +57,7 @@ class StepInputs:
     window: int | None = None  # sliding window of this layer (tokens, itself included)
     window_mask: ir.Value | None = None  # attn_static sliding layers: bool [batch, 1, seq, cache]
     token_mask: ir.Value | None = None  # hybrids' recurrent layers: [batch, seq, 1], 0 at padding (left-padded rows)
+    latent_positions: ir.Value | None = None  # gqa with latent attention: positions as the op assigns them, built once
 
 
 def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float,
@@ -205,7 +206,7 @@ def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, 
     attrs = {"num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, **_scores_attrs(cfg)}
     inputs = [query, key, value, past_key, past_value, step.seqlens_k, step.total_seq_len]
     if step.rotary is not None:
-        attrs.update(do_rotary=1, rotary_interleaved=0)
+        attrs.update(do_rotary=1, rotary_interleaved=int(step.rotary.interleaved))
         inputs += [step.rotary.cos, step.rotary.sin]
     if sinks is not None:
         inputs += [None] * (11 - len(inputs)) + [sinks]

@@ -20,6 +20,7 @@ from exporter.graph.components.attention import (
 )
 from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
 from exporter.graph.components.graph import GraphBuilder, packed
+from exporter.graph.components.latent_attention import LatentWeights, latent_attention
 from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
 from exporter.graph.components.mlp import gated_mlp, relu2_mlp
 from exporter.graph.components.moe import moe_mlp
@@ -90,6 +91,7 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
             q_norm=norm_weight(b, arch, names["q_norm"]), k_norm=norm_weight(b, arch, names["k_norm"]),
             output_gate=True,
         )
+    qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(cfg.hf_config, arch.qk_norm_key, False))
     qkv_bias = None
     if arch.qkv_bias or cfg.attention_bias:
         bias_parts = arch.qkv_parts(i, "bias")
@@ -100,10 +102,35 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
         o=b.weight(f"{names['o']}.weight"),
         qkv_bias=qkv_bias,
         o_bias=_optional(b, f"{names['o']}.bias") if cfg.attention_bias else None,
-        q_norm=norm_weight(b, arch, names["q_norm"]) if arch.qk_norm else None,
-        k_norm=norm_weight(b, arch, names["k_norm"]) if arch.qk_norm else None,
+        q_norm=norm_weight(b, arch, names["q_norm"]) if qk_norm else None,
+        k_norm=norm_weight(b, arch, names["k_norm"]) if qk_norm else None,
         qk_norm_per_head=arch.qk_norm_per_head,
         sinks=b.weight(f"{arch.layer_prefix(i)}.self_attn.{arch.attention_sinks}") if arch.attention_sinks else None,
+    )
+
+
+def latent_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int) -> LatentWeights:
+    """deepseek_v3's attention tensors (components/latent_attention.py): q_a_proj and kv_a_proj_with_mqa packed into
+    one projection of the input, kv_b_proj's key and value rows stacked per head."""
+    lat, attn = cfg.latent, f"{arch.layer_prefix(i)}.self_attn"
+    downs = ([f"{attn}.q_a_proj"] if lat.q_rank else []) + [f"{attn}.kv_a_proj_with_mqa"]
+    down_bias = None
+    if cfg.attention_bias:
+        down_bias = b.packed_weight(f"{attn}.q_kv_a_proj.bias", [WeightPart(f"{d}.bias") for d in downs])
+    kv_b, width = f"{attn}.kv_b_proj.weight", lat.nope_dim + lat.value_dim
+
+    def per_head(name: str, start: int, length: int) -> ir.Value:
+        return b.stacked_weight(f"{attn}.kv_b_proj.{name}", [WeightPart(kv_b, rows=(h * width + start, h * width + start + length))
+                                                           for h in range(cfg.num_heads)], experts=cfg.num_heads)
+
+    return LatentWeights(
+        down=b.packed_weight(f"{attn}.q_kv_a_proj.weight", [WeightPart(f"{d}.weight") for d in downs]),
+        kv_norm=norm_weight(b, arch, f"{attn}.kv_a_layernorm.weight"),
+        absorb_k=per_head("absorb_k", 0, lat.nope_dim), expand_v=per_head("expand_v", lat.nope_dim, lat.value_dim),
+        o=b.weight(f"{attn}.o_proj.weight"),
+        q_up=b.weight(f"{attn}.q_b_proj.weight" if lat.q_rank else f"{attn}.q_proj.weight"),
+        q_norm=norm_weight(b, arch, f"{attn}.q_a_layernorm.weight") if lat.q_rank else None,
+        down_bias=down_bias, o_bias=_optional(b, f"{attn}.o_proj.bias") if cfg.attention_bias else None,
     )
 
 
@@ -210,6 +237,12 @@ def decoder_layer(
         attn_out, cache_out = _parallel_mixers(b, h, arch, cfg, i, variant, step, cache)
     elif cfg.is_recurrent(i):
         attn_out, cache_out = recurrent_mixer(b, h, arch, cfg, i, step, cache)
+    elif cfg.latent is not None:
+        if b.target.contrib_ops:
+            raise ExportError("multi-head latent attention (deepseek_v3) is not built for the compat target (older "
+                              "onnxruntime): export it without compat")
+        attn_out, key_out, value_out = latent_attention(b, h, latent_weights(b, arch, cfg, i), cfg, variant, step, *cache)
+        cache_out = (key_out, value_out)
     else:
         attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
         attn_out, key_out, value_out = attend(b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)

@@ -95,7 +95,7 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     stem = arch.moe_name(i, "experts")
     fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", fc1_parts, experts=moe.num_experts, interleave=arch.expert_interleave)
     fc2 = b.stacked_weight(f"{stem}.fc2_down", fc2_parts, experts=moe.num_experts)
-    if moe.sigmoid_routing:  # lfm2_moe, nemotron_h: the bias picks experts, it does not add to the logits
+    if moe.sigmoid_routing:  # lfm2_moe, nemotron_h, glm4_moe, deepseek_v3: the bias picks experts, it does not add to the logits
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
         routing = sigmoid_router(b, logits, b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
                                  moe.top_k, moe.groups, moe.topk_group)
@@ -104,9 +104,12 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         if moe.latent:
             y = linear(b, y, b.weight(arch.moe_name(i, "fc2_latent_proj.weight")))
         y = b.op("Mul", [y, b.scalar(moe.routed_scaling)]) if moe.routed_scaling != 1.0 else y
-        if moe.relu2_experts and moe.shared_expert_intermediate:  # nemotron_h's shared expert, added unscaled
+        if moe.shared_expert_intermediate:  # nemotron_h's relu^2 / deepseek_v3's SwiGLU shared expert, added ungated
             names = arch.shared_expert_names(i)
-            y = b.op("Add", [y, relu2_mlp(b, x, b.weight(names["up"]), b.weight(names["down"]))])
+            shared = (relu2_mlp(b, x, b.weight(names["up"]), b.weight(names["down"])) if moe.relu2_experts else
+                      gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
+                                b.weight(names["down"]), moe.shared_expert_intermediate))
+            y = b.op("Add", [y, shared])
         return y
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
     logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])

@@ -20,6 +20,7 @@ class Rotary:
     rotary_dim: int
     head_dim: int
     position_ids: ir.Value | None = None  # table rows for this step (Attention variants)
+    interleaved: bool = False  # adjacent dims paired (ernie4_5, cohere2), not the two halves
 
 
 def rope_constants(b: GraphBuilder, tables: RopeTables, layer_type: str | None = None) -> tuple[ir.Value, ir.Value]:
@@ -43,8 +44,8 @@ def longrope_row_offset(b: GraphBuilder, total_len: ir.Value, tables: RopeTables
 
 
 def apply_rotary(b: GraphBuilder, x: ir.Value, rotary: Rotary, num_heads: int) -> ir.Value:
-    """Rotate [batch, seq, heads*head_dim] by ``rotary.position_ids`` (non-interleaved halves)."""
-    attrs = {"interleaved": 0, "num_heads": num_heads}
+    """Rotate [batch, seq, heads*head_dim] by ``rotary.position_ids`` (the halves paired, or adjacent dims)."""
+    attrs = {"interleaved": int(rotary.interleaved), "num_heads": num_heads}
     if rotary.rotary_dim != rotary.head_dim:
         attrs["rotary_embedding_dim"] = rotary.rotary_dim
     if b.target.contrib_ops:
