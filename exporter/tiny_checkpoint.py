@@ -179,8 +179,23 @@ ARCH_CONFIGS.update({
                               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}}),
     "exaone4": ("Exaone4Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    # ministral3: yarn from 8 positions, so the query scale steps up every 8 tokens over a prompt and 24 steps.
+    "ministral3": ("Ministral3Config", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}),
+    # hunyuan_v1_dense: q / k norms after the rotary, the NTK-alpha rope its checkpoints call dynamic.
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                      "alpha": 1000.0, "factor": 1.0}}),
+    # cohere2: a window of 8 on every other layer (the others NoPE), its logit scale.
+    "cohere2": ("Cohere2Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                  "logit_scale": 0.5}),
+    # apertus: xIELU away from its init values (the checkpoint's scalars are what is read), llama3 rope.
+    "apertus": ("ApertusConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                      "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0}}),
 })
-NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "seed_oss", "ernie4_5", "olmo3", "exaone4")
+NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
+                     "cohere2", "apertus")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
@@ -218,6 +233,8 @@ def make_tiny_checkpoint(
                 param.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # apertus's xIELU: off its init, per layer
+                param.uniform_(-0.5, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # lfm2_moe's selection bias (zeros at init): large enough to pick
                 buffer.normal_(0.0, 0.5)

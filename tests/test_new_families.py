@@ -1,5 +1,10 @@
 """The 2025-26 families built by hand (issue 47): every family x variant against transformers on the CPU.
 
+Dense: seed_oss, ernie4_5 (interleaved rotary), olmo3 and exaone4 (post-norm, sliding windows, exaone4's global
+layers NoPE), ministral3 (its position-dependent query scale), hunyuan_v1_dense (q / k norms after the rotary),
+cohere2 (attention and MLP in parallel after one bias-free LayerNorm, NoPE global layers, logit scale), apertus
+(ungated xIELU MLP).
+
 deepseek_v3's multi-head latent attention runs absorbed (components/latent_attention.py): its caches hold the
 latent, one KV head of kv_rank + rope_dim; glm4_moe and deepseek_v3 route by sigmoid scores within groups on
 MoEGroupRouter. The tiny checkpoints (exporter/tiny_checkpoint.py NEW_ARCHITECTURES) have small but real shapes:
@@ -70,8 +75,10 @@ def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
     assert result.prefill_max_abs_error <= 5e-2 * result.logit_range
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8"])
-@pytest.mark.parametrize("arch", MOE_FAMILIES)
+QUANTIZED = [(arch, "int4") for arch in NEW_ARCHITECTURES] + [(arch, "int8") for arch in MOE_FAMILIES]
+
+
+@pytest.mark.parametrize("arch, dtype", QUANTIZED)
 def test_quantized_is_exact_to_its_dequantized_weights(arch, dtype, checkpoint, reference, tmp_path):
     """int4 / int8 with fp32 activations (accuracy_level 0) against transformers on the checkpoint whose quantized
     weights are replaced by their own quantize-dequantize: the packed latent projections (q_a | kv_a) and the

@@ -130,8 +130,9 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
                 expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
             continue
         gate_up = arch.gate_up_parts(i)
+        fused = len(gate_up) == 1 and not arch.ungated_mlp  # one gate_up_proj (phi3), not an ungated up_proj (apertus)
         for part in gate_up:
-            expect(part.name, (cfg.intermediate_size * (2 if len(gate_up) == 1 else 1), cfg.hidden_size))
+            expect(part.name, (cfg.intermediate_size * (2 if fused else 1), cfg.hidden_size))
         expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
 
 

@@ -15,7 +15,7 @@ _TRANSFORMERS_IMPORT = threading.Lock()
 
 # rope types whose frequencies are fixed per position (so a cos/sin table can be baked in).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")  # relu2: nemotron_h's relu(x)^2, ungated
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")  # relu2: nemotron_h's relu(x)^2; xielu: apertus
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -278,6 +278,9 @@ class ModelConfig:
     # deepseek_v3's multi-head latent attention; its caches hold the latent: one KV head of kv_rank + rope_dim.
     latent: LatentAttentionConfig | None = None
     rotary_interleaved: bool = False  # the rotary pairs adjacent dims (ernie4_5, cohere2), not the two halves
+    qk_norm_after_rotary: bool = False  # hunyuan_v1_dense: q / k norms on the rotated heads
+    # ministral3: queries scaled by 1 + beta * log(1 + floor(position / original_max)): (beta, original_max)
+    position_query_scale: tuple[float, int] | None = None
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether ``layer`` carries a recurrent state (and no KV cache, unless it is falcon_h1's parallel layer)."""
@@ -513,6 +516,16 @@ INTERLEAVED_ROTARY_TYPES = ("ernie4_5", "ernie4_5_moe", "cohere2")
 NOPE_GLOBAL_TYPES = ("exaone4", "cohere2")
 
 
+def _position_query_scale(params: dict) -> tuple[float, int] | None:
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    if not params.get("original_max_position_embeddings"):
+        raise ExportError("config.json's rope_parameters give llama_4_scaling_beta without original_max_position_embeddings: "
+                          "the query scale needs both")
+    return float(beta), int(params["original_max_position_embeddings"])
+
+
 def _latent_config(hf) -> LatentAttentionConfig:
     if not hf.kv_lora_rank or not hf.qk_rope_head_dim or not hf.v_head_dim:
         raise ExportError("config.json of this deepseek_v3 model lacks kv_lora_rank, qk_rope_head_dim or v_head_dim: "
@@ -541,6 +554,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         hf.rms_norm_eps = hf.norm_eps
     if model_type == "nemotron_h":
         hf.rms_norm_eps = hf.layer_norm_epsilon
+    if model_type == "cohere2":
+        hf.rms_norm_eps = hf.layer_norm_eps
     multipliers = {}
     if model_type == "falcon_h1":
         multipliers = {"attention_in": hf.attention_in_multiplier, "attention_out": hf.attention_out_multiplier,
@@ -549,6 +564,11 @@ def _model_config(hf, model_type: str) -> ModelConfig:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
     latent = _latent_config(hf) if model_type in LATENT_TYPES else None
+    if params.get("rope_type") == "dynamic" and params.get("alpha") and model_type == "hunyuan_v1_dense":
+        # Hunyuan's "dynamic" with a fixed alpha (NTK-alpha) only stretches the base: a static rope (transformers'
+        # own ntk_alpha), the exponent from the head dim.
+        params = {"rope_type": "default",
+                  "rope_theta": float(params["rope_theta"]) * float(params["alpha"]) ** (head_dim / (head_dim - 2))}
     if latent is not None:  # the rope covers the shared rotary key; the caches one head of latent + rotary key
         head_dim = latent.rope_dim
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
@@ -622,6 +642,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         embedding_scale=embedding_scale,
         residual_scale=getattr(hf, "residual_multiplier", None),
         logits_divisor=(1.0 / hf.lm_head_multiplier if model_type == "falcon_h1" and hf.lm_head_multiplier != 1.0
+                        else 1.0 / hf.logit_scale if model_type == "cohere2" and hf.logit_scale not in (None, 1.0)
                         else getattr(hf, "logits_scaling", None)),
         moe=_moe_config(hf, model_type, hf.num_hidden_layers),
         clip_qkv=getattr(hf, "clip_qkv", None),
@@ -631,6 +652,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         multipliers=multipliers,
         latent=latent,
         rotary_interleaved=model_type in INTERLEAVED_ROTARY_TYPES,
+        qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
+        position_query_scale=_position_query_scale(params) if model_type == "ministral3" else None,
     )
 
 

@@ -9,6 +9,7 @@ from exporter.packaging.checkpoint import WeightPart
 PRE_NORM = "pre"  # llama: x + attn(norm(x)), x + mlp(norm(x))
 SANDWICH = "sandwich"  # gemma2/3: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
 POST_NORM = "post"  # olmo2: x + norm(attn(x)), x + norm(mlp(x))
+PARALLEL_BLOCK = "parallel"  # cohere2: x + attn(norm(x)) + mlp(norm(x)), one norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Architecture:
     router_bias: str | None = None
     attention_sinks: str | None = None  # under self_attn: [num_heads]
     layer_norm: bool = False  # LayerNorm with a bias (phimoe) where llama has RMSNorm
+    layer_norm_bias: bool = True  # False: the LayerNorm has a weight only (cohere2)
+    # An ungated MLP (up_proj, down_proj) with the activation config.json names (apertus: xielu).
+    ungated_mlp: bool = False
     sparse_mixer: bool = False  # phimoe's routing: two experts picked one after the other, thresholds, two softmaxes
     # Hybrids (config.recurrent): the recurrent layers' submodule, and for gated DeltaNet how its input
     # projections are stored: "split" (qwen3_5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, rows

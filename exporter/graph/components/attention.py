@@ -57,7 +57,7 @@ class StepInputs:
     window: int | None = None  # sliding window of this layer (tokens, itself included)
     window_mask: ir.Value | None = None  # attn_static sliding layers: bool [batch, 1, seq, cache]
     token_mask: ir.Value | None = None  # hybrids' recurrent layers: [batch, seq, 1], 0 at padding (left-padded rows)
-    latent_positions: ir.Value | None = None  # gqa with latent attention: positions as the op assigns them, built once
+    gqa_positions: ir.Value | None = None  # gqa layers rotating outside the op: positions as it assigns them (built once)
 
 
 def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float,
@@ -100,12 +100,53 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
     transpose per tensor per layer, which is most of a decode step's kernel count.
     """
     q, k, v, gate = _split_qkv(b, x, w, cfg)
-    q = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
-    k = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+    if not cfg.qk_norm_after_rotary:
+        q, k = _qk_norms(b, q, k, w, cfg)
     q, k, v = (_clipped(b, t, cfg) for t in (q, k, v))
     if rotary is not None:
         q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
+    if cfg.qk_norm_after_rotary:
+        q, k = _qk_norms(b, q, k, w, cfg)
+    if cfg.position_query_scale is not None:
+        q = position_scaled_query(b, q, cfg, rotary.position_ids)
     return q, k, v, gate
+
+
+def _qk_norms(b: GraphBuilder, q: ir.Value, k: ir.Value, w: AttentionWeights, cfg: ModelConfig):
+    return (_head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head),
+            _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head))
+
+
+def position_scaled_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positions: ir.Value) -> ir.Value:
+    """ministral3's (Llama 4's) long-context query scale, 1 + beta * log(1 + floor(position / original_max)), per
+    token, computed in fp32; a scale commutes with the rotary, so it applies before or after it alike."""
+    beta, original = cfg.position_query_scale
+    f32 = ir.DataType.FLOAT
+
+    def const(value):  # fp32 whatever the model's dtype (no fp32 initializer in a half build)
+        return b.op("Cast", [b.scalar(value)], {"to": f32}) if b.dtype != f32 else b.scalar(value)
+
+    steps = b.op("Floor", [b.op("Div", [b.op("Cast", [positions], {"to": f32}), const(float(original))])])
+    scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, const(1.0)])]), const(float(beta))]), const(1.0)])
+    if b.dtype != f32:
+        scale = b.op("Cast", [scale], {"to": b.dtype})
+    return b.op("Mul", [q, b.op("Unsqueeze", [scale, b.ints(-1)])])
+
+
+def gqa_positions(b: GraphBuilder, x: ir.Value, step: StepInputs) -> ir.Value:
+    """This step's positions [batch, seq] as GroupQueryAttention assigns them (it takes no position_ids), for what
+    rotates or scales by position outside the op: the first prompt (total length = seq) from 0, a continuation
+    after the row's cached tokens (seqlens_k + 1 - seq)."""
+    if step.gqa_positions is not None:
+        return step.gqa_positions
+    i64 = ir.DataType.INT64
+    seq = b.op("Gather", [b.op("Shape", [x]), b.scalar_i64(1)])
+    total = b.op("Cast", [step.total_seq_len], {"to": i64})
+    cached = b.op("Sub", [b.op("Add", [b.op("Cast", [step.seqlens_k], {"to": i64}), b.scalar_i64(1)]), seq])
+    start = b.op("Where", [b.op("Equal", [total, seq]), b.scalar_i64(0), cached])
+    ramp = b.op("Range", [b.scalar_i64(0), seq, b.scalar_i64(1)])
+    step.gqa_positions = b.op("Add", [b.op("Unsqueeze", [start, b.ints(1)]), b.op("Unsqueeze", [ramp, b.ints(0)])])
+    return step.gqa_positions
 
 
 def _clipped(b: GraphBuilder, x: ir.Value, cfg: ModelConfig) -> ir.Value:
@@ -235,13 +276,19 @@ def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
     gate = None
-    if w.q_norm is None and not w.output_gate:
+    if w.q_norm is None and not w.output_gate and cfg.position_query_scale is None:
         query, key, value = _clipped(b, _projected(b, x, w), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value, gate = _split_qkv(b, x, w, cfg)
-        query = _head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
-        key = _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head)
+        if cfg.qk_norm_after_rotary and step.rotary is not None:
+            # hunyuan normalizes rotated heads: rotate here, at the positions the op would use, not in the op.
+            rotary = dataclasses.replace(step.rotary, position_ids=gqa_positions(b, x, step))
+            q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
+            step = dataclasses.replace(step, rotary=None)
+        query, key = _qk_norms(b, q, k, w, cfg)
         query, key, value = (_clipped(b, t, cfg) for t in (query, key, value))
+        if cfg.position_query_scale is not None:
+            query = position_scaled_query(b, query, cfg, gqa_positions(b, x, step))
     y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
     return _output(b, y, w, gate), present_key, present_value

@@ -9,7 +9,7 @@ import numpy as np
 
 import onnx_ir as ir
 
-from exporter.graph.architectures.base import POST_NORM, SANDWICH, Architecture
+from exporter.graph.architectures.base import PARALLEL_BLOCK, POST_NORM, SANDWICH, Architecture
 from exporter.graph.components.attention import (
     AttentionWeights,
     StepInputs,
@@ -19,10 +19,10 @@ from exporter.graph.components.attention import (
     attention_static,
 )
 from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
-from exporter.graph.components.graph import GraphBuilder, packed
+from exporter.graph.components.graph import GraphBuilder, linear, packed
 from exporter.graph.components.latent_attention import LatentWeights, latent_attention
 from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
-from exporter.graph.components.mlp import gated_mlp, relu2_mlp
+from exporter.graph.components.mlp import gated_mlp, relu2_mlp, xielu
 from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.components.short_conv import ShortConvWeights, short_conv
@@ -52,8 +52,14 @@ def norm_weight(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value:
 
 
 def norm_bias(b: GraphBuilder, arch: Architecture, name: str) -> ir.Value | None:
-    """A LayerNorm's bias (phimoe), beside its weight; None for an RMSNorm."""
-    return b.weight(name.removesuffix(".weight") + ".bias") if arch.layer_norm else None
+    """A LayerNorm's bias (phimoe), beside its weight; zeros for a LayerNorm without one (cohere2: the ops take the
+    mean-removing form with a bias); None for an RMSNorm."""
+    if not arch.layer_norm:
+        return None
+    if not arch.layer_norm_bias:
+        width = b.checkpoint.shape(name)[0]
+        return b.constant(np.zeros(width, dtype=b.dtype.numpy()), f"layer_norm.zero_bias.{width}")
+    return b.weight(name.removesuffix(".weight") + ".bias")
 
 
 def norm(b: GraphBuilder, arch: Architecture, x: ir.Value, name: str, eps: float) -> ir.Value:
@@ -132,6 +138,20 @@ def latent_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int
         q_norm=norm_weight(b, arch, f"{attn}.q_a_layernorm.weight") if lat.q_rank else None,
         down_bias=down_bias, o_bias=_optional(b, f"{attn}.o_proj.bias") if cfg.attention_bias else None,
     )
+
+
+def ungated_mlp(b: GraphBuilder, h: ir.Value, arch: Architecture, cfg: ModelConfig, i: int) -> ir.Value:
+    """down(act(up(h))): apertus's xIELU, its four scalars read from the checkpoint (mlp.act_fn.*)."""
+    up, = arch.gate_up_parts(i)
+    down = b.weight(f"{arch.names(i)['down']}.weight")
+    if cfg.hidden_act != "xielu":
+        raise ExportError(f"an ungated {cfg.hidden_act} MLP is not built: no such {cfg.architecture} checkpoint is known")
+    act = f"{arch.layer_prefix(i)}.mlp.act_fn"
+    alpha_p, alpha_n, beta, eps = (float(np.asarray(b.checkpoint.array(f"{act}.{t}"), dtype=np.float64).reshape(-1)[0])
+                                   for t in ("alpha_p", "alpha_n", "beta", "eps"))
+    softplus = lambda v: float(np.logaddexp(0.0, v))  # noqa: E731
+    return linear(b, xielu(b, linear(b, h, b.weight(up.name)), softplus(alpha_p), beta + softplus(alpha_n), beta, eps),
+                  down)
 
 
 def _mup_vector(b: GraphBuilder, cfg: ModelConfig) -> ir.Value | None:
@@ -254,6 +274,8 @@ def decoder_layer(
         attn_out = norm(b, arch, attn_out, names["post_attention_norm"], eps)
         x = b.op("Add", [x, _scaled(b, attn_out, cfg.residual_scale)])
         h = x
+    elif arch.norm_layout == PARALLEL_BLOCK:  # the MLP reads the same normed input as attention
+        x = b.op("Add", [x, attn_out])
     else:
         h, x = residual_norm(b, arch, x, _scaled(b, attn_out, cfg.residual_scale), names["post_attention_norm"], eps)
     if cfg.moe is not None and cfg.moe.sparse_layers[i]:
@@ -261,6 +283,8 @@ def decoder_layer(
         if arch.shared_mlp:  # granitemoehybrid: a dense MLP beside the experts, added
             mlp_out = b.op("Add", [mlp_out, gated_mlp(b, h, _packed_weight(b, arch.gate_up_parts(i)),
                                                       b.weight(f"{names['down']}.weight"), cfg.intermediate_size)])
+    elif arch.ungated_mlp:
+        mlp_out = ungated_mlp(b, h, arch, cfg, i)
     else:
         gate_up_bias = _packed_weight(b, arch.gate_up_parts(i, "bias")) if cfg.mlp_bias else None
         down_bias = _optional(b, f"{names['down']}.bias") if cfg.mlp_bias else None

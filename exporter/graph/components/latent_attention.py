@@ -30,7 +30,7 @@ import dataclasses
 
 import onnx_ir as ir
 
-from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_core, static_core
+from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_core, gqa_positions, static_core
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.norm import rms_norm
 from exporter.graph.config import ModelConfig
@@ -55,21 +55,6 @@ def _rotate(b: GraphBuilder, x: ir.Value, step: StepInputs, heads: int, interlea
     rotary = step.rotary
     return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin, positions],
                 {"interleaved": int(interleaved), "num_heads": heads})
-
-
-def gqa_positions(b: GraphBuilder, x: ir.Value, step: StepInputs) -> ir.Value:
-    """This step's positions [batch, seq] as GroupQueryAttention assigns them (it takes no position_ids): the
-    first prompt (total length = seq) from 0, a continuation after the row's cached tokens (seqlens_k + 1 - seq)."""
-    if step.latent_positions is not None:
-        return step.latent_positions
-    i64 = ir.DataType.INT64
-    seq = b.op("Gather", [b.op("Shape", [x]), b.scalar_i64(1)])
-    total = b.op("Cast", [step.total_seq_len], {"to": i64})
-    cached = b.op("Sub", [b.op("Add", [b.op("Cast", [step.seqlens_k], {"to": i64}), b.scalar_i64(1)]), seq])
-    start = b.op("Where", [b.op("Equal", [total, seq]), b.scalar_i64(0), cached])
-    ramp = b.op("Range", [b.scalar_i64(0), seq, b.scalar_i64(1)])
-    step.latent_positions = b.op("Add", [b.op("Unsqueeze", [start, b.ints(1)]), b.op("Unsqueeze", [ramp, b.ints(0)])])
-    return step.latent_positions
 
 
 def _per_head(b: GraphBuilder, x: ir.Value, weights: ir.Value) -> ir.Value:

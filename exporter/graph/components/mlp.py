@@ -32,3 +32,13 @@ def relu2_mlp(b: GraphBuilder, x: ir.Value, up: ir.Value, down: ir.Value) -> ir.
     """down(relu(up(x))^2), nemotron_h's MLP and shared expert."""
     activated = b.op("Relu", [linear(b, x, up)])
     return linear(b, b.op("Mul", [activated, activated]), down)
+
+
+def xielu(b: GraphBuilder, x: ir.Value, alpha_p: float, alpha_n: float, beta: float, eps: float) -> ir.Value:
+    """apertus's xIELU with its parameters already through softplus: alpha_p x^2 + beta x for x > 0, else
+    (expm1(min(x, eps)) - x) alpha_n + beta x."""
+    linear_part = b.op("Mul", [x, b.scalar(beta)])
+    positive = b.op("Add", [b.op("Mul", [b.op("Mul", [x, x]), b.scalar(alpha_p)]), linear_part])
+    expm1 = b.op("Sub", [b.op("Exp", [b.op("Min", [x, b.scalar(eps)])]), b.scalar(1.0)])
+    negative = b.op("Add", [b.op("Mul", [b.op("Sub", [expm1, x]), b.scalar(alpha_n)]), linear_part])
+    return b.op("Where", [b.op("Greater", [x, b.scalar(0.0)]), positive, negative])
