@@ -190,11 +190,16 @@ ARCH_CONFIGS.update({
     "cohere2": ("Cohere2Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                   "logit_scale": 0.5}),
     # apertus: xIELU away from its init values (the checkpoint's scalars are what is read), llama3 rope.
+    # ernie4_5_moe: 8 experts of 32 (2 a token) picked from softmax scores by a learned bias, a shared expert of
+    # 2 x 32, on layers 1 and 2 (moe_layer_start_index); the interleaved rotary.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"num_hidden_layers": 3, "moe_num_experts": 8, "moe_k": 2,
+                                            "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
+                                            "moe_layer_start_index": 1}),
     "apertus": ("ApertusConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                       "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0}}),
 })
-NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
+NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
                      "cohere2", "apertus")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")

@@ -36,7 +36,8 @@ from tests.conftest import DECODE_STEPS, VARIANTS
 
 PROMPT = 20
 FP32_TOLERANCE = 1e-4  # the issue's bar: fp32 logits within 1e-4 of the reference's logit range
-MOE_FAMILIES = [a for a in NEW_ARCHITECTURES if a in ("glm4_moe", "deepseek_v3")]
+GROUPED = ["glm4_moe", "deepseek_v3"]  # DeepSeek-V3's grouped sigmoid routing
+MOE_FAMILIES = [*GROUPED, "ernie4_5_moe"]
 
 
 def _close(result) -> bool:
@@ -141,7 +142,7 @@ def test_latent_attention_s_other_layouts_match_transformers(changes, variant, t
     assert result.tokens == ref.tokens, result.mismatches
 
 
-@pytest.mark.parametrize("arch", MOE_FAMILIES)
+@pytest.mark.parametrize("arch", GROUPED)
 def test_grouped_sigmoid_routing_is_one_router_and_one_expert_op_per_sparse_layer(arch, checkpoint, exported):
     """The first layer dense (first_k_dense_replace), then per sparse layer one MoEGroupRouter (groups and the
     groups kept as config.json says) feeding one MoE op, the shared expert beside it."""
@@ -194,3 +195,26 @@ def test_a_validated_half_export_passes_every_gate(arch, checkpoint, tmp_path):
     assert report["status"] == "passed" and not report["failed_gates"], report["failed_gates"]
     census = next(g for g in report["gates"] if g["check"] == "attention op census")
     assert census["measured"] == {"com.microsoft::GroupQueryAttention": 3}
+
+
+def test_ernie4_5_moe_picks_experts_by_biased_softmax_scores(checkpoint, exported, reference, tmp_path):
+    """Experts on layers 1 and 2 only (moe_layer_start_index), two routers' TopK feeding two MoE ops. A control for
+    the parity tests: the same checkpoint with its selection bias zeroed routes some token elsewhere in transformers
+    (the bias decides, so an export that ignored it would fail them)."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = load_model_config(checkpoint("ernie4_5_moe"), REGISTRY)
+    assert cfg.moe.sparse_layers == (False, True, True) and cfg.moe.biased_softmax
+    assert cfg.moe.shared_expert_intermediate == 64
+    nodes = _nodes(exported("ernie4_5_moe", "attn_dynamic"))
+    assert sum(n.op_type == "MoE" for n in nodes) == 2 and sum(n.op_type == "TopK" for n in nodes) == 2
+
+    unbiased = tmp_path / "unbiased"
+    shutil.copytree(checkpoint("ernie4_5_moe"), unbiased)
+    tensors = load_file(str(unbiased / "model.safetensors"))
+    tensors = {k: (np.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in tensors.items()}
+    save_file(tensors, str(unbiased / "model.safetensors"), metadata={"format": "pt"})
+    ref = reference("ernie4_5_moe", prompt_len=PROMPT)
+    other = reference_greedy(load_reference(unbiased), ref.prompt, DECODE_STEPS)
+    spread = float(ref.prefill_logits.max() - ref.prefill_logits.min())
+    assert np.abs(other.prefill_logits - ref.prefill_logits).max() > 100 * FP32_TOLERANCE * spread

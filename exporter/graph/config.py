@@ -112,6 +112,8 @@ class MoeConfig:
     topk_group: int = 1
     relu2_experts: bool = False
     latent: int | None = None
+    # ernie4_5_moe: softmax scores, the top k of score + a learned bias picked, the picked scores renormalized.
+    biased_softmax: bool = False
 
     @property
     def op_normalize(self) -> bool:
@@ -153,6 +155,7 @@ MOE_TYPES = {
     "nemotron_h": ("n_routed_experts", "moe_intermediate_size"),
     "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
+    "ernie4_5_moe": ("moe_num_experts", "moe_intermediate_size"),
 }
 # DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, experts picked within the best topk_group of n_group groups
 # by score + e_score_correction_bias, the picked scores renormalized and scaled by routed_scaling_factor; SwiGLU
@@ -225,6 +228,16 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
                          tuple(i >= dense for i in range(num_layers)), shared or None, sigmoid_routing=True,
                          routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), groups=groups,
                          topk_group=topk_group)
+    if model_type == "ernie4_5_moe":
+        if getattr(hf, "use_bias", False):
+            raise ExportError("ernie4_5_moe with use_bias (biased expert and shared-expert projections) is not exported: "
+                              "no such checkpoint is known")
+        end = hf.moe_layer_end_index if hf.moe_layer_end_index >= 0 else num_layers - 1
+        step = int(hf.moe_layer_interval or 1)
+        sparse = tuple((i + 1) % step == 0 and hf.moe_layer_start_index <= i <= end for i in range(num_layers))
+        shared = int(hf.moe_num_shared_experts or 0) * int(hf.moe_intermediate_size)
+        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True, sparse, shared or None,
+                         biased_softmax=True)
     mixer = None
     if model_type == "phimoe":  # the sparsemixer picks two experts whatever num_experts_per_tok says
         mixer, top_k = float(getattr(hf, "router_jitter_noise", 0.01)), 2

@@ -11,6 +11,8 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
   node); otherwise in the graph (``sparse_mixer``, ~30 small nodes), the op given log weights.
 - gpt-oss: a biased router (the op's softmax over all experts then renormalized top k is its softmax
   over the top-k logits), expert biases and the clamped SwiGLU as attributes.
+- ernie4_5_moe: softmax scores, experts picked by score + a learned bias (biased_softmax_router), the picked
+  scores renormalized by the op; an ungated shared expert.
 - nemotron_h: ungated relu^2 experts, as the op's SwiGLU with gate = up (each expert's up rows twice,
   interleaved), beta 0 and a steep alpha: up * sigmoid(alpha up) * up is relu(up)^2 to fp32 rounding
   (sigmoid(alpha u) is exactly 0 or 1 in fp32 for |u| > 17 / alpha; below that the difference is under
@@ -111,6 +113,16 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
                                 b.weight(names["down"]), moe.shared_expert_intermediate))
             y = b.op("Add", [y, shared])
         return y
+    if moe.biased_softmax:  # ernie4_5_moe: the bias picks experts among the softmax scores, then an ungated shared MLP
+        logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
+        bias = b.op("Reshape", [b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
+                                b.ints(moe.num_experts)])
+        y = experts_op(b, x, biased_softmax_router(b, logits, bias, moe.top_k), fc1, fc2, moe.top_k, True)
+        if moe.shared_expert_intermediate:
+            names = arch.shared_expert_names(i)
+            y = b.op("Add", [y, gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
+                                          b.weight(names["down"]), moe.shared_expert_intermediate)])
+        return y
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
     logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])
     fc1_bias = fc2_bias = None
@@ -145,6 +157,21 @@ def sigmoid_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top
     transformers' weights (it adds 1e-6 or 1e-20 to the sum)."""
     return b.op("MoEGroupRouter", [logits, expert_bias],
                 {"top_k": top_k, "n_group": groups, "topk_group": topk_group, "group_topk": 2}, domain=MS_DOMAIN)
+
+
+def biased_softmax_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int) -> ir.Value:
+    """ernie4_5_moe's routing for the expert op, in fp32: p = softmax(logits), the top k of p + expert_bias
+    picked, log(p) at them and -inf elsewhere. The op's softmax of that, renormalized over its top k, is
+    p / sum(picked p): transformers' weights (its clamp of the sum at 1e-12 never binds for k >= 1)."""
+    f32 = ir.DataType.FLOAT
+    wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
+    probs = b.op("Softmax", [wide], {"axis": -1})
+    _, picked = b.op_multi("TopK", [b.op("Add", [probs, expert_bias]), b.ints(top_k)], {"axis": -1}, num_outputs=2)
+    ninf = b.op("Cast", [b.scalar(float("-inf"))], {"to": f32}) if b.dtype != f32 else b.scalar(float("-inf"))
+    floor = b.op("Expand", [ninf, b.op("Shape", [probs])])
+    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [probs, picked], {"axis": -1})])],
+                   {"axis": -1})
+    return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != f32 else weights
 
 
 def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) -> tuple[ir.Value, ir.Value]:
