@@ -195,12 +195,19 @@ ARCH_CONFIGS.update({
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"num_hidden_layers": 3, "moe_num_experts": 8, "moe_k": 2,
                                             "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
                                             "moe_layer_start_index": 1}),
+    # llama4_text: 4 layers, chunks of 8 on layers 0-2 (rotary, weightless q / k norms), layer 3 global NoPE with its
+    # query temperature stepping every 4 positions; 8 experts of 32 (1 a token) with a shared MLP on layers 1 and 3,
+    # dense MLPs of 128 on 0 and 2.
+    "llama4_text": ("Llama4TextConfig", {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 1,
+                                         "intermediate_size": 32, "intermediate_size_mlp": 128,
+                                         "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 4,
+                                         "attn_scale": 0.1, "use_qk_norm": True}),
     "apertus": ("ApertusConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                       "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0}}),
 })
 NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
-                     "cohere2", "apertus")
+                     "cohere2", "apertus", "llama4_text")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")

@@ -37,7 +37,7 @@ from tests.conftest import DECODE_STEPS, VARIANTS
 PROMPT = 20
 FP32_TOLERANCE = 1e-4  # the issue's bar: fp32 logits within 1e-4 of the reference's logit range
 GROUPED = ["glm4_moe", "deepseek_v3"]  # DeepSeek-V3's grouped sigmoid routing
-MOE_FAMILIES = [*GROUPED, "ernie4_5_moe"]
+MOE_FAMILIES = [*GROUPED, "ernie4_5_moe", "llama4_text"]
 
 
 def _close(result) -> bool:
@@ -48,8 +48,16 @@ def _nodes(out) -> list[onnx.NodeProto]:
     return list(onnx.load(str(out / contract.MODEL_FILE), load_external_data=False).graph.node)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", NEW_ARCHITECTURES)
+# llama4_text's chunked attention has no GroupQueryAttention form (refused below).
+NO_GQA = {"llama4_text"}
+CASES = [(arch, variant) for arch in NEW_ARCHITECTURES for variant in VARIANTS if arch not in NO_GQA or variant != "gqa"]
+
+
+def _half_variant(arch: str) -> str:
+    return "attn_dynamic" if arch in NO_GQA else "gqa"
+
+
+@pytest.mark.parametrize("arch, variant", CASES)
 def test_fp32_matches_transformers(arch, variant, exported, reference):
     ref = reference(arch, prompt_len=PROMPT)
     result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0)
@@ -70,7 +78,7 @@ def test_a_left_padded_batch_matches_each_prompt_alone(arch, variant, exported, 
 @pytest.mark.parametrize("arch", NEW_ARCHITECTURES)
 def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
     ref = reference(arch, prompt_len=PROMPT)
-    result = run_parity(Decoder(exported(arch, "gqa", "fp16")), ref, near_tie_margin=0.1)
+    result = run_parity(Decoder(exported(arch, _half_variant(arch), "fp16")), ref, near_tie_margin=0.1)
     assert result.mismatches == [], f"decisive steps with another token: {result.mismatches}"
     assert len(result.near_ties) <= result.steps // 2
     assert result.prefill_max_abs_error <= 5e-2 * result.logit_range
@@ -189,12 +197,14 @@ def test_latent_attention_is_refused_for_the_compat_target(checkpoint):
 def test_a_validated_half_export_passes_every_gate(arch, checkpoint, tmp_path):
     """The whole validation of an fp16 gqa export: structure (the routers' fp32 selection bias allowed), the weight
     gate reading every packed, stacked and per-head slice back, the expert known answer, parity."""
-    request = ExportRequest(model=str(checkpoint(arch)), dtype="fp16", ep="cpu", variant="gqa")
+    variant = _half_variant(arch)
+    request = ExportRequest(model=str(checkpoint(arch)), dtype="fp16", ep="cpu", variant=variant)
     out = export_model(request, tmp_path / "export", validate=True).out_dir
     report = json.loads((out / "parity_report.json").read_text())
     assert report["status"] == "passed" and not report["failed_gates"], report["failed_gates"]
     census = next(g for g in report["gates"] if g["check"] == "attention op census")
-    assert census["measured"] == {"com.microsoft::GroupQueryAttention": 3}
+    op = "com.microsoft::GroupQueryAttention" if variant == "gqa" else "Attention"
+    assert census["measured"] == {op: load_model_config(checkpoint(arch), REGISTRY).num_layers}
 
 
 def test_ernie4_5_moe_picks_experts_by_biased_softmax_scores(checkpoint, exported, reference, tmp_path):
@@ -218,3 +228,23 @@ def test_ernie4_5_moe_picks_experts_by_biased_softmax_scores(checkpoint, exporte
     other = reference_greedy(load_reference(unbiased), ref.prompt, DECODE_STEPS)
     spread = float(ref.prefill_logits.max() - ref.prefill_logits.min())
     assert np.abs(other.prefill_logits - ref.prefill_logits).max() > 100 * FP32_TOLERANCE * spread
+
+
+def test_llama4_text_chunks_its_local_layers_and_refuses_gqa_by_name(checkpoint, reference, tmp_path):
+    """Chunks of 8 on the rotary layers: over a 20-token prompt the chunk boundary is what transformers attends by (a
+    control: the same model with chunks of 64, i.e. plain causal attention over these lengths, gives other logits);
+    GroupQueryAttention has no chunked form, so gqa is refused with the variants that work."""
+    ref = reference("llama4_text", prompt_len=PROMPT)
+    wide = reference_greedy(load_reference(checkpoint("llama4_text", attention_chunk_size=64)), ref.prompt, 1)
+    spread = float(ref.prefill_logits.max() - ref.prefill_logits.min())
+    assert np.abs(wide.prefill_logits - ref.prefill_logits).max() > 100 * FP32_TOLERANCE * spread
+    path = checkpoint("llama4_text")
+    with pytest.raises(ExportError, match=r"chunked attention \(attention_chunk_size 8\) has no GroupQueryAttention form.*"
+                                          r"use the attn_dynamic or attn_static variant"):
+        build_model(ExportRequest(model=str(path), variant="gqa"), resolve_source(str(path)))
+
+
+def test_llama4_text_with_more_than_one_expert_a_token_is_refused_by_name(checkpoint, tmp_path):
+    path = _with_config(checkpoint("llama4_text"), tmp_path, num_experts_per_tok=2)
+    with pytest.raises(ExportError, match=r"llama4_text with num_experts_per_tok 2 is not exported: its router scales"):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))

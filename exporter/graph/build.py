@@ -220,7 +220,7 @@ def _check_experts(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint,
             expect(part.name, (moe.num_experts, rows, cols // 32, 16))
             expect(part.mxfp4_scales, (moe.num_experts, rows, cols // 32))
         return
-    if arch.stacked_experts and arch.experts_transposed:  # gpt-oss: [experts, in, out]
+    if arch.stacked_experts and arch.experts_transposed:  # gpt-oss, llama4_text: [experts, in, out]
         expect(fc1[0].name, (moe.num_experts, hidden, 2 * moe.expert_intermediate))
         expect(fc2[0].name, (moe.num_experts, moe.expert_intermediate, hidden))
         return

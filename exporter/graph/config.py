@@ -19,6 +19,8 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")  # relu2
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+# llama4_text: attention within fixed chunks of attention_chunk_size positions (the chunk holding the query).
+CHUNKED = "chunked_attention"
 # Layers with a fixed-size recurrent state instead of a KV cache (docs/graph-contracts.md, "Recurrent
 # state"): gated DeltaNet (qwen3_next, qwen3_5) and LFM2's gated short convolution.
 LINEAR, CONV = "linear_attention", "conv"
@@ -36,6 +38,8 @@ HYBRID_LAYER_TYPES = {
     "nemotron_h": (FULL, LINEAR, MLP_BLOCK, MOE_BLOCK),
     "falcon_h1": (PARALLEL,),
 }
+# Other families whose layer types are not the usual full / sliding ones.
+LAYER_TYPES = {**HYBRID_LAYER_TYPES, "llama4_text": (FULL, CHUNKED)}
 GATED_DELTANET, SHORT_CONV, MAMBA2 = "gated_deltanet", "short_conv", "mamba2"
 MAMBA2_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 # Mamba2's output norm: gate then norm (granite, nemotron; falcon_h1 with mamba_norm_before_gate false), norm
@@ -114,6 +118,8 @@ class MoeConfig:
     latent: int | None = None
     # ernie4_5_moe: softmax scores, the top k of score + a learned bias picked, the picked scores renormalized.
     biased_softmax: bool = False
+    # llama4_text: the picked expert's sigmoid(logit) scales its input, not its output (one expert a token).
+    input_scaled: bool = False
 
     @property
     def op_normalize(self) -> bool:
@@ -156,6 +162,7 @@ MOE_TYPES = {
     "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
     "ernie4_5_moe": ("moe_num_experts", "moe_intermediate_size"),
+    "llama4_text": ("num_local_experts", "intermediate_size"),
 }
 # DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, experts picked within the best topk_group of n_group groups
 # by score + e_score_correction_bias, the picked scores renormalized and scaled by routed_scaling_factor; SwiGLU
@@ -228,6 +235,14 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
                          tuple(i >= dense for i in range(num_layers)), shared or None, sigmoid_routing=True,
                          routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), groups=groups,
                          topk_group=topk_group)
+    if model_type == "llama4_text":
+        if top_k != 1:
+            raise ExportError(f"llama4_text with num_experts_per_tok {top_k} is not exported: its router scales each picked "
+                              "expert's input by its own score, which the expert op does for one expert a token (every "
+                              "Llama 4 checkpoint picks one)")
+        layers = set(hf.moe_layers or ())
+        return MoeConfig(int(experts), 1, int(hf.intermediate_size), True, tuple(i in layers for i in range(num_layers)),
+                         int(hf.intermediate_size), input_scaled=True)
     if model_type == "ernie4_5_moe":
         if getattr(hf, "use_bias", False):
             raise ExportError("ernie4_5_moe with use_bias (biased expert and shared-expert projections) is not exported: "
@@ -294,6 +309,11 @@ class ModelConfig:
     qk_norm_after_rotary: bool = False  # hunyuan_v1_dense: q / k norms on the rotated heads
     # ministral3: queries scaled by 1 + beta * log(1 + floor(position / original_max)): (beta, original_max)
     position_query_scale: tuple[float, int] | None = None
+    # llama4_text: chunked layers' chunk; the NoPE layers' queries scaled by 1 + attn_scale * log1p(floor((position
+    # + 1) / floor_scale)): (attn_scale, floor_scale); weightless q / k norms after the rotary on the rotary layers.
+    attention_chunk: int | None = None
+    temperature_tuning: tuple[float, float] | None = None
+    weightless_qk_norm: bool = False
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether ``layer`` carries a recurrent state (and no KV cache, unless it is falcon_h1's parallel layer)."""
@@ -316,6 +336,12 @@ class ModelConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_attention(i))
+
+    def chunk(self, layer: int) -> int | None:
+        """The attention chunk of ``layer`` (None: not a chunked layer)."""
+        if self.layer_types and self.layer_types[layer] == CHUNKED:
+            return self.attention_chunk
+        return None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -524,7 +550,7 @@ def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> Recu
 
 LATENT_TYPES = ("deepseek_v3",)
 # Families whose rotary pairs adjacent dims (x0, x1), (x2, x3), ... (transformers' rotate_half on [..., ::2]).
-INTERLEAVED_ROTARY_TYPES = ("ernie4_5", "ernie4_5_moe", "cohere2")
+INTERLEAVED_ROTARY_TYPES = ("ernie4_5", "ernie4_5_moe", "cohere2", "llama4_text")
 # Families whose global (full_attention) layers attend without positions when the others slide (exaone4, cohere2).
 NOPE_GLOBAL_TYPES = ("exaone4", "cohere2")
 
@@ -598,12 +624,12 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         sliding = None
     if not layer_types or len(layer_types) != hf.num_hidden_layers:
         layer_types = ((SLIDING if sliding else FULL),) * hf.num_hidden_layers
-    known = HYBRID_LAYER_TYPES.get(model_type, (FULL, SLIDING))
+    known = LAYER_TYPES.get(model_type, (FULL, SLIDING))
     unknown = sorted(set(layer_types) - set(known))
     if unknown:
         raise ExportError(f"unsupported layer types {unknown} in config.json of this {model_type} model: the exporter "
                           f"builds {', '.join(known)} layers for it")
-    if sliding is None and model_type not in HYBRID_LAYER_TYPES:
+    if sliding is None and model_type not in LAYER_TYPES:
         layer_types = (FULL,) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # smollm3: 1 = rotary, 0 = none
     rope_layers = tuple(bool(v) for v in no_rope) if no_rope else ()
@@ -632,7 +658,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=(_lfm2_intermediate(hf) if model_type == "lfm2" else hf.shared_intermediate_size
-                           if model_type == "granitemoehybrid" else (getattr(hf, "intermediate_size", None) or 0)),
+                           if model_type == "granitemoehybrid" else hf.intermediate_size_mlp if model_type == "llama4_text"
+                           else (getattr(hf, "intermediate_size", None) or 0)),
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=num_kv_heads,
@@ -665,7 +692,11 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         multipliers=multipliers,
         latent=latent,
         rotary_interleaved=model_type in INTERLEAVED_ROTARY_TYPES,
-        qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
+        qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "llama4_text"),
+        attention_chunk=int(hf.attention_chunk_size) if model_type == "llama4_text" and hf.attention_chunk_size else None,
+        temperature_tuning=((float(hf.attn_scale), float(hf.floor_scale))
+                            if model_type == "llama4_text" and hf.attn_temperature_tuning else None),
+        weightless_qk_norm=model_type == "llama4_text" and bool(hf.use_qk_norm),
         position_query_scale=_position_query_scale(params) if model_type == "ministral3" else None,
     )
 

@@ -18,6 +18,7 @@ from exporter.graph.components.gated_deltanet import LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, RopeConfig
+from exporter.errors import ExportError
 from exporter.request import Variant
 from exporter.graph.rope import rope_tables
 
@@ -41,10 +42,11 @@ def _dim_scalar(b: GraphBuilder, x: ir.Value, axis: int) -> ir.Value:
     return b.op("Squeeze", [b.op("Shape", [x], {"start": axis, "end": axis + 1}), b.ints(0)])
 
 
-def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value, window: int | None = None) -> ir.Value:
+def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir.Value, window: int | None = None,
+                        chunk: int | None = None) -> ir.Value:
     """bool [batch, 1, seq, total]: key j visible to query i iff j <= its position and not padding
     (and, with a sliding ``window``, j > i - window: padding is on the left, so distances between
-    real tokens are the same in padded coordinates).
+    real tokens are the same in padded coordinates; with a ``chunk``, j in i's chunk of positions).
 
     The diagonal stays visible even for padding queries so no softmax row is empty (no NaN).
     """
@@ -56,9 +58,24 @@ def causal_padding_mask(b: GraphBuilder, input_ids: ir.Value, attention_mask: ir
     causal = b.op("LessOrEqual", [k_row, q_col])
     if window:
         causal = b.op("And", [causal, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
+    if chunk:
+        causal = b.op("And", [causal, _same_chunk(b, q_col, k_row, chunk, attention_mask, total)])
     diagonal = b.op("Equal", [k_row, q_col])
     keys = b.op("Unsqueeze", [b.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), b.ints(1, 2)])
     return b.op("Or", [b.op("And", [causal, keys]), diagonal])
+
+
+def _same_chunk(b: GraphBuilder, q_col: ir.Value, k_row: ir.Value, chunk: int, attention_mask: ir.Value,
+                total: ir.Value) -> ir.Value:
+    """bool [batch, 1, seq, total]: key and query in the same chunk of ``chunk`` positions, counted from each row's
+    first real token (a left-padded row's padding shifts its coordinates; transformers' chunked mask corrects the
+    same way)."""
+    padding = b.op("Sub", [total, b.op("ReduceSum", [attention_mask, b.ints(1)], {"keepdims": 0})])
+    padding = b.op("Unsqueeze", [padding, b.ints(1, 2, 3)])  # [batch, 1, 1, 1]
+    # Shifted by a whole number of chunks so padding keys stay non-negative (integer Div truncates).
+    shift = b.op("Sub", [b.scalar_i64(chunk * (1 << 20)), padding])
+    size = b.scalar_i64(chunk)
+    return b.op("Equal", [b.op("Div", [b.op("Add", [q_col, shift]), size]), b.op("Div", [b.op("Add", [k_row, shift]), size])])
 
 
 def attention_bias(b: GraphBuilder, mask: ir.Value, num_heads: int) -> ir.Value:
@@ -83,6 +100,17 @@ def static_window_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Va
     q_col = b.op("Unsqueeze", [position_ids, b.ints(1, 3)])  # [batch, 1, seq, 1]
     seen = b.op("LessOrEqual", [k_row, q_col])
     return b.op("And", [seen, b.op("Greater", [k_row, b.op("Sub", [q_col, b.scalar_i64(window)])])])
+
+
+def static_chunk_mask(b: GraphBuilder, position_ids: ir.Value, key_cache: ir.Value, chunk: int) -> ir.Value:
+    """attn_static's chunked layers: bool [batch, 1, seq, cache] where cache slot j is visible to the query at
+    position p iff j <= p and j // chunk == p // chunk (slot j holds position j)."""
+    slots = b.op("Range", [b.scalar_i64(0), _dim_scalar(b, key_cache, 1), b.scalar_i64(1)])
+    k_row = b.op("Unsqueeze", [slots, b.ints(0, 1, 2)])  # [1, 1, 1, cache]
+    q_col = b.op("Unsqueeze", [position_ids, b.ints(1, 3)])  # [batch, 1, seq, 1]
+    size = b.scalar_i64(chunk)
+    same = b.op("Equal", [b.op("Div", [k_row, size]), b.op("Div", [q_col, size])])
+    return b.op("And", [b.op("LessOrEqual", [k_row, q_col]), same])
 
 
 def state_layout(cfg: ModelConfig, dtype: ir.DataType, key_major: bool = False) -> list[tuple[str, ir.DataType, list]]:
@@ -164,7 +192,7 @@ def build_graph(
         inputs.append(attention_mask)
         lengths = gqa_lengths(b, attention_mask, step)
     else:
-        position_ids = _input(io.POSITION_IDS, I64, [BATCH, SEQ])
+        position_ids = step.position_ids = _input(io.POSITION_IDS, I64, [BATCH, SEQ])
         if variant is Variant.ATTN_DYNAMIC:
             attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
             inputs += [attention_mask, position_ids]
@@ -200,11 +228,19 @@ def build_graph(
     layer_steps: dict[tuple, StepInputs] = {}
 
     def step_for(i: int) -> StepInputs:
-        rope, window = (cfg.layer_rope(i) if cfg.uses_rope(i) else None), cfg.window(i)
-        if (rope, window) not in layer_steps:
+        rope, window, chunk = (cfg.layer_rope(i) if cfg.uses_rope(i) else None), cfg.window(i), cfg.chunk(i)
+        if (rope, window, chunk) not in layer_steps:
             if rope is not None and rope not in rotaries:
                 rotaries[rope] = _rotary(b, cfg, rope, table_len, variant, lengths, position_ids)
             extra = {"rotary": rotaries.get(rope), "window": window}
+            if chunk and variant is Variant.GQA:
+                raise ExportError(f"{cfg.architecture}'s chunked attention (attention_chunk_size {chunk}) has no "
+                                  "GroupQueryAttention form (its local window slides, a chunk does not): use the "
+                                  "attn_dynamic or attn_static variant")
+            if chunk and variant is Variant.ATTN_DYNAMIC:
+                extra["attn_mask"] = as_mask(causal_padding_mask(b, input_ids, attention_mask, chunk=chunk))
+            elif chunk and variant is Variant.ATTN_STATIC:
+                extra["window_mask"] = static_chunk_mask(b, position_ids, caches_in[cfg.attention_layers[0]][0], chunk)
             if window and variant is Variant.ATTN_DYNAMIC:
                 if window not in masks:
                     masks[window] = as_mask(causal_padding_mask(b, input_ids, attention_mask, window))
@@ -213,8 +249,8 @@ def build_graph(
                 if window not in masks:
                     masks[window] = static_window_mask(b, position_ids, caches_in[cfg.attention_layers[0]][0], window)
                 extra["window_mask"] = masks[window]
-            layer_steps[(rope, window)] = dataclasses.replace(step, **extra)
-        return layer_steps[(rope, window)]
+            layer_steps[(rope, window, chunk)] = dataclasses.replace(step, **extra)
+        return layer_steps[(rope, window, chunk)]
 
     if cfg.recurrent is not None and variant is Variant.ATTN_DYNAMIC:
         # Left-padded rows: the recurrent layers zero their input at this step's padding.

@@ -58,6 +58,7 @@ class StepInputs:
     window_mask: ir.Value | None = None  # attn_static sliding layers: bool [batch, 1, seq, cache]
     token_mask: ir.Value | None = None  # hybrids' recurrent layers: [batch, seq, 1], 0 at padding (left-padded rows)
     gqa_positions: ir.Value | None = None  # gqa layers rotating outside the op: positions as it assigns them (built once)
+    position_ids: ir.Value | None = None  # the attn variants' position_ids input (what scales a NoPE layer's queries)
 
 
 def _head_norm(b: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int, norm: ir.Value | None, eps: float,
@@ -93,7 +94,8 @@ def _output(b: GraphBuilder, y: ir.Value, w: AttentionWeights, gate: ir.Value | 
     return linear(b, y, w.o, w.o_bias)
 
 
-def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary):
+def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary,
+         positions: ir.Value | None = None):
     """Q, K, V as [batch, seq, heads*head_dim] (BSNH), rotated: no transposes anywhere.
 
     The Attention kernels work in BSNH natively (Flash needs it); a BNSH graph would pay a
@@ -109,6 +111,8 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
         q, k = _qk_norms(b, q, k, w, cfg)
     if cfg.position_query_scale is not None:
         q = position_scaled_query(b, q, cfg, rotary.position_ids)
+    if rotary is None and cfg.temperature_tuning is not None:
+        q = temperature_tuned_query(b, q, cfg, positions)
     return q, k, v, gate
 
 
@@ -128,6 +132,25 @@ def position_scaled_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positi
 
     steps = b.op("Floor", [b.op("Div", [b.op("Cast", [positions], {"to": f32}), const(float(original))])])
     scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, const(1.0)])]), const(float(beta))]), const(1.0)])
+    if b.dtype != f32:
+        scale = b.op("Cast", [scale], {"to": b.dtype})
+    return b.op("Mul", [q, b.op("Unsqueeze", [scale, b.ints(-1)])])
+
+
+def temperature_tuned_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positions: ir.Value) -> ir.Value:
+    """llama4_text's NoPE layers: queries scaled by 1 + attn_scale * log1p(floor((position + 1) / floor_scale)), in
+    fp32. At the token's own position (transformers counts cache slots, padding included: the same for a prompt
+    alone, which is what a left-padded row must reproduce)."""
+    attn_scale, floor_scale = cfg.temperature_tuning
+    f32 = ir.DataType.FLOAT
+
+    def const(value):
+        return b.op("Cast", [b.scalar(value)], {"to": f32}) if b.dtype != f32 else b.scalar(value)
+
+    steps = b.op("Floor", [b.op("Div", [b.op("Add", [b.op("Cast", [positions], {"to": f32}), const(1.0)]),
+                                        const(float(floor_scale))])])
+    scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, const(1.0)])]), const(float(attn_scale))]),
+                         const(1.0)])
     if b.dtype != f32:
         scale = b.op("Cast", [scale], {"to": b.dtype})
     return b.op("Mul", [q, b.op("Unsqueeze", [scale, b.ints(-1)])])
@@ -257,26 +280,27 @@ def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, 
 
 
 def attention_dynamic(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary, step.position_ids)
     y, present_key, present_value = dynamic_core(b, q, k, v, cfg, step, past_key, past_value)
     return _output(b, y, w, gate), present_key, present_value
 
 
 def attention_compat(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary, step.position_ids)
     y, present_key, present_value = compat_core(b, q, k, v, cfg, step, past_key, past_value)
     return _output(b, y, w, gate), present_key, present_value
 
 
 def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
-    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary)
+    q, k, v, gate = _qkv(b, x, w, cfg, step.rotary, step.position_ids)
     y, updated_key, updated_value = static_core(b, q, k, v, cfg, step, key_cache, value_cache)
     return _output(b, y, w, gate), updated_key, updated_value
 
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
-    gate = None
-    if w.q_norm is None and not w.output_gate and cfg.position_query_scale is None:
+    gate, nope = None, step.rotary is None
+    if (w.q_norm is None and not w.output_gate and cfg.position_query_scale is None
+            and (not nope or cfg.temperature_tuning is None)):
         query, key, value = _clipped(b, _projected(b, x, w), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
@@ -290,5 +314,7 @@ def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
         query, key, value = (_clipped(b, t, cfg) for t in (query, key, value))
         if cfg.position_query_scale is not None:
             query = position_scaled_query(b, query, cfg, gqa_positions(b, x, step))
+        if nope and cfg.temperature_tuning is not None:
+            query = temperature_tuned_query(b, query, cfg, gqa_positions(b, x, step))
     y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
     return _output(b, y, w, gate), present_key, present_value

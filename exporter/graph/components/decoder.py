@@ -98,6 +98,9 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
             output_gate=True,
         )
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(cfg.hf_config, arch.qk_norm_key, False))
+    unit = None
+    if cfg.weightless_qk_norm and cfg.uses_rope(i):  # llama4_text: an RMSNorm without a weight, on rotary layers
+        unit = b.constant(np.ones(cfg.head_dim, dtype=b.dtype.numpy()), f"qk_norm.unit.{cfg.head_dim}")
     qkv_bias = None
     if arch.qkv_bias or cfg.attention_bias:
         bias_parts = arch.qkv_parts(i, "bias")
@@ -108,8 +111,8 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
         o=b.weight(f"{names['o']}.weight"),
         qkv_bias=qkv_bias,
         o_bias=_optional(b, f"{names['o']}.bias") if cfg.attention_bias else None,
-        q_norm=norm_weight(b, arch, names["q_norm"]) if qk_norm else None,
-        k_norm=norm_weight(b, arch, names["k_norm"]) if qk_norm else None,
+        q_norm=norm_weight(b, arch, names["q_norm"]) if qk_norm else unit,
+        k_norm=norm_weight(b, arch, names["k_norm"]) if qk_norm else unit,
         qk_norm_per_head=arch.qk_norm_per_head,
         sinks=b.weight(f"{arch.layer_prefix(i)}.self_attn.{arch.attention_sinks}") if arch.attention_sinks else None,
     )

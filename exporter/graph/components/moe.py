@@ -113,6 +113,15 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
                                 b.weight(names["down"]), moe.shared_expert_intermediate))
             y = b.op("Add", [y, shared])
         return y
+    if moe.input_scaled:  # llama4_text: one expert a token, its input scaled by sigmoid(its logit); a shared MLP
+        logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
+        score = b.op("Sigmoid", [b.op("ReduceMax", [logits, b.ints(-1)], {"keepdims": 1})])  # [tokens, 1]
+        scaled = b.op("Mul", [b.op("Reshape", [x, b.ints(-1, cfg.hidden_size)]), score])
+        # The op picks the same expert (the top logit) and, renormalizing one weight, gives it 1.
+        y = b.op("Reshape", [experts_op(b, scaled, logits, fc1, fc2, 1, True), b.op("Shape", [x])])
+        names = arch.shared_expert_names(i)
+        return b.op("Add", [y, gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
+                                         b.weight(names["down"]), moe.shared_expert_intermediate)])
     if moe.biased_softmax:  # ernie4_5_moe: the bias picks experts among the softmax scores, then an ungated shared MLP
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
         bias = b.op("Reshape", [b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
