@@ -208,6 +208,7 @@ ARCH_CONFIGS.update({
 })
 NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
                      "cohere2", "apertus", "llama4_text")
+NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "llama4_text")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")

@@ -24,15 +24,20 @@ from exporter.errors import ExportError
 from exporter.packaging.hf_layout import write_hf_layout
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
-from exporter.tiny_checkpoint import ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES
+from exporter.packaging.hf_layout import TRANSFORMERSJS_REFUSES
+from exporter.tiny_checkpoint import ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, NEW_ARCHITECTURES
 from quantized_reference import dequantized_checkpoint
 
 CLIENTS = Path(__file__).resolve().parents[1] / "clients"
 CLIENT = CLIENTS / "transformersjs"
 DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
 # optimum's ORTModelForCausalLM feeds KV caches only, never a hybrid's recurrent states ("Input past_conv.0
-# is required by model but not provided"): hybrids are transformers.js's alone.
-OPTIMUM = [a for a in DENSE if a not in HYBRID_ARCHITECTURES]
+# is required by model but not provided"): hybrids are transformers.js's alone. The families the hf layout
+# refuses (TRANSFORMERSJS_REFUSES) are checked for that below.
+TRANSFORMERSJS = [a for a in DENSE if a not in HYBRID_ARCHITECTURES and a not in TRANSFORMERSJS_REFUSES]
+# optimum pins transformers 4.57, which has no ministral3 ("does not recognize this architecture").
+OPTIMUM = [a for a in TRANSFORMERSJS if a != "ministral3"]
+REFUSED_NEW = [a for a in NEW_ARCHITECTURES if a in TRANSFORMERSJS_REFUSES]
 NEW_TOKENS = 12
 FP16 = ["llama", "qwen3", "gemma2"]
 
@@ -168,7 +173,7 @@ def check_rows(got, want, ids, client: str = "transformers.js"):
         assert g[len(ids[row]):] == w[len(ids[row]):], f"row {row}: {client} {g} vs transformers {w}"
 
 
-@pytest.mark.parametrize("arch", OPTIMUM)
+@pytest.mark.parametrize("arch", TRANSFORMERSJS)
 def test_an_attn_dynamic_export_in_the_hf_layout_generates_transformers_tokens_in_transformersjs(
         arch, exported, checkpoint, laid_out, transformersjs):
     export_dir = exported(arch, "attn_dynamic")
@@ -334,6 +339,16 @@ def test_a_hybrid_in_the_hf_layout_generates_transformers_tokens_in_transformers
 def test_qwen3_5_is_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_path):
     request = ExportRequest(model=str(checkpoint(arch)), ep="cpu", variant="attn_dynamic", layout="hf")
     with pytest.raises(ExportError, match="no hf layout for a qwen3_5.*M-RoPE.*onnxruntime-genai runs it"):
+        export_model(request, tmp_path / "repo", validate=False)
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("arch", REFUSED_NEW)
+def test_the_new_families_transformersjs_cannot_run_are_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_path):
+    """transformers.js 4.3 has no model class for glm4_moe, seed_oss, exaone4, ernie4_5_moe (measured: "Unsupported
+    model type"); deepseek_v3's latent cache is not the per-head caches it and optimum size from the config."""
+    request = ExportRequest(model=str(checkpoint(arch)), ep="cpu", variant="attn_dynamic", layout="hf")
+    with pytest.raises(ExportError, match=f"no hf layout for a {arch} model: .*onnxruntime-genai runs it"):
         export_model(request, tmp_path / "repo", validate=False)
     assert not (tmp_path / "repo").exists()
 

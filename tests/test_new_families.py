@@ -248,3 +248,22 @@ def test_llama4_text_with_more_than_one_expert_a_token_is_refused_by_name(checkp
     path = _with_config(checkpoint("llama4_text"), tmp_path, num_experts_per_tok=2)
     with pytest.raises(ExportError, match=r"llama4_text with num_experts_per_tok 2 is not exported: its router scales"):
         build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+
+
+@pytest.mark.parametrize("arch", [*GROUPED, "lfm2_moe", "nemotron_h"])
+def test_sigmoid_routing_in_plain_ops_for_runtimes_without_moegrouprouter_matches_transformers(arch, checkpoint,
+                                                                                             tmp_path):
+    """onnxruntime-gpu 1.31.1 (the newest on PyPI) and onnxruntime-node 1.30 have no MoEGroupRouter kernel: a cuda
+    export (and an hf layout) routes with the same computation in standard ops (fp32 sigmoid, group scores from
+    each group's two best biased scores, TopK, ScatterElements). Run here on the CPU EP, where both forms exist:
+    transformers' tokens and logits."""
+    source = checkpoint(arch)
+    request = ExportRequest(model=str(source), dtype="fp32", ep="cuda", variant="attn_dynamic")
+    out = export_model(request, tmp_path / "cuda-export", validate=False).out_dir
+    ops = {n.op_type for n in _nodes(out)}
+    assert "MoEGroupRouter" not in ops and {"TopK", "ScatterElements", "MoE"} <= ops
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=PROMPT)]
+    want = reference_greedy(load_reference(source), prompt, DECODE_STEPS)
+    result = run_parity(Decoder(out, "cpu"), want, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == want.tokens, result.mismatches

@@ -287,8 +287,9 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     target = target_for(request.compat)
     fused_mixer = fused_sparse_mixer(cfg.moe, request.ep.value, request.dtype.quantized)
     builder = GraphBuilder(checkpoint, IR_DTYPES[activations], rope_cache, target, fused_mixer, request.ep.value)
-    if request.layout == "hf":  # transformers.js's onnxruntime-node has no GatedDeltaNet kernel
+    if request.layout == "hf":  # transformers.js's onnxruntime-node has no GatedDeltaNet / MoEGroupRouter kernel
         builder.deltanet_op = LINEAR_ATTENTION
+        builder.group_router_op = False
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)

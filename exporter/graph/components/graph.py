@@ -28,6 +28,9 @@ class GraphBuilder:
         # gated DeltaNet's recurrence op: GatedDeltaNet, or LinearAttention for transformers.js's older
         # onnxruntime-node (components/gated_deltanet.py)
         self.deltanet_op = "GatedDeltaNet"  # gated_deltanet.GATED_DELTANET_OP (which imports this module)
+        # sigmoid routing (components/moe.py sigmoid_router): com.microsoft MoEGroupRouter, or the same computation
+        # in plain ops where the runtime has no kernel for it (onnxruntime-gpu 1.31.1, onnxruntime-node 1.30)
+        self.group_router_op = ep != "cuda"
         self._weights: dict[str, ir.Value] = {}
         self._consts: dict[tuple, ir.Value] = {}
 

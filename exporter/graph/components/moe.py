@@ -164,8 +164,41 @@ def sigmoid_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top
     sum highest compete (nemotron_h); the top k of s + expert_bias picked, log(s) at them and a large
     negative elsewhere. The expert op's softmax of that, renormalized over its top k, is s / sum(picked s):
     transformers' weights (it adds 1e-6 or 1e-20 to the sum)."""
-    return b.op("MoEGroupRouter", [logits, expert_bias],
-                {"top_k": top_k, "n_group": groups, "topk_group": topk_group, "group_topk": 2}, domain=MS_DOMAIN)
+    if b.group_router_op:
+        return b.op("MoEGroupRouter", [logits, expert_bias],
+                    {"top_k": top_k, "n_group": groups, "topk_group": topk_group, "group_topk": 2}, domain=MS_DOMAIN)
+    return _sigmoid_router_in_plain_ops(b, logits, expert_bias, top_k, groups, topk_group)
+
+
+def _sigmoid_router_in_plain_ops(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int, groups: int,
+                                 topk_group: int) -> ir.Value:
+    """MoEGroupRouter's computation in standard ops (fp32), for runtimes without its kernel: onnxruntime-gpu 1.31.1
+    (the newest onnxruntime-gpu on PyPI; its CUDA EP has no MoEGroupRouter) and transformers.js's onnxruntime-node
+    1.30. A group's score is the sum of its two best biased scores; experts outside the best topk_group groups
+    are masked before the top k."""
+    f32 = ir.DataType.FLOAT
+    wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
+    scores = b.op("Sigmoid", [wide])
+    choice = b.op("Add", [scores, expert_bias])
+    ninf = b.op("Cast", [b.scalar(float("-inf"))], {"to": f32}) if b.dtype != f32 else b.scalar(float("-inf"))
+    if groups > 1:
+        experts_shape = b.op("Shape", [choice])
+        grouped = b.op("Reshape", [choice, b.ints(0, groups, -1)])  # [tokens, groups, experts / groups]
+        best_two, _ = b.op_multi("TopK", [grouped, b.ints(2)], {"axis": -1}, num_outputs=2)
+        _, kept = b.op_multi("TopK", [b.op("ReduceSum", [best_two, b.ints(-1)], {"keepdims": 0}), b.ints(topk_group)],
+                             {"axis": -1}, num_outputs=2)  # [tokens, topk_group]
+        group_ids = b.op("Range", [b.scalar_i64(0), b.scalar_i64(groups), b.scalar_i64(1)])
+        # [tokens, groups]: whether each group is among the kept ones
+        in_kept = b.op("ReduceMax", [b.op("Cast", [b.op("Equal", [b.op("Unsqueeze", [kept, b.ints(-1)]), group_ids])],
+                                          {"to": ir.DataType.INT32}), b.ints(1)], {"keepdims": 0})
+        mask = b.op("Expand", [b.op("Unsqueeze", [b.op("Cast", [in_kept], {"to": ir.DataType.BOOL}), b.ints(-1)]),
+                               b.op("Shape", [grouped])])
+        choice = b.op("Where", [b.op("Reshape", [mask, experts_shape]), choice, ninf])
+    _, picked = b.op_multi("TopK", [choice, b.ints(top_k)], {"axis": -1}, num_outputs=2)
+    floor = b.op("Expand", [ninf, b.op("Shape", [scores])])
+    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [scores, picked], {"axis": -1})])],
+                   {"axis": -1})
+    return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != f32 else weights
 
 
 def biased_softmax_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int) -> ir.Value:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 47's GPU measurements on the device tool's machine, one phase per call (each call: at most 10 min).
+# Staged first, here: SERVERS=0 EXTRA_WHEELS="transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3
+#   safetensors==0.8.0 onnx-ir==1.1.0" EXTRA_NODEPS="onnxruntime-genai-cuda==0.18.0" bash benchmarks/stage_node_bundle.sh
+#   (call K carries .gpu-stage/cKK: bash benchmarks/gpu_issue47.sh stage KK)
+# Phases:
+#   stage KK   copy part KK to /tmp/parts
+#   parity     every 2025-26 family's fp16 / bf16 cuda exports (gqa, attn_dynamic) against transformers' fp32 greedy
+#              run (benchmarks/hybrid_cuda.py's harness: 70-token prompt, 24 steps, the fp16 bar)
+#   speed      hand-built vs traced exports of depth-truncated real geometries (benchmarks/traced_speed.py)
+# Results go to $OUT.
+set -uo pipefail
+phase=${1:?phase}
+source "$(dirname "$0")/gpu_stage.sh" "$@"
+case "$phase" in
+  parity)
+    python3 benchmarks/hybrid_cuda.py --speed "" --arch ${ARCHS:-glm4_moe deepseek_v3 ernie4_5_moe llama4_text lfm2_moe nemotron_h seed_oss ernie4_5 olmo3 exaone4 ministral3 hunyuan_v1_dense cohere2 apertus} \
+      --out "$OUT/new_families_cuda_parity.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-400 | tail -60 ;;
+  speed)
+    python3 benchmarks/traced_speed.py --ep cuda ${SPEED_ARGS:-} --out "$OUT/traced_speed_cuda.json" 2>&1 \
+      | grep -v "Warning\|falling back" | tail -40 ;;
+esac
