@@ -182,13 +182,12 @@ TRANSFORMERSJS_REFUSES["nemotron_h"] = (
 
 # The 2025-26 families transformers.js 4.3 has no model class for ("Unsupported model type"), and deepseek_v3, whose
 # model it has but whose latent cache (one KV head of kv_lora_rank + qk_rope_head_dim) it would feed as per-head
-# caches sized from the config (onnxruntime-node 1.30 has no MoEGroupRouter kernel either).
+# caches sized from the config.
 for _type in ("glm4_moe", "seed_oss", "exaone4", "ernie4_5_moe"):
     TRANSFORMERSJS_REFUSES[_type] = f"transformers.js 4.3 has no {_type} model (\"Unsupported model type\")"
 TRANSFORMERSJS_REFUSES["deepseek_v3"] = (
     "the export caches multi-head latent attention's latent (one KV head of kv_lora_rank + qk_rope_head_dim), while "
-    "transformers.js 4.3 and optimum feed per-head caches sized from the config, and onnxruntime-node 1.30 has no "
-    "MoEGroupRouter kernel")
+    "transformers.js 4.3 and optimum feed per-head caches sized from the config")
 
 
 def check_family(checkpoint_dir: Path) -> None:

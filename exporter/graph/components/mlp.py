@@ -36,9 +36,19 @@ def relu2_mlp(b: GraphBuilder, x: ir.Value, up: ir.Value, down: ir.Value) -> ir.
 
 def xielu(b: GraphBuilder, x: ir.Value, alpha_p: float, alpha_n: float, beta: float, eps: float) -> ir.Value:
     """apertus's xIELU with its parameters already through softplus: alpha_p x^2 + beta x for x > 0, else
-    (expm1(min(x, eps)) - x) alpha_n + beta x."""
-    linear_part = b.op("Mul", [x, b.scalar(beta)])
-    positive = b.op("Add", [b.op("Mul", [b.op("Mul", [x, x]), b.scalar(alpha_p)]), linear_part])
-    expm1 = b.op("Sub", [b.op("Exp", [b.op("Min", [x, b.scalar(eps)])]), b.scalar(1.0)])
-    negative = b.op("Add", [b.op("Mul", [b.op("Sub", [expm1, x]), b.scalar(alpha_n)]), linear_part])
-    return b.op("Where", [b.op("Greater", [x, b.scalar(0.0)]), positive, negative])
+    (expm1(min(x, eps)) - x) alpha_n + beta x. In bf16 computed in fp32 (onnxruntime's CUDA EP has no bf16
+    Greater: measured, the session refuses to build)."""
+    widen = b.dtype == ir.DataType.BFLOAT16
+    f32 = ir.DataType.FLOAT
+    if widen:
+        x = b.op("Cast", [x], {"to": f32})
+
+    def const(value):  # in the computing dtype, with no fp32 initializer in a bf16 build
+        return b.op("Cast", [b.scalar(value)], {"to": f32}) if widen else b.scalar(value)
+
+    linear_part = b.op("Mul", [x, const(beta)])
+    positive = b.op("Add", [b.op("Mul", [b.op("Mul", [x, x]), const(alpha_p)]), linear_part])
+    expm1 = b.op("Sub", [b.op("Exp", [b.op("Min", [x, const(eps)])]), const(1.0)])
+    negative = b.op("Add", [b.op("Mul", [b.op("Sub", [expm1, x]), const(alpha_n)]), linear_part])
+    y = b.op("Where", [b.op("Greater", [x, const(0.0)]), positive, negative])
+    return b.op("Cast", [y], {"to": b.dtype}) if widen else y

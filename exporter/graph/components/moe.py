@@ -115,7 +115,11 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         return y
     if moe.input_scaled:  # llama4_text: one expert a token, its input scaled by sigmoid(its logit); a shared MLP
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
-        score = b.op("Sigmoid", [b.op("ReduceMax", [logits, b.ints(-1)], {"keepdims": 1})])  # [tokens, 1]
+        # [tokens, 1], in fp32: onnxruntime's CUDA EP has no bf16 ReduceMax (measured: the session refuses to build)
+        wide = b.op("Cast", [logits], {"to": ir.DataType.FLOAT}) if b.dtype != ir.DataType.FLOAT else logits
+        score = b.op("Sigmoid", [b.op("ReduceMax", [wide, b.ints(-1)], {"keepdims": 1})])
+        if b.dtype != ir.DataType.FLOAT:
+            score = b.op("Cast", [score], {"to": b.dtype})
         scaled = b.op("Mul", [b.op("Reshape", [x, b.ints(-1, cfg.hidden_size)]), score])
         # The op picks the same expert (the top logit) and, renormalizing one weight, gives it 1.
         y = b.op("Reshape", [experts_op(b, scaled, logits, fc1, fc2, 1, True), b.op("Shape", [x])])
