@@ -3,7 +3,8 @@
 Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-14B, Qwen2.5-32B, Llama-3.3-70B and the mixtures of experts Qwen3-30B-A3B,
 gpt-oss-20b, Mixtral-8x7B and Phi-3.5-MoE, as their published config.json give them; the hybrids Qwen3-Next-80B-A3B
 (transformers' Qwen3NextConfig defaults, which are that checkpoint's), Nemotron-3-Nano-30B-A3B (its published block
-pattern and sizes), Qwen3.5-0.8B's language model and Granite-4.0-H-Small (sizes published, attention positions assumed).
+pattern and sizes), Qwen3.5-0.8B's language model and Granite-4.0-H-Small (sizes published, attention positions assumed);
+DeepSeek-V3 and GLM-4.5-Air (transformers' config defaults, which are theirs).
 
 The resource estimate is tested on them and ``benchmarks/scale.py`` builds depth-truncated
 random-weight checkpoints from them: the real hidden size, MLP width, heads and vocabulary, with
@@ -145,6 +146,32 @@ GEOMETRIES: dict[str, dict] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
         "tie_word_embeddings": True, "hidden_act": "silu", "eos_token_id": 248044, "torch_dtype": "bfloat16",
+    },
+    # DeepSeek-V3 (also R1; Kimi-K2 is this with 384 experts): transformers' DeepseekV3Config defaults, which are its
+    # published sizes. 61 layers, the first 3 dense; multi-head latent attention (128 heads, q latent 1536, kv latent
+    # 512, rotary key 64, no-rope 128, values 128); 256 experts of 2048 (8 a token in 4 of 8 groups), a shared one.
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_interleave": True, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    # GLM-4.5-Air: transformers' Glm4MoeConfig defaults, which are its published sizes. 46 layers, the first dense;
+    # 96 heads and 8 KV heads of 128, half of each rotated, biased q / k / v; 128 experts of 1408 (8 a token), a shared one.
+    "glm-4.5-air": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 128,
+        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+        "hidden_act": "silu", "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "torch_dtype": "bfloat16",
     },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,

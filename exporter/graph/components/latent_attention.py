@@ -34,7 +34,11 @@ from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_co
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.norm import rms_norm
 from exporter.graph.config import ModelConfig
+from exporter.errors import ExportError
 from exporter.request import Variant
+
+# onnxruntime's CUDA GroupQueryAttention kernels take heads up to this wide (onnxruntime-gpu 1.31.1, measured).
+GQA_CUDA_MAX_HEAD = 512
 
 
 @dataclasses.dataclass
@@ -68,6 +72,11 @@ def latent_attention(b: GraphBuilder, x: ir.Value, w: LatentWeights, cfg: ModelC
                      step: StepInputs, past_key: ir.Value, past_value: ir.Value):
     """x [batch, seq, hidden] -> (o_proj output, present / updated key cache, value cache)."""
     lat, heads, eps = cfg.latent, cfg.num_heads, cfg.rms_norm_eps
+    if variant is Variant.GQA and b.ep == "cuda" and cfg.head_dim > GQA_CUDA_MAX_HEAD:
+        raise ExportError(f"{cfg.architecture}'s latent head ({lat.kv_rank} + {lat.rope_dim} = {cfg.head_dim}) is wider than "
+                          f"onnxruntime's CUDA GroupQueryAttention takes ({GQA_CUDA_MAX_HEAD}; measured on onnxruntime-gpu "
+                          "1.31.1: 'Head size (576) exceeds maximum supported MAX_HEAD_SIZE'): use the attn_dynamic or "
+                          "attn_static variant for cuda")
     down = linear(b, x, w.down, w.down_bias)
     if lat.q_rank:
         q_lat, c, k_rot = b.op_multi("Split", [down, b.ints(lat.q_rank, lat.kv_rank, lat.rope_dim)], {"axis": -1},
