@@ -267,3 +267,13 @@ def test_sigmoid_routing_in_plain_ops_for_runtimes_without_moegrouprouter_matche
     result = run_parity(Decoder(out, "cpu"), want, near_tie_margin=0.0)
     assert _close(result), result
     assert result.tokens == want.tokens, result.mismatches
+
+
+def test_a_latent_head_wider_than_cuda_groupqueryattention_takes_is_refused_for_gqa_on_cuda(tmp_path):
+    """DeepSeek-V3's latent head is 512 + 64 = 576; onnxruntime-gpu 1.31.1's GroupQueryAttention stops at 512 (measured
+    on an H100, benchmarks/results/h100/traced_speed_cuda.json): refused at export with the variants that run."""
+    source = make_tiny_checkpoint("deepseek_v3", tmp_path / "wide", kv_lora_rank=512, qk_rope_head_dim=64)
+    with pytest.raises(ExportError, match=r"latent head \(512 \+ 64 = 576\) is wider than onnxruntime's CUDA "
+                                          r"GroupQueryAttention takes \(512.*use the attn_dynamic or attn_static"):
+        build_model(ExportRequest(model=str(source), ep="cuda", dtype="fp16", variant="gqa"), resolve_source(str(source)))
+    build_model(ExportRequest(model=str(source), ep="cpu", dtype="fp32", variant="gqa"), resolve_source(str(source)))
