@@ -9,6 +9,7 @@ from pathlib import Path
 from exporter.contract import BENCH_FILE, MANIFEST_FILE, MODEL_FILE
 from exporter.errors import ExportError, ValidationFailed
 from exporter.pipeline import Progress
+from exporter.request import BUILDERS
 
 
 class TerminalProgress(Progress):
@@ -83,6 +84,10 @@ def add_export_parser(sub) -> None:
                    help="write the graph in IR 10 / opset 20 with onnxruntime's contrib ops, for older runtimes "
                         "(transformers.js 3.x on onnxruntime 1.21): attn_dynamic (its default), fp32 / fp16 / int4 / "
                         "int8, dense models; anything else is refused with the reason")
+    p.add_argument("--builder", default="auto", choices=BUILDERS,
+                   help="auto: exportfarm's hand-built graph where it has the architecture, else traced (the "
+                        "default); hand: refuse a model without one; traced: transformers' own exporter "
+                        "(transformers.exporters) on the model's code, mapped onto attn_dynamic")
     p.set_defaults(func=_cmd_export)
 
 
@@ -241,6 +246,7 @@ def _cmd_export(args) -> int:
         quant=_quant_options(args),
         layout=args.layout,
         compat=args.compat,
+        builder=args.builder,
     )
     if args.validate_ep not in (None, "cpu", "cuda"):
         raise ExportError(f"unknown --validate-ep {args.validate_ep!r}: use cpu or cuda")
@@ -260,7 +266,9 @@ def _cmd_export(args) -> int:
     finally:
         progress.close()
     manifest = result.manifest.data
-    print(f"exported {manifest['variant']} ({manifest['request']['dtype']}, {manifest['request']['ep']}) to {result.out_dir}")
+    builder = manifest.get("builder") or {}
+    print(f"exported {manifest['variant']} ({manifest['request']['dtype']}, {manifest['request']['ep']}) to {result.out_dir}"
+          f", built by {builder.get('name')} {builder.get('version')}")
     for name, entry in manifest["files"].items():
         print(f"  {name:<18} {entry['size']:>14,d} bytes  sha256 {entry['sha256'][:16]}")
     if result.report is not None:

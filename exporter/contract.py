@@ -125,6 +125,11 @@ META_PREFIX = "exportfarm."
 META_VARIANT, META_DTYPE, META_EP, META_CONFIG = (f"{META_PREFIX}{k}" for k in ("variant", "dtype", "ep", "config"))
 # "compat" on an export for older onnxruntime (exporter/graph/target.py); absent on the current target.
 META_TARGET = f"{META_PREFIX}target"
+# Who built the graph: absent (or BUILDER_HAND) on exportfarm's own graphs, BUILDER_TRACED on one traced by
+# transformers' own exporter and mapped onto the attn_dynamic contract (exporter/graph/traced.py). The
+# manifest's "builder" names it with its version.
+META_BUILDER = f"{META_PREFIX}builder"
+BUILDER_HAND, BUILDER_TRACED = "exportfarm", "transformers.exporters"
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")

@@ -16,9 +16,11 @@ import time
 import uuid
 from pathlib import Path
 
+from exporter import contract
 from exporter.graph.build import build_model
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
+from exporter.graph.traced import builder_entry, check_traced_quantization, resolve_builder, trace_model
 from exporter.graph.passes.quantize import IMPORTED_DESCRIPTION, METHOD_DESCRIPTIONS
 from exporter.packaging import hf_layout
 from exporter.packaging.genai import write_genai_package
@@ -84,15 +86,23 @@ def build_export(
 
     t0 = time.perf_counter()
     progress.stage("build")
-    activations, chosen = _activations(request, source, reference_cache, shared_references)
+    # exportfarm's own graph where it has the architecture (or the request says so), else transformers' trace
+    builder = resolve_builder(request, source.path)
+    traced = builder == contract.BUILDER_TRACED
+    activations, chosen = _activations(request, source, traced, reference_cache, shared_references)
     if chosen["by"] == "measurement":
         timings["activation_range"] = time.perf_counter() - t0
-    built = build_model(request, source, on_layer=progress.layer, rope_cache=rope_cache, activations=activations)
+    if traced:
+        built = trace_model(request, source, activations)
+    else:
+        built = build_model(request, source, on_layer=progress.layer, rope_cache=rope_cache, activations=activations)
     timings["build"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     progress.stage("fold")
     folded = fold_model(built.model, request, built.config.num_layers)
+    kept_float = check_traced_quantization(built.model, folded.quantization, request.dtype.value) \
+        if traced and request.dtype.quantized else {}
     timings["fold"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -111,10 +121,10 @@ def build_export(
     # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
     genai = write_genai_package(
         out_dir, source.path, built.config, built.variant, request,
-        [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs],
+        [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs], traced=traced,
     )
     manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id,
-                              hashed)
+                              hashed, builder_entry(builder))
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
@@ -124,6 +134,9 @@ def build_export(
             "dtype": request.dtype.value, "activations": built.activations.value, "activations_chosen": chosen,
             **request.quant.to_dict(),
             "weights": folded.quantization,
+            # a traced graph's weights multiplied by ops the quantize pass does not rewrite, left in float
+            **({"not_quantized": {"weights": kept_float, "why": "transformers.exporters multiplies by them through "
+                                  "Gemm / FusedMatMul, which MatMulNBits does not replace"}} if kept_float else {}),
         }
         if built.checkpoint.prequantized is not None:  # its linears keep their codes; the method applies to the rest
             manifest.data["quantization"]["imported"] = {
@@ -141,14 +154,19 @@ def build_export(
     return manifest
 
 
-def _activations(request: ExportRequest, source: ResolvedSource, reference_cache, shared) -> tuple:
+def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, reference_cache, shared) -> tuple:
     """(what the export computes in, why): measured for a quantized cuda export without a choice."""
     from exporter.graph.architectures import ARCHITECTURES
     from exporter.graph.config import load_model_config
+    from exporter.graph.traced import traced_sizes
     from exporter.validation.activation_range import choose_activations
 
-    cfg = load_model_config(source.path, ARCHITECTURES)
-    return choose_activations(request, source, cfg.num_layers, cfg.vocab_size, reference_cache, shared)
+    if traced:
+        num_layers, vocab_size = traced_sizes(source.path)
+    else:
+        cfg = load_model_config(source.path, ARCHITECTURES)
+        num_layers, vocab_size = cfg.num_layers, cfg.vocab_size
+    return choose_activations(request, source, num_layers, vocab_size, reference_cache, shared)
 
 
 def validate_built(

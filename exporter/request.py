@@ -143,6 +143,13 @@ def _enum_value(enum_type: type[enum.Enum], value: object, field: str) -> enum.E
         raise ExportError(f"unknown {field} {value!r}: use one of {allowed}") from None
 
 
+# Who builds the graph: "hand" is exportfarm's own architectures (exporter/graph/architectures), "traced"
+# is transformers' own exporter run on the model's code (transformers.exporters, exporter/graph/traced.py),
+# and "auto" takes the hand-built one where one exists, else traces.
+BUILDERS = ("auto", "hand", "traced")
+HAND, TRACED = "hand", "traced"
+
+
 # How an export's files are laid out: "farm" (model.onnx + model.onnx.data at the root, an
 # onnxruntime-genai package) or "hf" (a Hugging Face repository for transformers.js and optimum,
 # exporter/packaging/hf_layout.py).
@@ -151,9 +158,10 @@ LAYOUTS = ("farm", "hf")
 
 @dataclasses.dataclass(frozen=True)
 class ExportRequest:
-    """One export as a user asks for it; ``variant`` None means "choose for me". ``layout`` and
-    ``compat`` (the graph in IR 10 / opset 20 for older onnxruntime, exporter/graph/target.py) enter the identity only when
-    not the default, so the cache keys of every earlier export stay what they were."""
+    """One export as a user asks for it; ``variant`` None means "choose for me". ``layout``,
+    ``compat`` (the graph in IR 10 / opset 20 for older onnxruntime, exporter/graph/target.py) and ``builder``
+    (BUILDERS) enter the identity only when not the default, so the cache keys of every earlier export stay
+    what they were."""
 
     model: str
     dtype: DType = DType.FP32
@@ -164,9 +172,14 @@ class ExportRequest:
     quant: QuantSpec | None = None  # quantized dtypes only; None there means the defaults
     layout: str = "farm"
     compat: bool = False
+    builder: str = "auto"  # BUILDERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum_value(DType, self.dtype, "dtype"))
+        if self.builder not in BUILDERS:
+            raise ExportError(f"unknown builder {self.builder!r}: use auto (hand-built where the exporter has the "
+                              "architecture, else traced), hand (exportfarm's own graphs only) or traced "
+                              "(transformers.exporters)")
         if self.layout not in LAYOUTS:
             raise ExportError(f"unknown layout {self.layout!r}: use farm (model.onnx at the root, what onnxruntime-genai "
                               "reads) or hf (a Hugging Face repository for transformers.js and optimum)")
@@ -208,6 +221,11 @@ class ExportRequest:
                 variant = Variant.GQA
             else:
                 variant = Variant.ATTN_DYNAMIC
+        if self.builder == TRACED:
+            from exporter.graph.traced import check_traced_request
+
+            check_traced_request(self)
+            variant = Variant.ATTN_DYNAMIC  # the one contract a traced graph is mapped onto
         if self.static_cache and variant is not Variant.ATTN_STATIC:
             raise ExportError(
                 f"static_cache needs the attn_static variant, not {variant.value}: "
@@ -254,6 +272,7 @@ class ExportRequest:
             **({"quant": self.quant.to_dict()} if self.quant else {}),
             **({"layout": self.layout} if self.layout != "farm" else {}),
             **({"compat": True} if self.compat else {}),
+            **({"builder": self.builder} if self.builder != "auto" else {}),
         }
 
     @property

@@ -10,12 +10,13 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from exporter import __version__
+from exporter import __version__, contract
 from exporter.graph.build import check_request_against_config
 from exporter.graph.config import load_model_config
 from exporter.graph.architectures import ARCHITECTURES
 from exporter.errors import ExportError
-from exporter.request import ExportRequest, cache_key
+from exporter.graph.traced import check_traced_request, resolve_builder
+from exporter.request import ExportRequest, Variant, cache_key
 from exporter.validation.validate import check_validatable
 from services.catalog import exports as catalog
 from services.catalog.exports import lease_expired, request_of
@@ -65,9 +66,17 @@ def _version_tuple(version: str) -> tuple:
 
 def check_against_local_config(source: ModelSource, request: ExportRequest) -> None:
     """Refuse what a local model cannot do (max_seq_len above its positions, ...) before queueing."""
-    if source.local:
+    if traced_locally(source, request):
+        check_traced_request(request)  # transformers' config is read by the trace itself, on the worker
+    elif source.local:
         config = _model_config(str(source.directory), directory_signature(source.directory))
         check_request_against_config(request, request.resolved_variant(), config)
+
+
+def traced_locally(source: ModelSource, request: ExportRequest) -> bool:
+    """Whether a local model is exported through transformers.exporters (no hand-built architecture, or
+    builder traced); ExportError for builder hand on a model without one. A hub model's worker decides."""
+    return source.local and resolve_builder(request, source.directory) == contract.BUILDER_TRACED
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,7 +104,8 @@ def submit_export(
     source = locate_model(settings, request.model)
     check_against_local_config(source, request)
     check_validatable(request.max_seq_len)  # the farm validates every export
-    variant = request.resolved_variant()
+    # a traced graph is mapped onto attn_dynamic whatever the request's EP would choose
+    variant = Variant.ATTN_DYNAMIC if traced_locally(source, request) else request.resolved_variant()
     current = request_revision(source)
     if revision is None or revision.startswith(UNRESOLVED_PREFIX):
         revision = current
@@ -117,7 +127,7 @@ def submit_export(
         dtype=request.dtype.value, ep=request.ep.value, static_cache=request.static_cache,
         max_seq_len=request.max_seq_len, variant=variant.value, ort_version=ort, exporter_version=__version__,
         quant=request.quant.to_dict() if request.quant else None, layout=request.layout, compat=request.compat,
-        queue=queue,
+        builder=request.builder, queue=queue,
         estimate=estimate.to_dict() if estimate is not None else None,
         status=ExportStatus.QUEUED, stage=None, percent=0, reason=reason, predecessor_id=predecessor_id,
         target_ort=target_ort,

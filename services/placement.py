@@ -102,8 +102,10 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
                  reference_on_gpu: bool = False, fetch_config: bool = False) -> ResourceEstimate | None:
     """The job's needs from its config.json: a local model's, or with ``fetch_config`` (a worker,
     before it claims the job) a hub model's, downloaded alone; else None (the API never calls the hub)."""
-    from services.jobs import _model_config, directory_signature
+    from services.jobs import _model_config, directory_signature, traced_locally
 
+    if traced_locally(source, request):
+        return None  # the estimate is the geometry of hand-built architectures; a traced job is not sized here
     if source.local:
         config = _model_config(str(source.directory), directory_signature(source.directory))
         stored = checkpoint_bytes(source.directory)

@@ -90,6 +90,7 @@ def _is_latest_of_its_slot(session: Session, export: Export) -> bool:
             Export.model == export.model, Export.variant == export.variant, Export.dtype == export.dtype,
             Export.ep == export.ep, Export.max_seq_len == export.max_seq_len if export.max_seq_len is not None
             else Export.max_seq_len.is_(None), Export.layout == export.layout, Export.compat == export.compat,
+            Export.builder == export.builder,
             Export.status == ExportStatus.READY,
             Export.finished_at > export.finished_at,
         )

@@ -54,8 +54,14 @@ GENAI_MODEL_TYPES = {
     "nemotron_h": "decoder", "falcon_h1": "decoder",
     # DeepSeek-V3's latent attention caches one KV head of kv_lora_rank + qk_rope_head_dim (head_size in the config):
     # to genai a grouped-query decoder; the absorption is in the graph.
-    "glm4_moe": "decoder", "deepseek_v3": "decoder",
+    "glm4_moe": "decoder", "deepseek_v3": "decoder", "ernie4_5_moe": "decoder", "llama4_text": "decoder",
+    # The 2025-26 dense families: what differs from llama is in the graph (norm layouts, rotary pairing, query scales).
+    "seed_oss": "decoder", "ernie4_5": "decoder", "olmo3": "decoder", "exaone4": "decoder", "ministral3": "decoder",
+    "hunyuan_v1_dense": "decoder", "cohere2": "decoder", "apertus": "decoder",
 }
+# A graph traced by transformers.exporters (exporter/graph/traced.py) carries everything model-specific
+# and takes the attn_dynamic contract's inputs, which genai's generic decoder feeds.
+TRACED_GENAI_TYPE = "decoder"
 # genai's own graph inputs: the ones its decoder state knows how to feed.
 _GENAI_FED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
 _LAYER_MARK = 987654321  # an index no model has, replaced by %d to turn a cache name into genai's template
@@ -102,19 +108,25 @@ def write_genai_package(
     request: ExportRequest,
     input_names: Sequence[str],
     output_names: Sequence[str],
+    traced: bool = False,
 ) -> GenaiPackage:
     """Copy the checkpoint's tokenizer files and, where genai can drive the graph, write genai_config.json.
 
     ``input_names`` / ``output_names`` are the built graph's: the config is checked against them, so a
-    contract change can never leave a config that names inputs the model does not have.
+    contract change can never leave a config that names inputs the model does not have. ``traced``: the
+    graph was traced by transformers.exporters (genai's generic decoder type drives it).
     """
     out_dir, source_dir = Path(out_dir), Path(source_dir)
     tokenizer_files = copy_tokenizer_files(source_dir, out_dir)
-    reason = genai_unsupported_reason(config, variant, input_names)
+    reason = genai_unsupported_reason(config, variant, input_names, traced)
+    if reason is None and not (request.max_seq_len or config.max_position_embeddings):
+        # bloom's ALiBi has no position table, and genai needs a context length to size its search
+        reason = ("the model sets no max_position_embeddings and the request no max_seq_len: onnxruntime-genai needs a "
+                  "context length; export with max_seq_len (CLI --max-seq-len) for a genai package")
     if reason is not None:
         return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
     special, unusable = align_special_tokens(source_dir, out_dir) if tokenizer_files else ({}, None)
-    genai_config = build_genai_config(config, variant, request, input_names, output_names, source_dir)
+    genai_config = build_genai_config(config, variant, request, input_names, output_names, source_dir, traced)
     (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
     note = None
     if not tokenizer_files:
@@ -234,11 +246,12 @@ def copy_tokenizer_files(source_dir: Path, out_dir: Path) -> list[str]:
     return names
 
 
-def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names: Sequence[str]) -> str | None:
+def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names: Sequence[str],
+                             traced: bool = False) -> str | None:
     """Why onnxruntime-genai cannot run this graph, or None when it can."""
     if variant is Variant.ATTN_STATIC:
         return _STATIC_CACHE_REASON
-    if config.architecture not in GENAI_MODEL_TYPES:
+    if config.architecture not in GENAI_MODEL_TYPES and not traced:
         return f"onnxruntime-genai has no decoder model type for {config.architecture!r}"
     past_key, past_value, _, _ = _cache_templates(variant)
     fed = set(_GENAI_FED_INPUTS)
@@ -257,6 +270,7 @@ def build_genai_config(
     input_names: Sequence[str],
     output_names: Sequence[str],
     source_dir: Path,
+    traced: bool = False,
 ) -> dict:
     """The genai_config.json of a ``gqa`` / ``attn_dynamic`` export (keys as onnxruntime-genai's config.cpp reads)."""
     past_key, past_value, present_key, present_value = _cache_templates(variant)
@@ -286,7 +300,7 @@ def build_genai_config(
         # built for it handles, and attn_dynamic's growing caches cannot be captured at all.
         provider_options.append({"cuda": {"enable_cuda_graph": "0"}})
     model = {
-        "type": GENAI_MODEL_TYPES[config.architecture],
+        "type": TRACED_GENAI_TYPE if traced else GENAI_MODEL_TYPES[config.architecture],
         "context_length": context_length,
         "vocab_size": config.vocab_size,
     }

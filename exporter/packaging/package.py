@@ -19,7 +19,7 @@ from exporter.request import ExportRequest, Variant, cache_key
 from exporter.packaging.resolve import ResolvedSource
 from exporter.versions import runtime_versions
 
-from exporter.contract import DATA_FILE, MANIFEST_FILE, MODEL_FILE, PADDING  # noqa: F401  (the files this writes)
+from exporter.contract import BUILDER_HAND, DATA_FILE, MANIFEST_FILE, MODEL_FILE, PADDING  # noqa: F401  (the files this writes)
 MANIFEST_SCHEMA = 1
 
 
@@ -97,8 +97,10 @@ def build_manifest(
     extra_files: list[str] = (),
     export_id: str | None = None,
     written: dict[str, dict] | None = None,
+    builder: dict | None = None,
 ) -> Manifest:
-    """The manifest of a packaged export; ``written`` holds entries of files hashed as they were written."""
+    """The manifest of a packaged export; ``written`` holds entries of files hashed as they were written;
+    ``builder``: who built the graph and its version (exportfarm's own graphs where None)."""
     versions = runtime_versions()
     written = written or {}
     files = {name: written.get(name) or file_entry(out_dir / name) for name in (MODEL_FILE, DATA_FILE, *extra_files)}
@@ -108,6 +110,7 @@ def build_manifest(
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "request": request.to_dict(),
         "variant": variant.value,
+        "builder": builder or {"name": BUILDER_HAND, "version": versions["exporter"]},
         "padding": dict(PADDING[variant.value]),
         "source": source.to_dict(),
         "cache_key": cache_key(request, source.revision, versions["exporter"], versions["onnxruntime"]),

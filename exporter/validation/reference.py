@@ -61,11 +61,42 @@ def load_reference(checkpoint: Path, dtype: str = "float32"):
 def open_reference(checkpoint: Path, ep: str = "cpu"):
     """The reference validation runs: transformers' model of ``checkpoint`` in fp32, its weights
     streamed one decoder layer at a time (``streamed.StreamedReference``), on the device the export
-    is validated on where this torch reaches it (the GPU this process is bound to), else the CPU."""
+    is validated on where this torch reaches it (the GPU this process is bound to), else the CPU. A
+    model whose layers the streamed reference cannot walk (a traced export's GPT-2, ``transformer.h``)
+    is loaded whole (``WholeReference``): the traced fallback held it whole to trace it anyway."""
     from exporter.runtime.device import cuda_device
-    from exporter.validation.streamed import StreamedReference, reference_device
+    from exporter.validation.streamed import NotStreamable, StreamedReference, reference_device
 
-    return StreamedReference(Path(checkpoint), reference_device(ep, cuda_device()))
+    device = reference_device(ep, cuda_device())
+    try:
+        return StreamedReference(Path(checkpoint), device)
+    except NotStreamable:
+        return WholeReference(Path(checkpoint), device)
+
+
+class WholeReference:
+    """transformers' whole fp32 model, called as ``StreamedReference`` is (logits back on the CPU in fp32,
+    ``passes`` counted, ``close``)."""
+
+    def __init__(self, checkpoint: Path, device: str = "cpu"):
+        self.model = load_reference(checkpoint).to(device)
+        self.config, self.device, self.passes = self.model.config, device, 0
+
+    @property
+    def forward(self):
+        return self.model.forward
+
+    def __call__(self, input_ids=None, **kwargs):
+        import torch
+
+        self.passes += 1
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids.to(self.device), **kwargs)
+        out.logits = out.logits.float().cpu()
+        return out
+
+    def close(self) -> None:
+        self.model = None
 
 
 def _stored_dtype(checkpoint: Path):

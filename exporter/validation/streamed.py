@@ -29,6 +29,12 @@ import numpy as np
 from exporter import checkpoints
 from exporter.errors import ExportError
 
+class NotStreamable(ExportError):
+    """transformers' model of the checkpoint keeps its decoder layers elsewhere than ``get_decoder().layers``
+    (GPT-2's ``transformer.h``), or builds a weight from the checkpoint's by a conversion this reference does
+    not read: the streamed reference cannot run it (``reference.open_reference`` then loads the whole model)."""
+
+
 # The LM head's weight is read in blocks of vocabulary rows of about this many fp32 bytes.
 VOCAB_BLOCK_BYTES = 256 * 1024 * 1024
 
@@ -111,6 +117,8 @@ class StreamedReference:
         model.eval()
         self.model, self.config = model, config
         decoder = model.get_decoder()
+        if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+            raise NotStreamable(f"{type(model).__name__} keeps no decoder layer list at get_decoder().layers")
         self.layers = list(decoder.layers)
         self.embedding = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
@@ -259,8 +267,9 @@ class StreamedReference:
             ops = list(converter.operations)
             if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or any(
                     not isinstance(op, Concatenate) for op in ops[1:]) or len(ops) > 2:
-                raise ExportError(f"the reference cannot build {target} from the checkpoint: transformers converts it "
-                                  f"with {[type(op).__name__ for op in ops]}, which the streamed reference does not read")
+                # transformers' own loader applies the conversion: the whole model can still be the reference
+                raise NotStreamable(f"the reference cannot build {target} from the checkpoint: transformers converts it "
+                                    f"with {[type(op).__name__ for op in ops]}, which the streamed reference does not read")
             groups = [sorted(by_pattern[p], key=expert_order) for p in converter.source_patterns if p in by_pattern]
             if len(groups) != len(converter.source_patterns):
                 raise ExportError(f"the checkpoint lacks some of the tensors transformers merges into {target}")

@@ -27,12 +27,14 @@ from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
 from exporter.validation.gates.rehearsal import captures, rehearsal_gate
-from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, parity_gates, peer_gate
+from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, batch_gate, parity_gates, peer_gate
 from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
 from exporter.packaging.resolve import resolve_source
-from exporter.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE, REPORT_JSON, REPORT_MD
+from exporter.contract import (
+    BUILDER_TRACED, GENAI_CONFIG_FILE, MANIFEST_FILE, META_BUILDER, META_PREFIX, MODEL_FILE, REPORT_JSON, REPORT_MD,
+)
 from exporter.graph.target import is_compat
 
 PARITY_PROMPT_LEN, PARITY_STEPS = 16, 24  # the parity run: a prompt, then greedy decode steps
@@ -235,10 +237,12 @@ def validate_export(
 
     t0 = time.perf_counter()
     compat = is_compat(meta)
+    # traced by transformers.exporters (exporter/graph/traced.py): attends as transformers' code does
+    traced = meta.get(META_BUILDER.removeprefix(META_PREFIX)) == BUILDER_TRACED
     recurrent = cfg.get("recurrent") or {}
     gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat,
                              tuple(recurrent.get("layers", ())), tuple(recurrent.get("ops", ())),
-                             recurrent.get("attention_layers"))
+                             recurrent.get("attention_layers"), traced)
     timings["structure"] = time.perf_counter() - t0
     checkpoints.checkpoint()
 
@@ -249,15 +253,16 @@ def validate_export(
     # loads on a third: reference_beside_session; the quantized quality gate loads it after).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
-                              activations)
+                              activations, traced)
         runtime: list[GateResult] = []
         # the export's own greedy tokens on a prompt, for the genai gate (None: it will not run)
         own: dict | None = {} if will_check_genai(manifest) else None
         parity, quality = _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source,
                                          lm_factory, peer, steps, prompt_len, quality_thresholds, reference_cache,
-                                         shared_references, runtime, timings, own, compat)
+                                         shared_references, runtime, timings, own, compat, traced)
         checkpoints.checkpoint()
-        if quality is not None and advise:
+        # the advice simulates int4 recipes on the streamed reference's weights by exportfarm's names: not a traced graph's
+        if quality is not None and advise and not traced:
             t0 = time.perf_counter()
             if _advise_quantization(runtime, quality, manifest, dtype, activations, ref_source, cfg,
                                     quality_thresholds, reference_cache, shared_references):
@@ -348,17 +353,25 @@ def _timed(function, *args):
 
 def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg, ref_source, lm_factory, peer,
                    steps, prompt_len, quality_thresholds, reference_cache, shared_references, gates, timings, own,
-                   compat):
+                   compat, traced=False):
     """The gates that run the export: the runtime probe, then parity against the reference (or, for
     quantized exports, the quality gate); appends to ``gates``, returns (parity, quality). ``own``
     (unless None) gets the export's own greedy tokens on the real-text prompt (else the first), for
-    the genai gate; ``compat``: the probe builds the compat target's attention."""
+    the genai gate; ``compat``: the probe builds the compat target's attention; ``traced``: a graph
+    traced by transformers.exporters, which the probe does not describe and the batch check does."""
     from exporter.validation import reference
 
     def probe():
         t0 = time.perf_counter()
-        gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path),
-                                  compat=compat))
+        if traced:
+            gates.append(GateResult(
+                "runtime", f"{variant} attention known answer on {ep} ({activations})", True, "not run",
+                "exportfarm's attention pattern", "the probe runs the attention ops exportfarm's own graphs use; a "
+                "graph traced by transformers.exporters attends through its own lowering, which parity and the "
+                "left-padded batch check run on this EP instead", informational=True))
+        else:
+            gates.append(runtime_gate(variant, ep, activations, packed_qkv=_packed_gqa(model_path),
+                                      compat=compat))
         if cfg.get("moe"):
             gates.append(expert_gate(ep, activations, dtype, cfg["moe"]))
         timings["runtime_probe"] = time.perf_counter() - t0
@@ -369,7 +382,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         return None, _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings,
                               quality_thresholds, reference_cache, shared_references, own,
                               parity_prompts(Path(ref_source.path), cfg, prompt_len, steps, [], reference_cache)[-1][1]
-                              if own is not None else None, steps)
+                              if own is not None else None, steps, traced)
 
     # The export's session is made on a thread from the start: onnxruntime releases the GIL while it
     # makes one, and what comes before parity needs it (the prompts, whose tokenizer imports
@@ -390,7 +403,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         loading = pool.submit(_loaded, ref_source.path, ep) if missing and reference_beside_session(ep) else None
         probe()
         return _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
-                       reference_cache, shared_references, gates, timings, own, factory), None
+                       reference_cache, shared_references, gates, timings, own, factory, traced), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
@@ -468,7 +481,7 @@ def reference_beside_session(ep: str) -> bool:
 
 
 def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
-            shared_references, gates, timings, own, factory) -> dict | None:
+            shared_references, gates, timings, own, factory, traced=False) -> dict | None:
     """For each prompt, the export decodes teacher-forced on the reference's tokens and is judged;
     without a cached reference it decodes freely first and transformers checks those tokens (the
     streamed model set up by ``loading``, a future of ``_loaded``, or here), from a departure on
@@ -532,6 +545,11 @@ def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cac
         t0 = time.perf_counter()
         gates.append(peer_gate(lm, factory(Path(peer), ep), refs[0], dtype))
         parity_s += time.perf_counter() - t0
+    batch = None
+    if traced:
+        t0 = time.perf_counter()
+        batch = batch_gate(lm, len(refs[0].prefill_logits), dtype, steps)
+        timings["batch"] = time.perf_counter() - t0
     del lm
     results = []
     for (label, prompt), ref, run in zip(prompts, refs, runs):
@@ -543,6 +561,8 @@ def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cac
                                                ep=ep)
         gates += parity_results
         results.append(result.to_dict())
+    if batch is not None:
+        gates.append(batch)
     timings["parity"] = parity_s
     parity = results[0]
     if len(results) > 1:
@@ -636,7 +656,7 @@ def _session(make, ep, gate: str, gates: list):
 
 
 def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings, thresholds,
-             reference_cache, shared_references, own, prompt, steps) -> dict | None:
+             reference_cache, shared_references, own, prompt, steps, traced=False) -> dict | None:
     """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity. The
     reference's logits over the quality text come from the streamed reference (one pass over the
     weights for every window of one length) and are kept per checkpoint and text, like parity's."""
@@ -667,7 +687,10 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     got = export_logits(lm, chunks)
     result = score(chunks, ref, got, tokenizer)
     gates += quality_gates(result, dtype, thresholds, cfg["vocab_size"])
-    gates.append(_decode_consistency(lm, chunks[0], got[0], activations, _int8_activations(export_dir / "model.onnx")))
+    int8_activations = _int8_activations(export_dir / "model.onnx")
+    gates.append(_decode_consistency(lm, chunks[0], got[0], activations, int8_activations))
+    if traced:  # int8 activations quantize a batch's rows and a lone row's steps apart: then it informs
+        gates.append(batch_gate(lm, cfg["vocab_size"], activations, steps, informational=int8_activations))
     _note_own_greedy(own, lm, prompt, steps)
     del lm  # the probe below makes a session of its own
     bad = [i for i, logits in enumerate(got) if not np.isfinite(logits).all()]

@@ -69,6 +69,9 @@ class ExportCreate(BaseModel):
         "repository (config.json, onnx/model*.onnx) for transformers.js and optimum, attn_dynamic only")
     compat: bool = Field(False, description="the graph in IR 10 / opset 20 for older runtimes (transformers.js 3.x): "
                          "attn_dynamic, fp32 / fp16 / int4 / int8, dense models")
+    builder: Literal["auto", "hand", "traced"] = Field(
+        "auto", description="auto: exportfarm's hand-built graph where it has the architecture, else traced; hand: "
+        "refuse a model without one; traced: transformers' own exporter (transformers.exporters), attn_dynamic only")
     force: bool = Field(False, description="export again even if an identical export exists")
 
     @model_validator(mode="after")
@@ -84,7 +87,7 @@ class ExportCreate(BaseModel):
         return ExportRequest(model=self.model, dtype=self.dtype, ep=self.ep, static_cache=self.static_cache,
                              max_seq_len=self.max_seq_len, variant=self.variant,
                              quant=self.quant.model_dump() if self.quant else None, layout=self.layout,
-                             compat=self.compat)
+                             compat=self.compat, builder=self.builder)
 
 
 class Links(BaseModel):
@@ -120,6 +123,9 @@ class ExportOut(BaseModel):
     max_seq_len: int | None
     layout: str = Field("farm", description="how the published files are laid out: farm or hf")
     compat: bool = Field(False, description="IR 10 / opset 20 graph for older runtimes")
+    builder: str = Field("auto", description="the builder the request asked for: auto, hand or traced")
+    built_by: dict | None = Field(None, description="who built the published graph and its version (the manifest's "
+                                  "builder: exportfarm, or transformers.exporters)")
     ort_version: str
     reason: str
     predecessor_id: str | None
@@ -144,13 +150,14 @@ class ExportOut(BaseModel):
         # Column fields only: touching ``events`` would lazy-load a relationship per listed row.
         data = {c: getattr(export, c) for c in _EXPORT_FIELDS}
         data["status"] = export.status.value
+        data["built_by"] = (export.manifest or {}).get("builder")
         base = f"/exports/{export.id}"
         links = Links(self=base, artifacts=f"{base}/artifacts" if export.status in PUBLISHED_STATUSES else None)
         events = [ExportEventOut.model_validate(e, from_attributes=True) for e in export.events] if with_events else []
         return cls(**data, links=links, events=events)
 
 
-_EXPORT_FIELDS = tuple(name for name in ExportOut.model_fields if name not in ("links", "events"))
+_EXPORT_FIELDS = tuple(name for name in ExportOut.model_fields if name not in ("links", "events", "built_by"))
 
 
 class ExportList(BaseModel):

@@ -54,7 +54,7 @@ def transition(
 def request_of(export: Export) -> ExportRequest:
     return ExportRequest(model=export.model, dtype=export.dtype, ep=export.ep, static_cache=export.static_cache,
                          max_seq_len=export.max_seq_len, variant=export.variant, quant=export.quant,
-                         layout=export.layout or "farm", compat=bool(export.compat))
+                         layout=export.layout or "farm", compat=bool(export.compat), builder=export.builder or "auto")
 
 
 def runtime_fields(export: Export, ort_version: str) -> dict:
@@ -112,6 +112,9 @@ def outcome_fields(prefix: str, manifest: dict, parity_report: dict | None, benc
     """What a published export's row records: where it is, its manifest (without the per-weight
     table, which stays in the published file), key figures, timings and its diff."""
     return {
+        # what was built: a hub model the worker found no hand-built architecture for was traced as attn_dynamic,
+        # whatever variant its request resolved to when it was queued
+        **({"variant": manifest["variant"]} if manifest.get("variant") else {}),
         "storage_prefix": prefix, "stage": "publish",
         "manifest": {k: v for k, v in manifest.items() if k != "initializers"},
         "figures": key_figures(manifest, parity_report, benchmark), "timings": manifest.get("timings_s"),

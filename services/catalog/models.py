@@ -118,6 +118,8 @@ class Export(Base):
     # The published files' layout (farm | hf) and the older-runtime graph target: builds of their own.
     layout: Mapped[str] = mapped_column(String(8), default="farm", server_default="farm")
     compat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Who the request asks to build the graph (exporter.request.BUILDERS); the manifest names who did.
+    builder: Mapped[str] = mapped_column(String(8), default="auto", server_default="auto")
     # The worker class the job is sent to (services.placement; NULL on older rows: its EP's default)
     # and the resource estimate that chose it.
     queue: Mapped[str | None] = mapped_column(String(40), nullable=True)

@@ -136,3 +136,58 @@ def peer_gate(lm: Decoder, peer: Decoder, ref: ReferenceRun, dtype: str) -> Gate
         "" if passed else f"max logit difference {diff:.4g}, argmax differs at steps {flips}",
     )
 
+
+
+# The traced batch check: two prompts of different lengths in one left-padded batch.
+BATCH_PROMPT_LENGTHS = (16, 9)
+
+
+def batch_gate(lm: Decoder, vocab_size: int, dtype: str, steps: int, informational: bool = False) -> GateResult:
+    """A left-padded batch of two prompts of different lengths, prefilled together and decoded together
+    (``run_batch_parity``), against each prompt run alone through the same export, greedily, each row fed
+    the tokens its own run chose.
+
+    For a graph traced by transformers.exporters: exportfarm's own attn_dynamic graphs build their
+    padding mask themselves (tests/test_parity.py checks them row by row), while a traced graph masks
+    padding however transformers' code and onnxruntime's fusions made it, which the single-prompt parity
+    run never exercises. ``informational``: int8 activations, which quantize each step apart."""
+    from exporter.validation.parity import run_batch_parity
+    from exporter.validation.reference import top2_gap
+
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, vocab_size, size=n)] for n in BATCH_PROMPT_LENGTHS]
+    check = (f"left-padded batch of {len(prompts)} ({' and '.join(map(str, BATCH_PROMPT_LENGTHS))} tokens), "
+             f"{steps} steps, vs each prompt alone")
+    alone = []
+    try:
+        for prompt in prompts:
+            run = export_decode(lm, prompt, steps, device_caches=False)  # its own greedy choices: chosen == fed
+            alone.append(ReferenceRun(prompt, run.prefill_logits, run.chosen, run.logits[:steps],
+                                      [top2_gap(logits) for logits in run.logits[:steps]]))
+        rows = run_batch_parity(lm, alone, NEAR_TIE_MARGIN[dtype])
+    except Exception as err:  # onnxruntime refusing the shapes (a size the trace fixed): the check's finding
+        return GateResult("parity", check, False, "error", "the batch runs",
+                          f"onnxruntime could not run a batch of {len(prompts)} through the export "
+                          f"({' '.join(str(err).split())[:300]}): serve it one prompt at a time (batch 1)",
+                          informational=informational)
+    longest = max(BATCH_PROMPT_LENGTHS)
+    problems, worst = [], 0.0
+    for r, (prompt, result) in enumerate(zip(prompts, rows)):
+        limit = PREFILL_TOLERANCE[dtype] * result.logit_range
+        ratio = result.prefill_max_abs_error / result.logit_range if result.logit_range else 0.0
+        worst = max(worst, ratio if np.isfinite(ratio) else float("inf"))  # max() skips a NaN
+        if not np.isfinite(result.prefill_max_abs_error) or result.prefill_max_abs_error > limit or result.mismatches:
+            differ = ("are not finite" if not np.isfinite(result.prefill_max_abs_error)
+                      else f"differ by {result.prefill_max_abs_error:.4g} (limit {limit:.4g})")
+            problems.append(f"row {r} ({len(prompt)} tokens after {longest - len(prompt)} of left padding): last "
+                            f"prompt logits {differ}"
+                            + (f", another token at decisive steps {result.mismatches}" if result.mismatches else ""))
+    passed = not problems
+    message = "" if passed else ("; ".join(problems) + ": the traced graph gives a left-padded row other logits than "
+                                 "its prompt alone (the model's code, as transformers.exporters traced it, does not "
+                                 "place or mask left padding as it runs a lone prompt); serve it one prompt at a time "
+                                 "(batch 1), or export a model type with a hand-built architecture")
+    return GateResult(
+        "parity", check, passed, f"{worst:.3g} of the logit range",
+        f"<= {PREFILL_TOLERANCE[dtype]} of the logit range, no other token outside near ties", message,
+        details={"rows": [r.to_dict() for r in rows]}, informational=informational)
