@@ -123,34 +123,30 @@ def _qk_norms(b: GraphBuilder, q: ir.Value, k: ir.Value, w: AttentionWeights, cf
 
 def position_scaled_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positions: ir.Value) -> ir.Value:
     """ministral3's (Llama 4's) long-context query scale, 1 + beta * log(1 + floor(position / original_max)), per
-    token, computed in fp32; a scale commutes with the rotary, so it applies before or after it alike."""
+    token; a scale commutes with the rotary, so it applies before or after it alike."""
     beta, original = cfg.position_query_scale
-    f32 = ir.DataType.FLOAT
-
-    def const(value):  # fp32 whatever the model's dtype (no fp32 initializer in a half build)
-        return b.op("Cast", [b.scalar(value)], {"to": f32}) if b.dtype != f32 else b.scalar(value)
-
-    steps = b.op("Floor", [b.op("Div", [b.op("Cast", [positions], {"to": f32}), const(float(original))])])
-    scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, const(1.0)])]), const(float(beta))]), const(1.0)])
-    if b.dtype != f32:
-        scale = b.op("Cast", [scale], {"to": b.dtype})
-    return b.op("Mul", [q, b.op("Unsqueeze", [scale, b.ints(-1)])])
+    return _query_scaled_by_position(b, q, positions, 0.0, float(original), float(beta))
 
 
 def temperature_tuned_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positions: ir.Value) -> ir.Value:
-    """llama4_text's NoPE layers: queries scaled by 1 + attn_scale * log1p(floor((position + 1) / floor_scale)), in
-    fp32. At the token's own position (transformers counts cache slots, padding included: the same for a prompt
-    alone, which is what a left-padded row must reproduce)."""
+    """llama4_text's NoPE layers: queries scaled by 1 + attn_scale * log1p(floor((position + 1) / floor_scale)). At
+    the token's own position (transformers counts cache slots, padding included: the same for a prompt alone,
+    which is what a left-padded row must reproduce)."""
     attn_scale, floor_scale = cfg.temperature_tuning
+    return _query_scaled_by_position(b, q, positions, 1.0, float(floor_scale), float(attn_scale))
+
+
+def _query_scaled_by_position(b: GraphBuilder, q: ir.Value, positions: ir.Value, offset: float, period: float,
+                              beta: float) -> ir.Value:
+    """q [batch, seq, ...] times 1 + beta * log(1 + floor((position + offset) / period)) per token, the scale
+    computed in fp32 from the int64 positions."""
     f32 = ir.DataType.FLOAT
-
-    def const(value):
-        return b.op("Cast", [b.scalar(value)], {"to": f32}) if b.dtype != f32 else b.scalar(value)
-
-    steps = b.op("Floor", [b.op("Div", [b.op("Add", [b.op("Cast", [positions], {"to": f32}), const(1.0)]),
-                                        const(float(floor_scale))])])
-    scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, const(1.0)])]), const(float(attn_scale))]),
-                         const(1.0)])
+    shifted = b.op("Cast", [positions], {"to": f32})
+    if offset:
+        shifted = b.op("Add", [shifted, b.scalar_f32(offset)])
+    steps = b.op("Floor", [b.op("Div", [shifted, b.scalar_f32(period)])])
+    scale = b.op("Add", [b.op("Mul", [b.op("Log", [b.op("Add", [steps, b.scalar_f32(1.0)])]), b.scalar_f32(beta)]),
+                         b.scalar_f32(1.0)])
     if b.dtype != f32:
         scale = b.op("Cast", [scale], {"to": b.dtype})
     return b.op("Mul", [q, b.op("Unsqueeze", [scale, b.ints(-1)])])
@@ -179,7 +175,7 @@ def _clipped(b: GraphBuilder, x: ir.Value, cfg: ModelConfig) -> ir.Value:
         return x
     if b.dtype == ir.DataType.BFLOAT16:  # onnxruntime's CUDA Clip has no bf16 kernel: clamp in fp32
         f32 = ir.DataType.FLOAT
-        low, high = (b.op("Cast", [b.scalar(v)], {"to": f32}) for v in (-clip, clip))  # no fp32 initializer in bf16
+        low, high = b.scalar_f32(-clip), b.scalar_f32(clip)
         return b.op("Cast", [b.op("Clip", [b.op("Cast", [x], {"to": f32}), low, high])], {"to": b.dtype})
     return b.op("Clip", [x, b.scalar(-clip), b.scalar(clip)])
 
@@ -241,7 +237,7 @@ def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
     if b.dtype != f32:  # soft-cap and softmax in fp32, as transformers' eager attention does
         scores, bias = (b.op("Cast", [t], {"to": f32}) for t in (scores, bias))
     cap = cfg.attention_softcap
-    cap = b.op("Cast", [b.scalar(cap)], {"to": f32}) if b.dtype != f32 else b.scalar(cap)
+    cap = b.scalar_f32(cap)
     scores = b.op("Add", [b.op("Mul", [b.op("Tanh", [b.op("Div", [scores, cap])]), cap]), bias])
     probs = b.op("Softmax", [scores], {"axis": -1})
     if b.dtype != f32:

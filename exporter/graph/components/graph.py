@@ -80,6 +80,12 @@ class GraphBuilder:
         """A scalar in the model dtype (scales, soft-caps), rounded as the reference rounds it."""
         return self.constant(np.array(value, dtype=self.dtype.numpy()), f"const_scalar_{value!r}".replace("-", "m"))
 
+    def scalar_f32(self, value: float) -> ir.Value:
+        """A scalar for what a half build computes in fp32: ``scalar`` cast up (a half build holds no fp32
+        initializer, so the constant is rounded to the model dtype first), or ``scalar`` itself in fp32."""
+        const = self.scalar(value)
+        return self.op("Cast", [const], {"to": ir.DataType.FLOAT}) if self.dtype != ir.DataType.FLOAT else const
+
     def ints(self, *values: int) -> ir.Value:
         name = "const_i64_" + "_".join(str(v).replace("-", "m") for v in values)
         return self.constant(np.array(values, dtype=np.int64), name)

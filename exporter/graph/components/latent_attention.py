@@ -33,6 +33,7 @@ import onnx_ir as ir
 from exporter.graph.components.attention import StepInputs, dynamic_core, gqa_core, gqa_positions, static_core
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.norm import rms_norm
+from exporter.graph.components.rotary import apply_rotary
 from exporter.graph.config import ModelConfig
 from exporter.errors import ExportError
 from exporter.request import Variant
@@ -52,13 +53,6 @@ class LatentWeights:
     q_norm: ir.Value | None = None  # q_a_layernorm [q_rank]
     down_bias: ir.Value | None = None
     o_bias: ir.Value | None = None
-
-
-def _rotate(b: GraphBuilder, x: ir.Value, step: StepInputs, heads: int, interleaved: bool, positions: ir.Value):
-    """RotaryEmbedding of [batch, seq, heads * rope_dim] at ``positions`` (the whole head rotated)."""
-    rotary = step.rotary
-    return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin, positions],
-                {"interleaved": int(interleaved), "num_heads": heads})
 
 
 def _per_head(b: GraphBuilder, x: ir.Value, weights: ir.Value) -> ir.Value:
@@ -88,10 +82,12 @@ def latent_attention(b: GraphBuilder, x: ir.Value, w: LatentWeights, cfg: ModelC
     c = rms_norm(b, c, w.kv_norm, eps)
     q_nope, q_rot = b.op_multi("Split", [b.op("Reshape", [q, b.ints(0, 0, heads, lat.nope_dim + lat.rope_dim)]),
                                          b.ints(lat.nope_dim, lat.rope_dim)], {"axis": -1}, num_outputs=2)
-    positions = step.rotary.position_ids if variant is not Variant.GQA else gqa_positions(b, x, step)
-    q_rot = _rotate(b, b.op("Reshape", [q_rot, b.ints(0, 0, heads * lat.rope_dim)]), step, heads, lat.interleaved,
-                    positions)
-    k_rot = _rotate(b, k_rot, step, 1, lat.interleaved, positions)
+    # The shared tables at this step's positions, over heads of rope_dim (the whole head rotated), paired as stored.
+    rotary = dataclasses.replace(step.rotary, head_dim=lat.rope_dim, interleaved=lat.interleaved,
+                                 position_ids=step.rotary.position_ids if variant is not Variant.GQA
+                                 else gqa_positions(b, x, step))
+    q_rot = apply_rotary(b, b.op("Reshape", [q_rot, b.ints(0, 0, heads * lat.rope_dim)]), rotary, heads)
+    k_rot = apply_rotary(b, k_rot, rotary, 1)
     query = b.op("Concat", [_per_head(b, q_nope, w.absorb_k),
                             b.op("Reshape", [q_rot, b.ints(0, 0, heads, lat.rope_dim)])], {"axis": -1})
     query = b.op("Reshape", [query, b.ints(0, 0, heads * (lat.kv_rank + lat.rope_dim))])

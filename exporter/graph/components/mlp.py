@@ -43,8 +43,8 @@ def xielu(b: GraphBuilder, x: ir.Value, alpha_p: float, alpha_n: float, beta: fl
     if widen:
         x = b.op("Cast", [x], {"to": f32})
 
-    def const(value):  # in the computing dtype, with no fp32 initializer in a bf16 build
-        return b.op("Cast", [b.scalar(value)], {"to": f32}) if widen else b.scalar(value)
+    def const(value):  # in the computing dtype
+        return b.scalar_f32(value) if widen else b.scalar(value)
 
     linear_part = b.op("Mul", [x, const(beta)])
     positive = b.op("Add", [b.op("Mul", [b.op("Mul", [x, x]), const(alpha_p)]), linear_part])

@@ -107,11 +107,7 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
             y = linear(b, y, b.weight(arch.moe_name(i, "fc2_latent_proj.weight")))
         y = b.op("Mul", [y, b.scalar(moe.routed_scaling)]) if moe.routed_scaling != 1.0 else y
         if moe.shared_expert_intermediate:  # nemotron_h's relu^2 / deepseek_v3's SwiGLU shared expert, added ungated
-            names = arch.shared_expert_names(i)
-            shared = (relu2_mlp(b, x, b.weight(names["up"]), b.weight(names["down"])) if moe.relu2_experts else
-                      gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
-                                b.weight(names["down"]), moe.shared_expert_intermediate))
-            y = b.op("Add", [y, shared])
+            y = b.op("Add", [y, _ungated_shared_expert(b, x, arch, moe, i)])
         return y
     if moe.input_scaled:  # llama4_text: one expert a token, its input scaled by sigmoid(its logit); a shared MLP
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
@@ -123,18 +119,14 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         scaled = b.op("Mul", [b.op("Reshape", [x, b.ints(-1, cfg.hidden_size)]), score])
         # The op picks the same expert (the top logit) and, renormalizing one weight, gives it 1.
         y = b.op("Reshape", [experts_op(b, scaled, logits, fc1, fc2, 1, True), b.op("Shape", [x])])
-        names = arch.shared_expert_names(i)
-        return b.op("Add", [y, gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
-                                         b.weight(names["down"]), moe.shared_expert_intermediate)])
+        return b.op("Add", [y, _ungated_shared_expert(b, x, arch, moe, i)])
     if moe.biased_softmax:  # ernie4_5_moe: the bias picks experts among the softmax scores, then an ungated shared MLP
         logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
         bias = b.op("Reshape", [b.weight(arch.moe_name(i, arch.router_bias), dtype=ir.DataType.FLOAT),
                                 b.ints(moe.num_experts)])
         y = experts_op(b, x, biased_softmax_router(b, logits, bias, moe.top_k), fc1, fc2, moe.top_k, True)
         if moe.shared_expert_intermediate:
-            names = arch.shared_expert_names(i)
-            y = b.op("Add", [y, gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]),
-                                          b.weight(names["down"]), moe.shared_expert_intermediate)])
+            y = b.op("Add", [y, _ungated_shared_expert(b, x, arch, moe, i)])
         return y
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
     logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])
@@ -161,6 +153,16 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
     return y
 
 
+def _ungated_shared_expert(b: GraphBuilder, x: ir.Value, arch: Architecture, moe: MoeConfig, i: int) -> ir.Value:
+    """The shared expert added to the routed ones as it is (deepseek_v3, glm4_moe, ernie4_5_moe, llama4_text: a
+    SwiGLU MLP; nemotron_h: relu^2), unlike qwen2_moe's, which a sigmoid gate scales."""
+    names = arch.shared_expert_names(i)
+    if moe.relu2_experts:
+        return relu2_mlp(b, x, b.weight(names["up"]), b.weight(names["down"]))
+    return gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]), b.weight(names["down"]),
+                     moe.shared_expert_intermediate)
+
+
 def sigmoid_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int, groups: int = 1,
                    topk_group: int = 1) -> ir.Value:
     """lfm2_moe's and nemotron_h's routing for the expert op, one com.microsoft MoEGroupRouter: scores
@@ -184,7 +186,6 @@ def _sigmoid_router_in_plain_ops(b: GraphBuilder, logits: ir.Value, expert_bias:
     wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
     scores = b.op("Sigmoid", [wide])
     choice = b.op("Add", [scores, expert_bias])
-    ninf = b.op("Cast", [b.scalar(float("-inf"))], {"to": f32}) if b.dtype != f32 else b.scalar(float("-inf"))
     if groups > 1:
         experts_shape = b.op("Shape", [choice])
         grouped = b.op("Reshape", [choice, b.ints(0, groups, -1)])  # [tokens, groups, experts / groups]
@@ -197,12 +198,8 @@ def _sigmoid_router_in_plain_ops(b: GraphBuilder, logits: ir.Value, expert_bias:
                                           {"to": ir.DataType.INT32}), b.ints(1)], {"keepdims": 0})
         mask = b.op("Expand", [b.op("Unsqueeze", [b.op("Cast", [in_kept], {"to": ir.DataType.BOOL}), b.ints(-1)]),
                                b.op("Shape", [grouped])])
-        choice = b.op("Where", [b.op("Reshape", [mask, experts_shape]), choice, ninf])
-    _, picked = b.op_multi("TopK", [choice, b.ints(top_k)], {"axis": -1}, num_outputs=2)
-    floor = b.op("Expand", [ninf, b.op("Shape", [scores])])
-    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [scores, picked], {"axis": -1})])],
-                   {"axis": -1})
-    return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != f32 else weights
+        choice = b.op("Where", [b.op("Reshape", [mask, experts_shape]), choice, b.scalar_f32(float("-inf"))])
+    return _picked_log_weights(b, scores, choice, top_k)
 
 
 def biased_softmax_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int) -> ir.Value:
@@ -212,12 +209,18 @@ def biased_softmax_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Val
     f32 = ir.DataType.FLOAT
     wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
     probs = b.op("Softmax", [wide], {"axis": -1})
-    _, picked = b.op_multi("TopK", [b.op("Add", [probs, expert_bias]), b.ints(top_k)], {"axis": -1}, num_outputs=2)
-    ninf = b.op("Cast", [b.scalar(float("-inf"))], {"to": f32}) if b.dtype != f32 else b.scalar(float("-inf"))
-    floor = b.op("Expand", [ninf, b.op("Shape", [probs])])
-    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [probs, picked], {"axis": -1})])],
+    return _picked_log_weights(b, probs, b.op("Add", [probs, expert_bias]), top_k)
+
+
+def _picked_log_weights(b: GraphBuilder, scores: ir.Value, choice: ir.Value, top_k: int) -> ir.Value:
+    """The expert op's router input for a routing computed in the graph (fp32 ``scores`` and the ``choice`` values
+    that pick, [tokens, experts]): log(score) at the top k of choice, -inf elsewhere, in the model dtype. The op's
+    softmax of it, renormalized over its top k, is each picked score over their sum."""
+    _, picked = b.op_multi("TopK", [choice, b.ints(top_k)], {"axis": -1}, num_outputs=2)
+    floor = b.op("Expand", [b.scalar_f32(float("-inf")), b.op("Shape", [scores])])
+    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [scores, picked], {"axis": -1})])],
                    {"axis": -1})
-    return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != f32 else weights
+    return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != ir.DataType.FLOAT else weights
 
 
 def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) -> tuple[ir.Value, ir.Value]:
@@ -234,10 +237,10 @@ def sparse_mixer(b: GraphBuilder, logits: ir.Value, experts: int, eps: float) ->
     fp32 whatever the model's dtype (the routing decisions as fp32 makes them)."""
     f32 = ir.DataType.FLOAT
 
-    def wide(value):  # a constant in the model's dtype (no fp32 initializer in a half build), widened
+    def wide(value):
         return b.op("Cast", [value], {"to": f32}) if b.dtype != f32 else value
 
-    ninf, two_eps, logits = wide(b.scalar(float("-inf"))), wide(b.scalar(2 * eps)), wide(logits)
+    ninf, two_eps, logits = b.scalar_f32(float("-inf")), b.scalar_f32(2 * eps), wide(logits)
     magnitude = b.op("Abs", [logits])
     ids = b.op("Unsqueeze", [b.op("Range", [b.scalar_i64(0), b.scalar_i64(experts), b.scalar_i64(1)]), b.ints(0)])
 
