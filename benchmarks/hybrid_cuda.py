@@ -53,9 +53,6 @@ GEOMETRIES = {  # width of the real model, its layer pattern repeated to --layer
 }
 
 
-# nemotron_h's experts route through MoEGroupRouter: without it (onnxruntime-gpu 1.31.1) its tiny checkpoint is
-# measured with MLP blocks where the experts were (Nemotron-H's dense checkpoints are so).
-NEMOTRON_DENSE = {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]}
 
 
 def relu2_experts_known_answer(form: str = "relu2") -> dict:
@@ -197,7 +194,6 @@ def main() -> None:
     schemas = {s.name for s in C.get_all_operator_schema()} if hasattr(C, "get_all_operator_schema") else set()
     # A cuda export routes sigmoid scores in standard ops (components/moe.py), whatever the runtime has: every
     # family is measured, its experts included.
-    router = True
     archs = args.arch if args.arch is not None else list(HYBRID_ARCHITECTURES)
     import torch
     import transformers
@@ -213,7 +209,7 @@ def main() -> None:
     print(json.dumps({"relu2_experts_known_answer": results["relu2_experts_known_answer"]}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
-            results["parity"] += parity(arch, Path(tmp), NEMOTRON_DENSE if arch == "nemotron_h" and not router else None)
+            results["parity"] += parity(arch, Path(tmp))
             args.out.write_text(json.dumps(results, indent=1) + "\n")
         for arch in filter(None, args.speed.split(",")):
             try:
