@@ -167,6 +167,21 @@ ARCH_CONFIGS.update({
                                          "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
                                          "qk_nope_head_dim": 16, "v_head_dim": 24, "rope_interleave": True,
                                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # deepseek_v2: the same latent attention without a q latent (V2-Lite's), softmax routing limited to the best
+    # group of 4 (group_limited_greedy, DeepSeek-V2's; with 2 groups kept, 2 experts a token would be the greedy pick
+    # always), the picked scores unnormalized and scaled by 1.5.
+    "deepseek_v2": ("DeepseekV2Config", {**_GROUPED_EXPERTS, "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                         "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+                                         "qk_nope_head_dim": 16, "v_head_dim": 24, "topk_method": "group_limited_greedy", "topk_group": 1,
+                                         "norm_topk_prob": False,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # glm4_moe_lite (GLM-4.7-Flash): deepseek_v3's attention and routing, the dense layer named in mlp_layer_types.
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {**{k: v for k, v in _GROUPED_EXPERTS.items() if k != "first_k_dense_replace"},
+                                            "num_hidden_layers": 3, "num_key_value_heads": 4,
+                                            "mlp_layer_types": ["dense", "sparse", "sparse"], "q_lora_rank": 32,
+                                            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                                            "v_head_dim": 24,
+                                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
 })
 # The 2025-26 families built by hand (issue 47).
 # Dense: seed_oss's biased q / k / v; ernie4_5's interleaved rotary with every projection biased; olmo3's and exaone4's
@@ -206,9 +221,9 @@ ARCH_CONFIGS.update({
                                                       "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0}}),
 })
-NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
+NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
                      "cohere2", "apertus", "llama4_text")
-NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "ernie4_5_moe", "llama4_text")
+NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "llama4_text")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")

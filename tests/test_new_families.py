@@ -5,9 +5,10 @@ layers NoPE), ministral3 (its position-dependent query scale), hunyuan_v1_dense 
 cohere2 (attention and MLP in parallel after one bias-free LayerNorm, NoPE global layers, logit scale), apertus
 (ungated xIELU MLP).
 
-deepseek_v3's multi-head latent attention runs absorbed (components/latent_attention.py): its caches hold the
-latent, one KV head of kv_rank + rope_dim; glm4_moe and deepseek_v3 route by sigmoid scores within groups on
-MoEGroupRouter. The tiny checkpoints (exporter/tiny_checkpoint.py NEW_ARCHITECTURES) have small but real shapes:
+deepseek_v3's multi-head latent attention (also deepseek_v2's and glm4_moe_lite's) runs absorbed
+(components/latent_attention.py): its caches hold the latent, one KV head of kv_rank + rope_dim; glm4_moe, deepseek_v3
+and glm4_moe_lite route by sigmoid scores within groups on MoEGroupRouter, deepseek_v2 by unnormalized softmax scores
+within groups. The tiny checkpoints (exporter/tiny_checkpoint.py NEW_ARCHITECTURES) have small but real shapes:
 a dense first layer then experts, value heads narrower than query / key heads, the interleaved rotary.
 """
 
@@ -36,8 +37,9 @@ from tests.conftest import DECODE_STEPS, VARIANTS
 
 PROMPT = 20
 FP32_TOLERANCE = 1e-4  # the issue's bar: fp32 logits within 1e-4 of the reference's logit range
-GROUPED = ["glm4_moe", "deepseek_v3"]  # DeepSeek-V3's grouped sigmoid routing
-MOE_FAMILIES = [*GROUPED, "ernie4_5_moe", "llama4_text"]
+GROUPED = ["glm4_moe", "deepseek_v3", "glm4_moe_lite"]  # DeepSeek-V3's grouped sigmoid routing
+LATENT = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"]  # multi-head latent attention
+MOE_FAMILIES = [*GROUPED, "deepseek_v2", "ernie4_5_moe", "llama4_text"]
 
 
 def _close(result) -> bool:
@@ -107,12 +109,13 @@ def test_quantized_is_exact_to_its_dequantized_weights(arch, dtype, checkpoint, 
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_latent_attention_caches_the_latent_and_attends_as_one_kv_head(variant, checkpoint, exported):
+@pytest.mark.parametrize("arch", LATENT)
+def test_latent_attention_caches_the_latent_and_attends_as_one_kv_head(arch, variant, checkpoint, exported):
     """The cache of a latent-attention layer is its latent (kv_lora_rank + qk_rope_head_dim a token, one head),
     never the expanded per-head keys and values, and every attention op reads it as one KV head."""
-    cfg = load_model_config(checkpoint("deepseek_v3"), REGISTRY)
+    cfg = load_model_config(checkpoint(arch), REGISTRY)
     lat = cfg.latent
-    out = exported("deepseek_v3", variant)
+    out = exported(arch, variant)
     model = onnx.load(str(out / contract.MODEL_FILE), load_external_data=False)
     dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
             for i in (*model.graph.input, *model.graph.output)}
@@ -129,18 +132,25 @@ def test_latent_attention_caches_the_latent_and_attends_as_one_kv_head(variant, 
         assert attrs["scale"] == pytest.approx((lat.nope_dim + lat.rope_dim) ** -0.5)
 
 
-@pytest.mark.parametrize("changes", [
-    # DeepSeek-V2-Lite's layout: queries straight from the input (no q latent); the rotary not interleaved.
-    {"q_lora_rank": None, "rope_interleave": False},
+YARN_MSCALE = {"attention_bias": True, "max_position_embeddings": 512,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                  "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                  "beta_fast": 32, "beta_slow": 1}}
+
+
+@pytest.mark.parametrize("arch, changes", [
+    # Queries straight from the input (no q latent); the rotary not interleaved.
+    ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}),
     # Biased down projections and o_proj; yarn with mscale_all_dim, which scales the softmax too (DeepSeek-V3's).
-    {"attention_bias": True, "max_position_embeddings": 512,
-     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "beta_fast": 32, "beta_slow": 1}},
+    ("deepseek_v3", {**YARN_MSCALE, "rope_parameters": {**YARN_MSCALE["rope_parameters"], "mscale": 1.0,
+                                                        "mscale_all_dim": 1.0}}),
+    # DeepSeek-V2-Lite's routing: softmax over all experts, the top k unnormalized (greedy), scaled; its yarn (mscale
+    # 0.707 on both) and a q latent (DeepSeek-V2's).
+    ("deepseek_v2", {**YARN_MSCALE, "topk_method": "greedy", "q_lora_rank": 32}),
 ])
 @pytest.mark.parametrize("variant", ["attn_dynamic", "gqa"])
-def test_latent_attention_s_other_layouts_match_transformers(changes, variant, tmp_path):
-    source = make_tiny_checkpoint("deepseek_v3", tmp_path / "ckpt", **changes)
+def test_latent_attention_s_other_layouts_match_transformers(arch, changes, variant, tmp_path):
+    source = make_tiny_checkpoint(arch, tmp_path / "ckpt", **changes)
     out = export_model(ExportRequest(model=str(source), ep="cpu", variant=variant), tmp_path / "out",
                        validate=False).out_dir
     prompt = [int(t) for t in np.random.default_rng(11).integers(3, 250, size=PROMPT)]
@@ -166,6 +176,24 @@ def test_grouped_sigmoid_routing_is_one_router_and_one_expert_op_per_sparse_laye
     assert {e.input[1] for e in experts} == {r.output[0] for r in routers}
 
 
+def test_deepseek_v2_routes_by_unnormalized_softmax_scores_within_groups(checkpoint, exported, reference, tmp_path):
+    """group_limited_greedy: no MoEGroupRouter (softmax scores), the graph's pick feeding one MoE op per sparse layer.
+    A control for the parity tests: the same checkpoint routed greedily (every group competing) gives transformers
+    other logits, so an export that ignored the groups would fail them; greedy is the op's own routing, unnormalized."""
+    cfg = load_model_config(checkpoint("deepseek_v2"), REGISTRY)
+    assert cfg.moe.scaled_softmax and cfg.moe.group_limited and not cfg.moe.normalize
+    nodes = _nodes(exported("deepseek_v2", "attn_dynamic"))
+    assert sum(n.op_type == "MoE" for n in nodes) == 2 and not any(n.op_type == "MoEGroupRouter" for n in nodes)
+    ref = reference("deepseek_v2", prompt_len=PROMPT)
+    greedy = reference_greedy(load_reference(checkpoint("deepseek_v2", topk_method="greedy")), ref.prompt, 1)
+    spread = float(ref.prefill_logits.max() - ref.prefill_logits.min())
+    assert np.abs(greedy.prefill_logits - ref.prefill_logits).max() > 100 * FP32_TOLERANCE * spread
+    out = exported("deepseek_v2", "attn_dynamic", ckpt_kwargs=(("topk_method", "greedy"),))
+    experts = [n for n in _nodes(out) if n.op_type == "MoE"]
+    assert [onnx.helper.get_attribute_value(a) for n in experts for a in n.attribute
+            if a.name == "normalize_routing_weights"] == [0, 0]
+
+
 def _with_config(source, tmp_path, **changes):
     out = tmp_path / "edited"
     shutil.copytree(source, out)
@@ -183,6 +211,20 @@ def _with_config(source, tmp_path, **changes):
 ])
 def test_what_the_exporter_cannot_reproduce_is_refused_by_name(changes, message, checkpoint, tmp_path):
     path = _with_config(checkpoint("deepseek_v3"), tmp_path, **changes)
+    with pytest.raises(ExportError, match=message):
+        build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
+
+
+@pytest.mark.parametrize("arch, changes, message", [
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, r"deepseek_v2 with topk_method 'noaux_tc' is not exported"),
+    ("deepseek_v2", {"mlp_bias": True}, r"deepseek_v2 with mlp_bias .* is not exported"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "sparse"]},
+     r"mlp_layer_types \['dense', 'moe', 'sparse'\] must name each of the 3 layers"),
+    ("glm4_moe_lite", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     r"glm4_moe_lite with partial_rotary_factor 0.5 is not exported: latent attention rotates the whole"),
+])
+def test_the_latent_families_refuse_what_they_cannot_reproduce_by_name(arch, changes, message, checkpoint, tmp_path):
+    path = _with_config(checkpoint(arch), tmp_path, **changes)
     with pytest.raises(ExportError, match=message):
         build_model(ExportRequest(model=str(path)), resolve_source(str(path)))
 

@@ -120,12 +120,20 @@ class MoeConfig:
     biased_softmax: bool = False
     # llama4_text: the picked expert's sigmoid(logit) scales its input, not its output (one expert a token).
     input_scaled: bool = False
+    # deepseek_v2: softmax scores, the top k picked (with ``groups`` > 1 within the best ``topk_group`` groups, ranked
+    # by their best score: group_limited_greedy), the picked scores unnormalized, scaled by routed_scaling_factor.
+    scaled_softmax: bool = False
 
     @property
     def op_normalize(self) -> bool:
         """The expert op's normalize_routing_weights: the model's, or set where the graph computes the
         routing itself and hands the op log weights (phimoe's sparsemixer)."""
-        return self.normalize or self.sparse_mixer_eps is not None
+        return self.normalize or self.sparse_mixer_eps is not None or self.group_limited
+
+    @property
+    def group_limited(self) -> bool:
+        """deepseek_v2's group_limited_greedy: the graph picks the experts and hands the op log weights."""
+        return self.scaled_softmax and self.groups > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,15 +169,58 @@ MOE_TYPES = {
     "nemotron_h": ("n_routed_experts", "moe_intermediate_size"),
     "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
+    "deepseek_v2": ("n_routed_experts", "moe_intermediate_size"),
+    "glm4_moe_lite": ("n_routed_experts", "moe_intermediate_size"),
     "ernie4_5_moe": ("moe_num_experts", "moe_intermediate_size"),
     "llama4_text": ("num_local_experts", "intermediate_size"),
 }
 # DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, experts picked within the best topk_group of n_group groups
 # by score + e_score_correction_bias, the picked scores renormalized and scaled by routed_scaling_factor; SwiGLU
-# experts, an ungated shared expert of n_shared_experts x moe_intermediate_size, the first_k_dense_replace layers dense.
-GROUPED_SIGMOID_TYPES = ("glm4_moe", "deepseek_v3")
+# experts, an ungated shared expert of n_shared_experts x moe_intermediate_size, the first_k_dense_replace layers dense
+# (glm4_moe_lite: mlp_layer_types says which).
+GROUPED_SIGMOID_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 # Families with qwen2_moe's shared expert (a dense MLP beside the experts, scaled by sigmoid(x . gate)).
 SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+
+
+def _sparse_from_first_dense(hf, num_layers: int) -> tuple[bool, ...]:
+    """DeepSeek's layout: dense MLPs on the first first_k_dense_replace layers, experts after; glm4_moe_lite names
+    each layer in mlp_layer_types ("dense" / "sparse")."""
+    kinds = getattr(hf, "mlp_layer_types", None)
+    if kinds:
+        unknown = sorted(set(kinds) - {"dense", "sparse"})
+        if unknown or len(kinds) != num_layers:
+            raise ExportError(f"config.json's mlp_layer_types {list(kinds)} must name each of the {num_layers} layers "
+                              "\"dense\" or \"sparse\"")
+        return tuple(k == "sparse" for k in kinds)
+    dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    return tuple(i >= dense for i in range(num_layers))
+
+
+def _deepseek_v2_moe(hf, experts: int, top_k: int, num_layers: int) -> MoeConfig | None:
+    """DeepSeek-V2's routing (transformers' DeepseekV2TopkRouter): softmax scores, topk_method greedy (the top k of
+    all experts) or group_limited_greedy (within the topk_group groups of n_group whose best score is highest), the
+    picked scores as they are (its norm_topk_prob is never read) times routed_scaling_factor; an ungated shared
+    expert of n_shared_experts x moe_intermediate_size."""
+    method = getattr(hf, "topk_method", None) or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ExportError(f"deepseek_v2 with topk_method {method!r} is not exported: transformers' DeepseekV2 router "
+                          "takes greedy and group_limited_greedy")
+    if getattr(hf, "mlp_bias", False):
+        raise ExportError("deepseek_v2 with mlp_bias (biased dense and shared-expert projections) is not exported: no "
+                          "such checkpoint is known")
+    groups = int(getattr(hf, "n_group", 1) or 1) if method == "group_limited_greedy" else 1
+    topk_group = int(getattr(hf, "topk_group", 1) or 1) if groups > 1 else 1
+    if experts % groups or not 1 <= topk_group <= groups:
+        raise ExportError(f"config.json n_group {groups} / topk_group {topk_group} do not divide {experts} experts: "
+                          "n_group must divide n_routed_experts and topk_group lie between 1 and n_group")
+    sparse = _sparse_from_first_dense(hf, num_layers)
+    if not any(sparse):
+        return None
+    shared = int(getattr(hf, "n_shared_experts", 0) or 0) * int(hf.moe_intermediate_size)
+    return MoeConfig(experts, top_k, int(hf.moe_intermediate_size), False, sparse, shared or None,
+                     routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), groups=groups,
+                     topk_group=topk_group, scaled_softmax=True)
 
 
 def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
@@ -227,14 +278,15 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
         if experts % groups or not 1 <= topk_group <= groups:
             raise ExportError(f"config.json n_group {groups} / topk_group {topk_group} do not divide {experts} experts: "
                               "n_group must divide n_routed_experts and topk_group lie between 1 and n_group")
-        dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
-        if dense >= num_layers:
+        sparse = _sparse_from_first_dense(hf, num_layers)
+        if not any(sparse):
             return None  # every layer dense (a depth-truncated checkpoint)
         shared = int(getattr(hf, "n_shared_experts", 0) or 0) * int(hf.moe_intermediate_size)
-        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True,
-                         tuple(i >= dense for i in range(num_layers)), shared or None, sigmoid_routing=True,
-                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), groups=groups,
-                         topk_group=topk_group)
+        return MoeConfig(int(experts), int(top_k), int(hf.moe_intermediate_size), True, sparse, shared or None,
+                         sigmoid_routing=True, routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+                         groups=groups, topk_group=topk_group)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe(hf, int(experts), int(top_k), num_layers)
     if model_type == "llama4_text":
         if top_k != 1:
             raise ExportError(f"llama4_text with num_experts_per_tok {top_k} is not exported: its router scales each picked "
@@ -548,7 +600,9 @@ def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> Recu
     return None
 
 
-LATENT_TYPES = ("deepseek_v3",)
+# Multi-head latent attention: DeepSeek-V3 (and Kimi-K2), DeepSeek-V2 (its rotary always pairs adjacent dims: complex
+# multiplication in place), GLM-4.7-Flash (glm4_moe_lite).
+LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 # Families whose rotary pairs adjacent dims (x0, x1), (x2, x3), ... (transformers' rotate_half on [..., ::2]).
 INTERLEAVED_ROTARY_TYPES = ("ernie4_5", "ernie4_5_moe", "cohere2", "llama4_text")
 # Families whose global (full_attention) layers attend without positions when the others slide (exaone4, cohere2).
@@ -565,13 +619,17 @@ def _position_query_scale(params: dict) -> tuple[float, int] | None:
     return float(beta), int(params["original_max_position_embeddings"])
 
 
-def _latent_config(hf) -> LatentAttentionConfig:
+def _latent_config(hf, model_type: str, params: dict) -> LatentAttentionConfig:
     if not hf.kv_lora_rank or not hf.qk_rope_head_dim or not hf.v_head_dim:
-        raise ExportError("config.json of this deepseek_v3 model lacks kv_lora_rank, qk_rope_head_dim or v_head_dim: "
+        raise ExportError(f"config.json of this {model_type} model lacks kv_lora_rank, qk_rope_head_dim or v_head_dim: "
                           "multi-head latent attention needs all three")
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise ExportError(f"{model_type} with partial_rotary_factor {partial} is not exported: latent attention rotates "
+                          "the whole qk_rope_head_dim (transformers' tables would not match its rotary key either)")
     return LatentAttentionConfig(int(hf.q_lora_rank) if hf.q_lora_rank else None, int(hf.kv_lora_rank),
                                  int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim), int(hf.v_head_dim),
-                                 bool(getattr(hf, "rope_interleave", True)))
+                                 model_type == "deepseek_v2" or bool(getattr(hf, "rope_interleave", True)))
 
 
 def _lfm2_intermediate(hf) -> int:
@@ -602,7 +660,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
                        "ssm": tuple(hf.ssm_multipliers), "mlp_gate": hf.mlp_multipliers[0], "mlp_down": hf.mlp_multipliers[1]}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     params = dict(getattr(hf, "rope_parameters", None) or {})
-    latent = _latent_config(hf) if model_type in LATENT_TYPES else None
+    latent = _latent_config(hf, model_type, params) if model_type in LATENT_TYPES else None
     if params.get("rope_type") == "dynamic" and params.get("alpha") and model_type == "hunyuan_v1_dense":
         # Hunyuan's "dynamic" with a fixed alpha (NTK-alpha) only stretches the base: a static rope (transformers'
         # own ntk_alpha), the exponent from the head dim.

@@ -55,6 +55,7 @@ GENAI_MODEL_TYPES = {
     # DeepSeek-V3's latent attention caches one KV head of kv_lora_rank + qk_rope_head_dim (head_size in the config):
     # to genai a grouped-query decoder; the absorption is in the graph.
     "glm4_moe": "decoder", "deepseek_v3": "decoder", "ernie4_5_moe": "decoder", "llama4_text": "decoder",
+    "deepseek_v2": "decoder", "glm4_moe_lite": "decoder",
     # The 2025-26 dense families: what differs from llama is in the graph (norm layouts, rotary pairing, query scales).
     "seed_oss": "decoder", "ernie4_5": "decoder", "olmo3": "decoder", "exaone4": "decoder", "ministral3": "decoder",
     "hunyuan_v1_dense": "decoder", "cohere2": "decoder", "apertus": "decoder",

@@ -180,14 +180,15 @@ TRANSFORMERSJS_REFUSES["nemotron_h"] = (
     "which transformers 5 writes as linear_attention / full_attention / mlp / moe (and the checkpoints as "
     "hybrid_override_pattern, where it gives every block a KV cache and a state), so it feeds none of them")
 
-# The 2025-26 families transformers.js 4.3 has no model class for ("Unsupported model type"), and deepseek_v3, whose
-# model it has but whose latent cache (one KV head of kv_lora_rank + qk_rope_head_dim) it would feed as per-head
-# caches sized from the config.
+# The 2025-26 families transformers.js 4.3 has no model class for ("Unsupported model type"), and the latent-attention
+# families (deepseek_v3, deepseek_v2, glm4_moe_lite), whose latent cache (one KV head of kv_lora_rank +
+# qk_rope_head_dim) it and optimum would feed, where they have the model, as per-head caches sized from the config.
 for _type in ("glm4_moe", "seed_oss", "exaone4", "ernie4_5_moe"):
     TRANSFORMERSJS_REFUSES[_type] = f"transformers.js 4.3 has no {_type} model (\"Unsupported model type\")"
-TRANSFORMERSJS_REFUSES["deepseek_v3"] = (
-    "the export caches multi-head latent attention's latent (one KV head of kv_lora_rank + qk_rope_head_dim), while "
-    "transformers.js 4.3 and optimum feed per-head caches sized from the config")
+for _type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
+    TRANSFORMERSJS_REFUSES[_type] = (
+        "the export caches multi-head latent attention's latent (one KV head of kv_lora_rank + qk_rope_head_dim), "
+        "while transformers.js 4.3 and optimum feed per-head caches sized from the config")
 
 
 def check_family(checkpoint_dir: Path) -> None:

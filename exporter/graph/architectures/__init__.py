@@ -1,7 +1,7 @@
 """Registry of supported architectures, keyed by config.json ``model_type``."""
 
 from exporter.graph.architectures import (
-    apertus, cohere2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, falcon_h1, glm4_moe, hunyuan_v1_dense, llama4_text, ministral3, olmo3, seed_oss, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
+    apertus, cohere2, deepseek_v2, deepseek_v3, glm4_moe_lite, ernie4_5, ernie4_5_moe, exaone4, falcon_h1, glm4_moe, hunyuan_v1_dense, llama4_text, ministral3, olmo3, seed_oss, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
     olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
 )
 from exporter.graph.architectures.base import Architecture
@@ -15,7 +15,8 @@ ARCHITECTURES: dict[str, Architecture] = {
               lfm2.ARCHITECTURE, lfm2.MOE, granitemoehybrid.ARCHITECTURE,
               nemotron_h.ARCHITECTURE, falcon_h1.ARCHITECTURE,
               # Grouped sigmoid routing and multi-head latent attention (DeepSeek-V3's).
-              glm4_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE, ernie4_5_moe.ARCHITECTURE,
+              glm4_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE, ernie4_5_moe.ARCHITECTURE, deepseek_v2.ARCHITECTURE,
+              glm4_moe_lite.ARCHITECTURE,
               # The 2025-26 dense families.
               seed_oss.ARCHITECTURE, ernie4_5.ARCHITECTURE, olmo3.ARCHITECTURE, exaone4.ARCHITECTURE,
               ministral3.ARCHITECTURE, hunyuan_v1_dense.ARCHITECTURE, cohere2.ARCHITECTURE, apertus.ARCHITECTURE,

@@ -13,6 +13,9 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
   over the top-k logits), expert biases and the clamped SwiGLU as attributes.
 - ernie4_5_moe: softmax scores, experts picked by score + a learned bias (biased_softmax_router), the picked
   scores renormalized by the op; an ungated shared expert.
+- deepseek_v2: softmax scores, the picked ones unnormalized and scaled: greedy is the op's own routing
+  (normalize_routing_weights 0) times routed_scaling_factor; group_limited_greedy picks in the graph
+  (group_limited_router) and scales the op's renormalized output back by the picked scores' sum.
 - nemotron_h: ungated relu^2 experts, as the op's SwiGLU with gate = up (each expert's up rows twice,
   interleaved), beta 0 and a steep alpha: up * sigmoid(alpha up) * up is relu(up)^2 to fp32 rounding
   (sigmoid(alpha u) is exactly 0 or 1 in fp32 for |u| > 17 / alpha; below that the difference is under
@@ -128,6 +131,17 @@ def moe_mlp(b: GraphBuilder, x: ir.Value, arch: Architecture, cfg: ModelConfig, 
         if moe.shared_expert_intermediate:
             y = b.op("Add", [y, _ungated_shared_expert(b, x, arch, moe, i)])
         return y
+    if moe.scaled_softmax:  # deepseek_v2: unnormalized softmax scores of the picked experts, scaled; a shared expert
+        logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
+        if moe.group_limited:
+            log_weights, total = group_limited_router(b, logits, moe.top_k, moe.groups, moe.topk_group)
+            y = experts_op(b, x, log_weights, fc1, fc2, moe.top_k, True)
+            y = b.op("Mul", [y, b.op("Reshape", [total, b.op("Concat", [b.op("Shape", [x], {"end": -1}), b.ints(1)],
+                                                                        {"axis": 0})])])
+        else:  # greedy: the op's softmax over every expert, its top k as they are
+            y = experts_op(b, x, logits, fc1, fc2, moe.top_k, False)
+        y = b.op("Mul", [y, b.scalar(moe.routed_scaling)]) if moe.routed_scaling != 1.0 else y
+        return b.op("Add", [y, _ungated_shared_expert(b, x, arch, moe, i)]) if moe.shared_expert_intermediate else y
     router_bias = b.weight(arch.moe_name(i, arch.router_bias)) if arch.router_bias else None
     logits = b.op("Reshape", [linear(b, x, b.weight(arch.router_name(i)), router_bias), b.ints(-1, moe.num_experts)])
     fc1_bias = fc2_bias = None
@@ -202,6 +216,31 @@ def _sigmoid_router_in_plain_ops(b: GraphBuilder, logits: ir.Value, expert_bias:
     return _picked_log_weights(b, scores, choice, top_k)
 
 
+def group_limited_router(b: GraphBuilder, logits: ir.Value, top_k: int, groups: int,
+                         topk_group: int) -> tuple[ir.Value, ir.Value]:
+    """deepseek_v2's group_limited_greedy, in fp32: p = softmax(logits); only experts in the ``topk_group`` groups whose
+    best p is highest compete; the top k of those picked, each weighted by its p unnormalized. The op renormalizes
+    what it is given, so it gets log(p) at the picked experts (-inf elsewhere) and the output is scaled back by the
+    picked p's sum: returns (those log weights in the model dtype, the sum [tokens, 1] in it)."""
+    f32 = ir.DataType.FLOAT
+    wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
+    probs = b.op("Softmax", [wide], {"axis": -1})
+    grouped = b.op("Reshape", [probs, b.ints(0, groups, -1)])  # [tokens, groups, experts / groups]
+    group_best = b.op("ReduceMax", [grouped, b.ints(-1)], {"keepdims": 1})  # [tokens, groups, 1]
+    kept_scores, _ = b.op_multi("TopK", [b.op("Squeeze", [group_best, b.ints(-1)]), b.ints(topk_group)], {"axis": -1},
+                                num_outputs=2)
+    # A group is kept when its best score reaches the topk_group-th best (ties as transformers' TopK breaks them
+    # aside: scores of independent softmax logits do not tie).
+    threshold = b.op("Unsqueeze", [b.op("ReduceMin", [kept_scores, b.ints(-1)], {"keepdims": 1}), b.ints(-1)])
+    kept = b.op("Expand", [b.op("GreaterOrEqual", [group_best, threshold]), b.op("Shape", [grouped])])
+    # transformers masks the dropped groups' scores to 0 before its top k; -inf ranks them last the same way.
+    choice = b.op("Reshape", [b.op("Where", [kept, grouped, b.scalar_f32(float("-inf"))]), b.op("Shape", [probs])])
+    picked, picked_scores = _pick(b, probs, choice, top_k)
+    total = b.op("ReduceSum", [picked_scores, b.ints(-1)], {"keepdims": 1})
+    return (_log_weights_at(b, probs, picked, picked_scores),
+            b.op("Cast", [total], {"to": b.dtype}) if b.dtype != f32 else total)
+
+
 def biased_softmax_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int) -> ir.Value:
     """ernie4_5_moe's routing for the expert op, in fp32: p = softmax(logits), the top k of p + expert_bias
     picked, log(p) at them and -inf elsewhere. The op's softmax of that, renormalized over its top k, is
@@ -216,10 +255,18 @@ def _picked_log_weights(b: GraphBuilder, scores: ir.Value, choice: ir.Value, top
     """The expert op's router input for a routing computed in the graph (fp32 ``scores`` and the ``choice`` values
     that pick, [tokens, experts]): log(score) at the top k of choice, -inf elsewhere, in the model dtype. The op's
     softmax of it, renormalized over its top k, is each picked score over their sum."""
+    return _log_weights_at(b, scores, *_pick(b, scores, choice, top_k))
+
+
+def _pick(b: GraphBuilder, scores: ir.Value, choice: ir.Value, top_k: int) -> tuple[ir.Value, ir.Value]:
+    """The top k of ``choice`` per token: (their expert indices, their ``scores``), [tokens, top_k] each."""
     _, picked = b.op_multi("TopK", [choice, b.ints(top_k)], {"axis": -1}, num_outputs=2)
+    return picked, b.op("GatherElements", [scores, picked], {"axis": -1})
+
+
+def _log_weights_at(b: GraphBuilder, scores: ir.Value, picked: ir.Value, picked_scores: ir.Value) -> ir.Value:
     floor = b.op("Expand", [b.scalar_f32(float("-inf")), b.op("Shape", [scores])])
-    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [b.op("GatherElements", [scores, picked], {"axis": -1})])],
-                   {"axis": -1})
+    weights = b.op("ScatterElements", [floor, picked, b.op("Log", [picked_scores])], {"axis": -1})
     return b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != ir.DataType.FLOAT else weights
 
 
