@@ -1,0 +1,150 @@
+"""What the vision and embedding graphs are sized by, read from an image-text checkpoint's config.json.
+
+transformers' config classes supply the defaults hub configs leave out (a llava-hf config.json names
+few of its CLIP tower's values), so the config is read through AutoConfig; everything the builder
+cannot express is refused here, by name, before any graph is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from exporter.errors import ExportError
+from exporter.graph.config import read_raw_config
+
+# The vision towers the builder knows: a ViT with a class token and a pre-norm (CLIP) or without (SigLIP).
+CLIP, SIGLIP = "clip", "siglip"
+_TOWERS = {"clip_vision_model": CLIP, "siglip_vision_model": SIGLIP, "idefics3_vision": SIGLIP,
+           "smolvlm_vision": SIGLIP}
+# Activations as transformers names them -> how the MLPs compute them (encoder.activation).
+ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu")
+SELECT_STRATEGIES = ("default", "full")  # llava: drop the class token's feature, or keep it
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """One image-text checkpoint's vision tower, projector and text embedding, as the graphs need them."""
+
+    model_type: str  # the checkpoint's (the registry's key)
+    tower: str  # CLIP or SIGLIP
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    num_layers: int  # layers the graph runs: those up to the deepest feature layer
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+    # The hidden states the projector reads, as indices into transformers' ``hidden_states`` (0: the
+    # embeddings, i: after layer i); None: the tower's last_hidden_state (post-layernorm).
+    feature_layers: tuple[int, ...] | None
+    drop_class_token: bool  # llava's "default" strategy: the class token's feature is not an image token
+    # Text side: the embedding graph's table and where image features go.
+    text_hidden_size: int
+    vocab_size: int
+    image_token_id: int
+    embed_scale: float | None  # gemma3: the token embedding is multiplied by sqrt(hidden)
+    # Projector details (only the family's own are set).
+    projector_act: str | None = None  # llava
+    tokens_per_image: int = 0  # image_features rows per image
+    pool_kernel: int = 1  # gemma3's average pool
+    scale_factor: int = 1  # idefics3's pixel shuffle
+
+    @property
+    def grid(self) -> int:
+        """Patches per side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _transformers_config(checkpoint_dir: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(checkpoint_dir))
+    except Exception as err:  # transformers' own checks of config.json
+        raise ExportError(f"transformers refuses {checkpoint_dir}/config.json: {' '.join(str(err).split())[:600]}: "
+                          "fix config.json or use a transformers release that reads it") from None
+
+
+def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> VisionConfig:
+    """config.json -> VisionConfig, refusing (ExportError) a model_type outside ``supported`` and any
+    setting the graphs do not express."""
+    raw = read_raw_config(Path(checkpoint_dir))
+    model_type = raw.get("model_type")
+    if model_type not in supported:
+        raise ExportError(f"no vision graph for model_type {model_type!r}: the vision builder takes "
+                          f"{', '.join(supported)} (image-text checkpoints with a CLIP / SigLIP tower)")
+    hf = _transformers_config(Path(checkpoint_dir))
+    vision, text = hf.vision_config, hf.get_text_config()
+    tower = _TOWERS.get(vision.model_type)
+    if tower is None:
+        raise ExportError(f"{model_type}'s vision tower is {vision.model_type!r}, which the vision builder does not "
+                          "build: it takes CLIP and SigLIP towers (a ViT with learned absolute positions over one fixed "
+                          f"image size: {', '.join(sorted(_TOWERS))})")
+    act = vision.hidden_act
+    if act not in ACTIVATIONS:
+        raise ExportError(f"vision_config.hidden_act {act!r} is not one the vision builder computes "
+                          f"({', '.join(ACTIVATIONS)})")
+    if vision.hidden_size % vision.num_attention_heads:
+        raise ExportError(f"vision_config.hidden_size {vision.hidden_size} is not a multiple of num_attention_heads "
+                          f"{vision.num_attention_heads}: fix config.json")
+    if vision.image_size % vision.patch_size:
+        raise ExportError(f"vision_config.image_size {vision.image_size} is not a multiple of patch_size "
+                          f"{vision.patch_size}: fix config.json")
+    grid = vision.image_size // vision.patch_size
+    image_token = getattr(hf, "image_token_id", None)
+    image_token = getattr(hf, "image_token_index", None) if image_token is None else image_token
+    if not isinstance(image_token, int):
+        raise ExportError(f"{model_type}'s config.json names no image token (image_token_id): fix config.json")
+    common = dict(
+        model_type=model_type, tower=tower, hidden_size=vision.hidden_size, num_heads=vision.num_attention_heads,
+        intermediate_size=vision.intermediate_size, num_layers=vision.num_hidden_layers, image_size=vision.image_size,
+        patch_size=vision.patch_size, num_channels=vision.num_channels, layer_norm_eps=float(vision.layer_norm_eps),
+        hidden_act=act, feature_layers=None, drop_class_token=False, text_hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size, image_token_id=image_token,
+        embed_scale=None,
+    )
+    if model_type == "gemma3":
+        side = math.isqrt(hf.mm_tokens_per_image)
+        if side * side != hf.mm_tokens_per_image or grid % side:
+            raise ExportError(f"gemma3's projector pools {grid}x{grid} patches to mm_tokens_per_image "
+                              f"{hf.mm_tokens_per_image}, which must be a square whose side divides {grid}: fix config.json")
+        return VisionConfig(**{**common, "embed_scale": text.hidden_size ** 0.5}, tokens_per_image=side * side,
+                            pool_kernel=grid // side)
+    if model_type == "llava":
+        return _llava(hf, common, grid)
+    # idefics3 / smolvlm: SigLIP, then the pixel shuffle (scale_factor^2 patches -> one token) and a projection
+    scale = int(hf.scale_factor)
+    if grid % scale:
+        raise ExportError(f"{model_type}'s pixel shuffle groups {scale}x{scale} patches, but the grid is {grid}x{grid} "
+                          "patches: image_size / patch_size must be a multiple of scale_factor")
+    return VisionConfig(**common, tokens_per_image=(grid // scale) ** 2, scale_factor=scale)
+
+
+def _llava(hf, common: dict, grid: int) -> VisionConfig:
+    strategy = hf.vision_feature_select_strategy
+    if strategy not in SELECT_STRATEGIES:
+        raise ExportError(f"llava's vision_feature_select_strategy {strategy!r} is not one transformers' LlavaModel "
+                          f"applies ({', '.join(SELECT_STRATEGIES)})")
+    if hf.projector_hidden_act not in ACTIVATIONS:
+        raise ExportError(f"llava's projector_hidden_act {hf.projector_hidden_act!r} is not one the vision builder "
+                          f"computes ({', '.join(ACTIVATIONS)})")
+    layers = hf.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    total = common["num_layers"] + 1  # transformers' hidden_states: the embeddings, then each layer's output
+    if any(not -total <= i < total for i in layers):
+        raise ExportError(f"vision_feature_layer {hf.vision_feature_layer} is outside the tower's {total} hidden "
+                          f"states (-{total}..{total - 1}): fix config.json")
+    resolved = tuple(i % total for i in layers)
+    drop = strategy == "default"
+    # "default" drops the first token: CLIP's class token (a SigLIP tower has none: its first patch goes alike)
+    tokens = grid * grid + (common["tower"] == CLIP) - drop
+    return VisionConfig(**{**common, "num_layers": max(resolved), "feature_layers": resolved, "drop_class_token": drop},
+                        projector_act=hf.projector_hidden_act, tokens_per_image=tokens)

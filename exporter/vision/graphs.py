@@ -1,0 +1,109 @@
+"""The two graphs of an image-text export besides its decoder: the vision encoder (tower + projector)
+and the embedding (token embedding with image features scattered into the image-token positions).
+This module owns their inputs and outputs (exporter.vision's docstring states the contract)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from exporter import __version__
+from exporter.contract import META_PREFIX
+from exporter.graph.components.graph import GraphBuilder
+from exporter.graph.target import CURRENT
+from exporter.packaging.checkpoint import Checkpoint
+from exporter.vision.config import VisionConfig, read_vision_config
+from exporter.vision.encoder import vision_tower
+from exporter.vision.families import FAMILIES, VisionFamily
+
+PIXEL_VALUES = "pixel_values"
+IMAGE_FEATURES = "image_features"
+INPUT_IDS = "input_ids"
+INPUTS_EMBEDS = "inputs_embeds"
+NUM_IMAGES, BATCH, SEQ = "num_images", "batch_size", "sequence_length"
+# Metadata both graphs carry, so a runtime can check a prompt's image tokens against the features.
+META_TOKENS_PER_IMAGE = f"{META_PREFIX}vision.tokens_per_image"
+META_IMAGE_TOKEN_ID = f"{META_PREFIX}vision.image_token_id"
+META_IMAGE_SIZE = f"{META_PREFIX}vision.image_size"
+
+FLOAT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+
+def _output(value: ir.Value, name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    """Name a graph output and stamp its type and shape (op shape inference is not trusted)."""
+    value.name, value.type, value.shape = name, ir.TensorType(dtype), ir.Shape(dims)
+    return value
+
+
+def _model(b: GraphBuilder, inputs, outputs, name: str, cfg: VisionConfig) -> ir.Model:
+    graph = ir.Graph(inputs, outputs, nodes=b.tape.nodes, initializers=b.tape.initializers,
+                     opset_imports={"": CURRENT.opset, "com.microsoft": 1}, name=name)
+    model = ir.Model(graph, ir_version=CURRENT.ir_version, producer_name="exportfarm", producer_version=__version__)
+    model.metadata_props.update({META_TOKENS_PER_IMAGE: str(cfg.tokens_per_image),
+                                 META_IMAGE_TOKEN_ID: str(cfg.image_token_id), META_IMAGE_SIZE: str(cfg.image_size)})
+    return model
+
+
+def load_vision_config(checkpoint_dir: Path) -> VisionConfig:
+    """The checkpoint's VisionConfig (tokens_per_image, image_token_id, image_size, ...), or an ExportError
+    saying why the vision builder does not take it."""
+    return read_vision_config(Path(checkpoint_dir), tuple(FAMILIES))
+
+
+def _prepare(checkpoint_dir: Path, dtype: ir.DataType) -> tuple[VisionConfig, VisionFamily, Checkpoint]:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"the vision graphs compute in fp32, fp16 or bf16, not {dtype}")
+    cfg = load_vision_config(checkpoint_dir)
+    return cfg, FAMILIES[cfg.model_type], Checkpoint(Path(checkpoint_dir))
+
+
+def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
+    """``pixel_values`` [num_images, channels, image_size, image_size] fp32 -> ``image_features``
+    [num_images, tokens_per_image, text hidden] in ``dtype``: what transformers' ``get_image_features``
+    gives per image (the tower, then the family's projector). Weights stay lazy (checkpoint tensors)."""
+    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
+    names = family.module_names(checkpoint)
+    b = GraphBuilder(checkpoint, dtype)
+    pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_IMAGES, cfg.num_channels, cfg.image_size, cfg.image_size])
+    # Image processors give fp32; the tower computes in the model dtype, as transformers casts to it.
+    x = pixels if dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": dtype})
+    states = vision_tower(b, x, cfg, names.tower, family.position_ids(cfg))
+    features = family.projector(b, states, cfg, names.projector)
+    out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGES, cfg.tokens_per_image, cfg.text_hidden_size])
+    return _model(b, [pixels], [out], f"{cfg.model_type}_vision", cfg)
+
+
+def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
+    """``input_ids`` [batch, seq] int64 + ``image_features`` [num_images, tokens_per_image, text hidden]
+    -> ``inputs_embeds`` [batch, seq, text hidden], as transformers merges them: the token embedding
+    (gemma3: times sqrt(hidden), rounded to ``dtype``), then the image features, in order, into the
+    positions holding the image token (``masked_scatter``). An image token's own row is never read, so
+    an image token id past the vocabulary (gemma3 allows it) is fine; ``num_images`` may be 0."""
+    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
+    names = family.module_names(checkpoint)
+    b = GraphBuilder(checkpoint, dtype)
+    hidden = cfg.text_hidden_size
+    ids = _input(INPUT_IDS, ir.DataType.INT64, [BATCH, SEQ])
+    features = _input(IMAGE_FEATURES, dtype, [NUM_IMAGES, cfg.tokens_per_image, hidden])
+    is_image = b.op("Equal", [ids, b.scalar_i64(cfg.image_token_id)])
+    text_ids = b.op("Where", [is_image, b.scalar_i64(0), ids])
+    x = b.op("Gather", [b.weight(names.embed_tokens), text_ids], {"axis": 0})
+    if cfg.embed_scale is not None:
+        x = b.op("Mul", [x, b.scalar(cfg.embed_scale)])
+    # The k-th image token (row-major over batch and sequence) takes feature row k: row k + 1 of the
+    # features behind one zero row, which every other position indexes (and which keeps the Gather
+    # valid when there are no images).
+    rows = b.op("Concat", [b.constant(np.zeros((1, hidden), dtype.numpy()), "vision_zero_row"),
+                           b.op("Reshape", [features, b.ints(-1, hidden)])], {"axis": 0})
+    flags = b.op("Cast", [b.op("Reshape", [is_image, b.ints(-1)])], {"to": ir.DataType.INT64})
+    order = b.op("Mul", [b.op("CumSum", [flags, b.scalar_i64(0)]), flags])
+    picked = b.op("Gather", [rows, b.op("Reshape", [order, b.op("Shape", [ids])])], {"axis": 0})
+    merged = b.op("Where", [b.op("Unsqueeze", [is_image, b.ints(-1)]), picked, x])
+    out = _output(merged, INPUTS_EMBEDS, dtype, [BATCH, SEQ, hidden])
+    return _model(b, [ids, features], [out], f"{cfg.model_type}_embedding", cfg)

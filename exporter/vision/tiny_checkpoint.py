@@ -1,0 +1,61 @@
+"""Small random-weight image-text checkpoints (config -> transformers model -> save_pretrained), as
+exporter.tiny_checkpoint builds the text ones: what the vision tests prove the graphs against.
+
+Towers of 2 layers, hidden 32 in 2 heads, 8 x 8 patches of 4 pixels; a one-layer language model of
+hidden 64 (only its embedding is read here). Weights larger than the classes' init (the gemma3
+projection is zeros at init) so that every path shows in the features.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+             patch_size=4)
+IMAGE_TOKEN = 250
+
+VLM_CONFIGS = {
+    # image_token_index 256 = vocab_size: an id past the table, which transformers maps to 0 before the lookup.
+    "gemma3": ("Gemma3Config", dict(text_config=TEXT, vision_config={**TOWER, "vision_use_head": False},
+                                    mm_tokens_per_image=16, image_token_index=256)),
+    # llava-1.5's choices: the second-to-last layer, the class token dropped.
+    "llava": ("LlavaConfig", dict(text_config={**TEXT, "model_type": "llama"},
+                                  vision_config={**TOWER, "model_type": "clip_vision_model", "num_hidden_layers": 3},
+                                  vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                  image_token_index=IMAGE_TOKEN)),
+    # Several feature layers (the embeddings and the last), every token kept.
+    "llava_layers": ("LlavaConfig", dict(text_config={**TEXT, "model_type": "llama"},
+                                         vision_config={**TOWER, "model_type": "clip_vision_model"},
+                                         vision_feature_layer=[0, -1], vision_feature_select_strategy="full",
+                                         image_token_index=IMAGE_TOKEN)),
+    "idefics3": ("Idefics3Config", dict(text_config={**TEXT, "model_type": "llama"}, vision_config=TOWER,
+                                        scale_factor=2, image_token_id=IMAGE_TOKEN)),
+    # A 25 x 25 grid: transformers' bucketized position ids repeat rows there (families.idefics3_position_ids).
+    "smolvlm": ("SmolVLMConfig", dict(text_config={**TEXT, "model_type": "llama"},
+                                      vision_config={**TOWER, "image_size": 100}, scale_factor=5,
+                                      image_token_id=IMAGE_TOKEN)),
+}
+
+
+def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """Write config.json + safetensors of a random ``VLM_CONFIGS[name]`` model to ``out_dir``; returns it."""
+    import torch
+    import transformers
+
+    class_name, kwargs = VLM_CONFIGS[name]
+    config = getattr(transformers, class_name)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(0.8, 1.2) if "soft_emb_norm" not in param_name else param.uniform_(-0.2, 0.2)
+            elif param_name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            else:
+                param.normal_(0.0, 0.2)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
