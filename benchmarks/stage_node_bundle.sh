@@ -50,5 +50,5 @@ for have in anyio certifi click h11 httpcore httpx idna jinja2 markupsafe packag
 done
 tar cf "$work/bundle.tar" -C "$work/bundle" .
 rm -rf .gpu-stage && mkdir -p .gpu-stage
-( cd .gpu-stage && split -b 57M -d -a 2 "$work/bundle.tar" part. && for f in part.*; do mkdir -p "c${f#part.}"; mv "$f" "c${f#part.}/"; done )
+( cd .gpu-stage && split -b ${PART_SIZE:-48M} -d -a 2 "$work/bundle.tar" part. && for f in part.*; do mkdir -p "c${f#part.}"; mv "$f" "c${f#part.}/"; done )
 du -sh .gpu-stage/*

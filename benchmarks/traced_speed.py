@@ -32,6 +32,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def export(source: Path, out: Path, builder: str, dtype: str, ep: str, variant: str, buffer: int) -> dict:
+    """Export (or, where an earlier ``--export-only`` call of this run left one, take it: the device's calls are
+    10 minutes each, a 3.7B-parameter fp32 pair needs two) and describe the graph."""
+    record = out.parent / f"{out.name}.export.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    result = _export(source, out, builder, dtype, ep, variant, buffer)
+    record.write_text(json.dumps(result))
+    return result
+
+
+def _export(source: Path, out: Path, builder: str, dtype: str, ep: str, variant: str, buffer: int) -> dict:
     import onnx
 
     from exporter.pipeline import export_model
@@ -77,6 +88,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/traced-speed"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--export-only", action="store_true",
+                        help="build and export, measure nothing (a later call without it measures those exports)")
     args = parser.parse_args()
 
     import onnxruntime as ort
@@ -100,6 +113,9 @@ def main() -> None:
             buffer = args.context + args.warmup + args.steps + 8
             plans = [("hand", "attn_dynamic"), ("traced", "attn_dynamic")] + ([("hand", "gqa")] if ep == "cuda" else [])
             exports = [export(source, args.work / f"{geometry}-{ep}-{b}-{v}", b, dtype, ep, v, buffer) for b, v in plans]
+            if args.export_only:
+                print(json.dumps([{k: v for k, v in e.items() if k not in ("ops", "dir")} for e in exports]), flush=True)
+                continue
             run = {"geometry": geometry, "layers": args.layers, "ep": ep, "dtype": dtype, "context": args.context,
                    "steps": args.steps, "exports": exports}
             prompt = np.random.default_rng(0).integers(3, 1000, size=(1, args.context))
