@@ -21,6 +21,10 @@ POSITION_IDS = "position_ids"
 WRITE_INDICES = "write_indices"  # attn_static: tokens already cached, per row
 NONPAD_KV_SEQLEN = "nonpad_kv_seqlen"  # attn_static: tokens cached after this step's scatter, per row
 LOGITS = "logits"
+# An image-text export's decoder takes the merged embeddings where a text export takes input_ids:
+# [batch, seq, hidden] in the activation dtype, already scaled (gemma3's sqrt(hidden) is the
+# embedding graph's, never applied again), everything else as the variant's text contract.
+INPUTS_EMBEDS = "inputs_embeds"
 
 # Symbolic dimensions.
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
@@ -119,6 +123,19 @@ def static_cache_counts(cached: np.ndarray | list[int], new_tokens: int) -> dict
     return {WRITE_INDICES: cached, NONPAD_KV_SEQLEN: cached + new_tokens}
 
 
+# --- image-text exports: the vision and embedding graphs beside the decoder (exporter.vision) ------
+PIXEL_VALUES = "pixel_values"  # vision in: float32 [num_images, channels, image_size, image_size]
+IMAGE_FEATURES = "image_features"  # vision out, embedding in: [num_images, tokens_per_image, text hidden]
+NUM_IMAGES = "num_images"  # the symbolic dim (0 in the embedding graph: a text-only prompt, a decode step)
+IMAGE_TEXT_TASK = "image-text-to-text"  # the manifest's "task" of such an export
+VISION, EMBEDDING, DECODER = "vision", "embedding", "decoder"  # the manifest's component names
+
+
+def image_text_step_inputs(variant: Variant) -> tuple[str, ...]:
+    """``step_inputs`` of an image-text decoder: ``inputs_embeds`` in place of ``input_ids``."""
+    return tuple(INPUTS_EMBEDS if name == INPUT_IDS else name for name in step_inputs(variant))
+
+
 # --- model metadata -------------------------------------------------------------------------------
 
 META_PREFIX = "exportfarm."
@@ -130,6 +147,10 @@ META_TARGET = f"{META_PREFIX}target"
 # manifest's "builder" names it with its version.
 META_BUILDER = f"{META_PREFIX}builder"
 BUILDER_HAND, BUILDER_TRACED = "exportfarm", "transformers.exporters"
+# The vision and embedding graphs carry these, so a runtime can check a prompt's image tokens against the features.
+META_TOKENS_PER_IMAGE = f"{META_PREFIX}vision.tokens_per_image"
+META_IMAGE_TOKEN_ID = f"{META_PREFIX}vision.image_token_id"
+META_IMAGE_SIZE = f"{META_PREFIX}vision.image_size"
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")
@@ -162,6 +183,14 @@ DIFF_JSON = "diff.json"
 DIFF_MD = "diff.md"
 GENAI_CONFIG_FILE = "genai_config.json"
 MODEL_FILES = (MODEL_FILE, DATA_FILE)
+# An image-text export's other two graphs, each with its own weights file (<file>.data) beside model.onnx.
+VISION_FILE = "vision.onnx"
+EMBEDDING_FILE = "embedding.onnx"
+
+
+def data_file(model_file: str) -> str:
+    """The external-weights file of a graph file (model.onnx -> model.onnx.data)."""
+    return f"{model_file}.data"
 
 
 # --- dtypes ---------------------------------------------------------------------------------------

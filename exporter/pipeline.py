@@ -17,7 +17,9 @@ import uuid
 from pathlib import Path
 
 from exporter import contract
-from exporter.graph.build import build_model
+from exporter.graph.build import IR_DTYPES, build_model
+from exporter.graph.language_model import check_image_text_request, image_text_type
+from exporter.packaging.image_text import write_image_text_graphs
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
 from exporter.graph.traced import builder_entry, check_traced_quantization, resolve_builder, trace_model
@@ -87,7 +89,10 @@ def build_export(
     t0 = time.perf_counter()
     progress.stage("build")
     # exportfarm's own graph where it has the architecture (or the request says so), else transformers' trace
-    builder = resolve_builder(request, source.path)
+    image_text = image_text_type(source.path)  # an image-text checkpoint: three graphs (graph/language_model.py)
+    if image_text:
+        check_image_text_request(request, source.path)
+    builder = contract.BUILDER_HAND if image_text else resolve_builder(request, source.path)
     traced = builder == contract.BUILDER_TRACED
     activations, chosen = _activations(request, source, traced, reference_cache, shared_references)
     if chosen["by"] == "measurement":
@@ -116,16 +121,32 @@ def build_export(
         progress.bytes_written(written, total)
 
     hashed = write_model(built.model, out_dir, on_bytes)  # model.onnx.data, hashed as it was written
+    components = None
+    if image_text:  # vision.onnx and embedding.onnx beside it, in the decoder's activation dtype
+        written, components = write_image_text_graphs(out_dir, source.path, built.model, IR_DTYPES[built.activations],
+                                                      on_bytes)
+        hashed.update(written)
     progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
     timings["write"] = time.perf_counter() - t0
-    # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
-    genai = write_genai_package(
-        out_dir, source.path, built.config, built.variant, request,
-        [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs], traced=traced,
-    )
-    manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings, genai.files, export_id,
-                              hashed, builder_entry(builder))
-    manifest.data["genai"] = genai.manifest_entry()
+    if image_text:
+        genai = None
+    else:
+        # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
+        genai = write_genai_package(
+            out_dir, source.path, built.config, built.variant, request,
+            [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs], traced=traced,
+        )
+    manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings,
+                              sorted(hashed.keys() - set(contract.MODEL_FILES)) if image_text else genai.files,
+                              export_id, hashed, builder_entry(builder))
+    if image_text:
+        manifest.data["task"] = contract.IMAGE_TEXT_TASK
+        manifest.data["image_text"] = components
+        manifest.data["genai"] = {"package": False, "runtime": None, "config": None, "files": [], "tokenizer": "missing",
+                                  "reason": "an image-text export has no genai_config.json yet (its vision, embedding "
+                                            "and decoder sections and the image processor config are not written)"}
+    else:
+        manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
             "method": request.quant.method,
@@ -161,6 +182,11 @@ def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, r
     from exporter.graph.traced import traced_sizes
     from exporter.validation.activation_range import choose_activations
 
+    if image_text_type(source.path):
+        # the measurement streams a text reference over the checkpoint: an image-text export computes in the
+        # request's activations (a quantized cuda one in fp16 unless it names bf16)
+        return request.activations, {"by": "request", "why": f"an image-text export of {request.dtype.value} on "
+                                                              f"{request.ep.value} (activations not measured)"}
     if traced:
         num_layers, vocab_size = traced_sizes(source.path)
     else:
@@ -230,6 +256,15 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
+        if image_text_type(source.path):  # what an image-text export cannot be yet: refused before any build
+            check_image_text_request(request, source.path)
+            if validate:
+                from exporter.validation.image_text import check_image_text_validatable
+                from exporter.validation.validate import PARITY_STEPS
+                from exporter.vision import load_vision_config
+
+                check_image_text_validatable(request.max_seq_len, load_vision_config(source.path).tokens_per_image,
+                                             PARITY_STEPS)
         if request.layout == hf_layout.LAYOUT:  # a family transformers.js cannot drive: refused before any build
             hf_layout.check_family(source.path)
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache, reference_cache)

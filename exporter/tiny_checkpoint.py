@@ -221,7 +221,20 @@ ARCH_CONFIGS.update({
                                                       "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0}}),
 })
-NEW_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
+# Gemma 4 (text) with every switch of its text decoder on at once (tests/test_gemma4.py): 6 layers, [sliding, global] x 3
+# with a window of 8; global heads of 32 (sliding: 16) whose values are their keys (attention_k_eq_v), in one KV head,
+# rotated by the proportional rope (a quarter of their angles turn); the last 2 layers (4 sliding, 5 global) attending
+# over layers 2 and 3's keys and values, with MLPs twice as wide (use_double_wide_mlp); per-layer inputs of 8 a layer;
+# logits soft-capped at 10. make_tiny_checkpoint draws every layer_scalar off 1 and gives the per-layer inputs the vocab.
+ARCH_CONFIGS["gemma4_text"] = ("Gemma4TextConfig", {
+    "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": 8,
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+    "final_logit_softcapping": 10.0, "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}}})
+NEW_ARCHITECTURES = ("gemma4_text", "glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
                      "cohere2", "apertus", "llama4_text")
 NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "llama4_text")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
@@ -241,6 +254,8 @@ def make_tiny_checkpoint(
     kwargs = {**BASE, **extra, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std, **overrides}
     if arch in ("phi3", "granitemoehybrid"):
         kwargs.pop("head_dim", None)  # derived from hidden / heads
+    if arch == "gemma4_text":  # a per-layer input row for every token id
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     if arch == "nemotron_h":  # its layer count is its block list's length, its norms' epsilon layer_norm_epsilon
         kwargs.pop("num_hidden_layers"), kwargs.pop("rms_norm_eps")
     if "text_config" in extra:  # an image-text checkpoint: the sizes are its language model's
@@ -266,6 +281,8 @@ def make_tiny_checkpoint(
         for name, buffer in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # lfm2_moe's selection bias (zeros at init): large enough to pick
                 buffer.normal_(0.0, 0.5)
+            elif name.endswith("layer_scalar"):  # gemma4's (ones at init): what multiplies each layer's output
+                buffer.uniform_(0.6, 1.4)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size) if max_shard_size else model.save_pretrained(out_dir)
     return out_dir

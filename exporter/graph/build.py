@@ -12,10 +12,12 @@ from exporter import __version__, contract
 from exporter.graph.architectures import ARCHITECTURES
 from exporter.graph.architectures.base import Architecture
 from exporter.packaging.checkpoint import Checkpoint
+from exporter.graph.components.decoder import projected_parts
 from exporter.graph.components.gated_deltanet import GATED_DELTANET_OP, LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, load_model_config
+from exporter.graph.language_model import image_text_type, language_model
 from exporter.errors import ExportError
 from exporter.request import EP, DType, ExportRequest, Variant
 from exporter.packaging.resolve import ResolvedSource
@@ -85,10 +87,10 @@ def check_request_against_config(request: ExportRequest, variant: Variant, cfg: 
             if not cfg.uses_rope(i):
                 continue
             half = cfg.layer_rope(i).rotary_dim // 2
-            if half % 8 or half > cfg.head_dim // 2:
+            if half % 8 or half > cfg.for_layer(i).head_dim // 2:
                 raise ExportError(
                     f"GroupQueryAttention's fused rotary needs rotary_dim / 2 to be a multiple of 8 and at most "
-                    f"head_dim / 2; layer {i} of this model rotates {2 * half} of {cfg.head_dim} dims "
+                    f"head_dim / 2; layer {i} of this model rotates {2 * half} of {cfg.for_layer(i).head_dim} dims "
                     f"(rotary_dim / 2 = {half}): use --variant attn_dynamic or attn_static, which apply rotary "
                     "with RotaryEmbedding"
                 )
@@ -115,12 +117,19 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
     if layers and (max(layers) + 1 != cfg.num_layers or len(layers) != cfg.num_layers):
         raise ExportError(f"config.json says {cfg.num_layers} layers, the checkpoint holds layers "
                           f"{min(layers)}..{max(layers)} ({len(layers)}): the config and the weights disagree")
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if cfg.per_layer_input:  # gemma4's per-layer inputs
+        width = cfg.num_layers * cfg.per_layer_input.width
+        expect(arch.per_layer_embed, (cfg.per_layer_input.vocab, width))
+        expect(arch.per_layer_model_projection, (width, cfg.hidden_size))
     for i in range(cfg.num_layers):
+        own = cfg.for_layer(i)  # gemma4: head sizes, KV heads and MLP widths by layer
+        if cfg.per_layer_input:
+            expect(arch.names(i)["per_layer_gate"], (cfg.per_layer_input.width, cfg.hidden_size))
+            expect(arch.names(i)["per_layer_projection"], (cfg.hidden_size, cfg.per_layer_input.width))
         if cfg.is_recurrent(i):
             _check_recurrent(cfg, arch, i, expect)
         if cfg.is_attention(i):
-            _check_attention(cfg, arch, i, expect, q, kv)
+            _check_attention(own, arch, i, expect, own.q_size, own.kv_size)
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             _check_experts(cfg, arch, checkpoint, i, expect)
             continue
@@ -132,8 +141,8 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
         gate_up = arch.gate_up_parts(i)
         fused = len(gate_up) == 1 and not arch.ungated_mlp  # one gate_up_proj (phi3), not an ungated up_proj (apertus)
         for part in gate_up:
-            expect(part.name, (cfg.intermediate_size * (2 if fused else 1), cfg.hidden_size))
-        expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, cfg.intermediate_size))
+            expect(part.name, (own.intermediate_size * (2 if fused else 1), cfg.hidden_size))
+        expect(f"{arch.names(i)['down']}.weight", (cfg.hidden_size, own.intermediate_size))
 
 
 def _check_recurrent(cfg: ModelConfig, arch: Architecture, i: int, expect) -> None:
@@ -187,8 +196,8 @@ def _check_latent_attention(cfg: ModelConfig, arch: Architecture, i: int, expect
 def _check_attention(cfg: ModelConfig, arch: Architecture, i: int, expect, q: int, kv: int) -> None:
     if cfg.latent is not None:
         return _check_latent_attention(cfg, arch, i, expect)
-    parts = arch.qkv_parts(i)
-    rows_of = (q, kv, kv)
+    parts = projected_parts(arch, cfg, i)
+    rows_of = (q, kv, kv) if arch.fused_qkv else (q, kv, kv)[:len(parts)]  # gemma4: q alone, or q and k
     if cfg.attention_output_gate:  # q_proj holds each head's query and its gate
         expect(parts[0].name, (2 * q, cfg.hidden_size))
         parts, rows_of = parts[1:], (kv, kv)
@@ -277,10 +286,12 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports;
     ``activations``: what the graph computes in (the pipeline's choice; default what the request says)."""
     variant = request.resolved_variant()
-    cfg = load_model_config(source.path, ARCHITECTURES)
+    # An image-text checkpoint: the decoder is its language model, taking inputs_embeds (graph/language_model.py)
+    language = language_model(source.path) if image_text_type(source.path) else None
+    cfg = language.config if language else load_model_config(source.path, ARCHITECTURES)
     activations = activations or request.activations
     check_request_against_config(request, variant, cfg, activations)
-    arch = ARCHITECTURES[cfg.architecture]
+    arch = language.architecture if language else ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)
     check_shapes(cfg, arch, checkpoint)
     check_prequantized(request, cfg, checkpoint, activations)
@@ -291,7 +302,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
         builder.deltanet_op = LINEAR_ATTENTION
         builder.group_router_op = False
     table_len = request.max_seq_len or cfg.max_position_embeddings
-    graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer)
+    graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer,
+                        inputs_embeds=language is not None)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
     model.metadata_props.update(
         {
@@ -310,7 +322,10 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "context_length": table_len,
                     "sliding_window": cfg.sliding_window,
                     "sliding_layers": [i for i in range(cfg.num_layers) if cfg.window(i)],
+                    **({"kv_shared_layers": [i for i in cfg.attention_layers if not cfg.has_cache(i)]}
+                       if cfg.layer_attention else {}),
                     "activations": activations.value,
+                    **({"image_text": language.model_type} if language else {}),
                     **({"recurrent": {"kind": cfg.recurrent.kind,
                                       "ops": ["CausalConvWithState"] + (
                                           [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else

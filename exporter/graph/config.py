@@ -14,7 +14,8 @@ from exporter.packaging.prequantized import read_format
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 # rope types whose frequencies are fixed per position (so a cos/sin table can be baked in).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# proportional: gemma4's global layers (the first partial_rotary_factor of a whole head's angles turn, the rest stay 0).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")  # relu2: nemotron_h's relu(x)^2; xielu: apertus
 
 
@@ -62,6 +63,27 @@ class RopeConfig:
     @property
     def parameters(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention where a model varies it by layer (gemma4): its head size and KV heads, the layer
+    whose keys and values it attends over (itself, or the earlier layer whose cache it shares: it projects
+    queries only and carries no cache of its own), and whether its values are its keys (one projection)."""
+
+    head_dim: int
+    num_kv_heads: int
+    kv_source: int
+    value_is_key: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayerInputConfig:
+    """gemma4's per-layer inputs (PLE): a second embedding of ``vocab`` rows holding ``width`` values per layer,
+    mixed with a projection of the embedded tokens, each layer gating its slice into the residual stream."""
+
+    vocab: int
+    width: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +388,35 @@ class ModelConfig:
     attention_chunk: int | None = None
     temperature_tuning: tuple[float, float] | None = None
     weightless_qk_norm: bool = False
+    # gemma4: per layer its attention shapes and KV sharing (empty: the model-wide numbers and a cache of its own), per
+    # layer its MLP width (double-wide on the KV-shared layers), values through a weightless RMSNorm, per-layer inputs.
+    layer_attention: tuple[LayerAttention, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()
+    value_norm: bool = False
+    per_layer_input: PerLayerInputConfig | None = None
+
+    def for_layer(self, layer: int) -> ModelConfig:
+        """The config as layer ``layer`` sees it: its head size, KV heads and MLP width where they vary by layer."""
+        changes = {}
+        if self.layer_attention:
+            own = self.layer_attention[layer]
+            changes.update(head_dim=own.head_dim, num_kv_heads=own.num_kv_heads)
+        if self.layer_intermediate:
+            changes["intermediate_size"] = self.layer_intermediate[layer]
+        changes = {k: v for k, v in changes.items() if getattr(self, k) != v}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values ``layer`` attends over: itself, or the earlier one it shares them with."""
+        return self.layer_attention[layer].kv_source if self.layer_attention else layer
+
+    def value_is_key(self, layer: int) -> bool:
+        """Whether ``layer``'s values are its keys (gemma4's attention_k_eq_v): one projection, no v_proj."""
+        return bool(self.layer_attention) and self.layer_attention[layer].value_is_key
+
+    def has_cache(self, layer: int) -> bool:
+        """Whether ``layer`` carries a KV cache of its own: it attends, over its own keys and values."""
+        return self.is_attention(layer) and self.kv_source(layer) == layer
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether ``layer`` carries a recurrent state (and no KV cache, unless it is falcon_h1's parallel layer)."""
@@ -565,6 +616,12 @@ def _transformers_config(checkpoint_dir: Path):
 LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe")
 
 
+def text_model_config(hf_text, model_type: str) -> ModelConfig:
+    """The ModelConfig of an image-text checkpoint's language model from its transformers text config
+    (``get_text_config()``) and that config's own model_type (exporter/graph/language_model.py)."""
+    return _model_config(hf_text, model_type)
+
+
 def _recurrent_config(hf, model_type: str, layer_types: tuple[str, ...]) -> RecurrentConfig | None:
     if (LINEAR in layer_types or PARALLEL in layer_types) and model_type in MAMBA2_TYPES:
         limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
@@ -653,6 +710,8 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         hf.rms_norm_eps = hf.layer_norm_epsilon
     if model_type == "cohere2":
         hf.rms_norm_eps = hf.layer_norm_eps
+    if model_type == "gemma4_text":  # head sizes and KV heads by layer (_gemma4_fields); the model-wide ones: the sliding layers'
+        hf.allow_global_per_layer_attribute_access = True
     multipliers = {}
     if model_type == "falcon_h1":
         multipliers = {"attention_in": hf.attention_in_multiplier, "attention_out": hf.attention_out_multiplier,
@@ -671,7 +730,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
     per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
     if per_type:  # gemma3: {"sliding_attention": {...}, "full_attention": {...}}
-        ropes = {t: _rope(hf, p, head_dim, t) for t, p in params.items()}
+        ropes = {t: _rope(hf, p, _layer_type_head_dim(hf, model_type, t, head_dim), t) for t, p in params.items()}
         rope = ropes.get(FULL) or next(iter(ropes.values()))
     else:
         ropes, rope = {}, _rope(hf, params, head_dim, None)
@@ -702,6 +761,9 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         raise ExportError(f"unsupported MLP activation {act!r}: supported are {', '.join(SUPPORTED_ACTIVATIONS)}")
     scalar = getattr(hf, "query_pre_attn_scalar", None)
     attention_scale = getattr(hf, "attention_multiplier", None) or (scalar ** -0.5 if scalar else None)
+    gemma4 = _gemma4_fields(hf, layer_types) if model_type == "gemma4_text" else {}
+    if gemma4:
+        attention_scale = 1.0  # its q / k norms stand in for the softmax scale
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     if latent is not None:
         from transformers.modeling_rope_utils import yarn_apply_mscale  # yarn's mscale_all_dim on the softmax scale
@@ -709,7 +771,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         attention_scale = yarn_apply_mscale(rope.parameters, (latent.nope_dim + latent.rope_dim) ** -0.5)
         head_dim, num_kv_heads = latent.kv_rank + latent.rope_dim, 1
     embedding_scale = getattr(hf, "embedding_multiplier", None)
-    if model_type in ("gemma2", "gemma3_text"):
+    if model_type in ("gemma2", "gemma3_text", "gemma4_text"):
         embedding_scale = hf.hidden_size ** 0.5
     return ModelConfig(
         architecture=model_type,
@@ -756,7 +818,47 @@ def _model_config(hf, model_type: str) -> ModelConfig:
                             if model_type == "llama4_text" and hf.attn_temperature_tuning else None),
         weightless_qk_norm=model_type == "llama4_text" and bool(hf.use_qk_norm),
         position_query_scale=_position_query_scale(params) if model_type == "ministral3" else None,
+        **gemma4,
     )
+
+
+def _layer_type_head_dim(hf, model_type: str, layer_type: str, head_dim: int) -> int:
+    """The head size of a layer type's rope: gemma4's global layers have their own (global_head_dim)."""
+    return int(hf.per_layer_config[layer_type].head_dim) if model_type == "gemma4_text" else head_dim
+
+
+def _gemma4_fields(hf, layer_types: tuple[str, ...]) -> dict:
+    """Gemma 4's per-layer attention (global layers with their own head size and, with attention_k_eq_v, KV heads
+    whose values are the keys), the last num_kv_shared_layers reading the K/V of the last earlier layer of their type
+    (with use_double_wide_mlp, an MLP twice as wide), values through a weightless RMSNorm, and the per-layer inputs;
+    refused by name where the exporter does not build what config.json switches on."""
+    if hf.enable_moe_block:
+        raise ExportError("gemma4_text with enable_moe_block (experts beside the dense MLP, as in Gemma 4 26B-A4B) is not "
+                          "exported yet: its router and GELU experts have no fused form here; export a dense Gemma 4")
+    if getattr(hf, "use_bidirectional_attention", None) == "all":
+        raise ExportError("gemma4_text with use_bidirectional_attention \"all\" attends both ways, which a causal "
+                          "decoder with a KV cache cannot: export a checkpoint whose text attention is causal")
+    layers = hf.num_hidden_layers
+    try:
+        modes = hf.kv_sharing_modes
+    except ValueError as err:  # a shared layer type no earlier layer produces
+        raise ExportError(f"config.json's num_kv_shared_layers {hf.num_kv_shared_layers}: {err}") from None
+    if modes and modes[0] == "reuse":
+        raise ExportError(f"num_kv_shared_layers {hf.num_kv_shared_layers} of {layers} layers: some layer must "
+                          "project the keys and values the shared layers read")
+    store = {layer_types[i]: i for i in range(layers) if modes[i] != "reuse"}  # the last of each type before sharing
+    attention = []
+    for i in range(layers):
+        own = hf.per_layer_config[i]
+        attention.append(LayerAttention(
+            int(own.head_dim), int(own.num_key_value_heads), store[layer_types[i]] if modes[i] == "reuse" else i,
+            bool(hf.attention_k_eq_v) and layer_types[i] != SLIDING))
+    wide = bool(hf.use_double_wide_mlp)
+    per_layer = int(hf.hidden_size_per_layer_input or 0)
+    return {"layer_attention": tuple(attention),
+            "layer_intermediate": tuple(hf.intermediate_size * (2 if wide and m == "reuse" else 1) for m in modes),
+            "value_norm": True,
+            "per_layer_input": PerLayerInputConfig(int(hf.vocab_size_per_layer_input), per_layer) if per_layer else None}
 
 
 def _rope(hf, params: dict, head_dim: int, layer_type: str | None) -> RopeConfig:
@@ -766,6 +868,8 @@ def _rope(hf, params: dict, head_dim: int, layer_type: str | None) -> RopeConfig
             f"unsupported rope type {rope_type!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
+    if rope_type == "proportional":  # the whole head turns, the angles past partial_rotary_factor's share by 0
+        partial = 1.0
     original_max = params.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", None)
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     frozen = {**params, "rope_theta": theta, "rope_type": rope_type}

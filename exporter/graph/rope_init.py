@@ -47,6 +47,10 @@ def inv_freq(rope_type: str, params: dict, dim: int, max_position_embeddings: in
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "proportional":  # gemma4: ``dim`` the whole head, its angles past the rotated share 0
+        angles = int(float(params.get("partial_rotary_factor") or 1.0) * dim // 2)
+        turned = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+        return torch.cat((turned, torch.zeros(dim // 2 - angles))) / params.get("factor", 1.0), 1.0
     if rope_type == "yarn":
         return _yarn(params, theta, dim, max_position_embeddings)
     if rope_type == "longrope":

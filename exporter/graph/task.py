@@ -13,7 +13,8 @@ import onnx_ir as ir
 from exporter import contract as io
 from exporter.graph.architectures.base import POST_NORM, Architecture
 from exporter.graph.components.attention import StepInputs
-from exporter.graph.components.decoder import decoder_layer, norm, residual_norm
+from exporter.graph.components.decoder import decoder_layer, end_layer, norm
+from exporter.graph.components.per_layer_input import per_layer_inputs
 from exporter.graph.components.gated_deltanet import LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
@@ -179,11 +180,19 @@ def build_graph(
     table_len: int,
     max_seq_len: int | None,
     on_layer=None,
+    inputs_embeds: bool = False,
 ) -> ir.Graph:
+    """The decoder graph of ``variant``; ``inputs_embeds``: it takes the embeddings (an image-text export's
+    embedding graph merges image features into them) where a text export takes ``input_ids``."""
     dtype = b.dtype
     # The compat target's attention takes the mask as an additive bias; the current one a boolean.
     as_mask = (lambda mask: attention_bias(b, mask, cfg.num_heads)) if b.target.contrib_ops else (lambda mask: mask)
-    input_ids = _input(io.INPUT_IDS, I64, [BATCH, SEQ])
+    if inputs_embeds and cfg.per_layer_input:
+        raise ExportError(f"{cfg.architecture} reads its token ids inside the decoder (per-layer inputs): it cannot "
+                          "take inputs_embeds")
+    # (the masks read only the sequence length off it: axis 1 of either input)
+    input_ids = (_input(io.INPUTS_EMBEDS, dtype, [BATCH, SEQ, cfg.hidden_size]) if inputs_embeds
+                 else _input(io.INPUT_IDS, I64, [BATCH, SEQ]))
     inputs = [input_ids]
     step = StepInputs(rotary=None)
     lengths = position_ids = attention_mask = None
@@ -202,17 +211,20 @@ def build_graph(
 
     # attn_static: [batch, positions, kv_heads*head_dim] (BSNH), the layout the attention kernels read
     # natively; the runtime picks the buffer length (at most max_seq_len: the rope table covers that).
-    cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim)
-    out_cache_dims = io.cache_dims(variant, cfg.num_kv_heads, cfg.head_dim, output=True)
+    # Per layer: gemma4's global layers have their own head size and KV heads.
+    def cache_dims(i: int, output: bool = False) -> list:
+        own = cfg.for_layer(i)
+        return io.cache_dims(variant, own.num_kv_heads, own.head_dim, output=output)
+
     caches_in = []
     key_major = b.deltanet_op == LINEAR_ATTENTION
     for i in range(cfg.num_layers):
         # An attention layer's KV cache, a recurrent layer's states (falcon_h1's parallel layers: both, in that
-        # order); nemotron_h's MLP / experts blocks carry nothing.
+        # order); nemotron_h's MLP / experts blocks and gemma4's KV-shared layers carry nothing.
         layer = ()
-        if cfg.is_attention(i):
+        if cfg.has_cache(i):
             names = io.cache_names(variant, i)
-            layer += (_input(names[0], dtype, cache_dims), _input(names[1], dtype, cache_dims))
+            layer += (_input(names[0], dtype, cache_dims(i)), _input(names[1], dtype, cache_dims(i)))
         if cfg.is_recurrent(i):
             layer += tuple(_input(io.state_names(i, kind)[0], dt, dims) for kind, dt, dims in state_layout(cfg, dtype, key_major))
         caches_in.append(layer)
@@ -230,8 +242,8 @@ def build_graph(
     def step_for(i: int) -> StepInputs:
         rope, window, chunk = (cfg.layer_rope(i) if cfg.uses_rope(i) else None), cfg.window(i), cfg.chunk(i)
         if (rope, window, chunk) not in layer_steps:
-            if rope is not None and rope not in rotaries:
-                rotaries[rope] = _rotary(b, cfg, rope, table_len, variant, lengths, position_ids)
+            if rope is not None and rope not in rotaries:  # (a rope per layer type: the head size of its layers)
+                rotaries[rope] = _rotary(b, cfg.for_layer(i), rope, table_len, variant, lengths, position_ids)
             extra = {"rotary": rotaries.get(rope), "window": window}
             if chunk and variant is Variant.GQA:
                 raise ExportError(f"{cfg.architecture}'s chunked attention (attention_chunk_size {chunk}) has no "
@@ -256,32 +268,38 @@ def build_graph(
         # Left-padded rows: the recurrent layers zero their input at this step's padding.
         step.token_mask = step_token_mask(b, input_ids, attention_mask)
 
-    embed = b.weight(arch.embed_tokens)
+    embed = b.weight(arch.embed_tokens) if cfg.tie_word_embeddings or not inputs_embeds else None
     if cfg.tie_word_embeddings:
         # One [hidden, vocab] copy serves both ends: the LM head's MatMul reads it as is and the
         # embedding gathers its columns, instead of storing the table twice (file and device memory).
         embed_t = b.op("Transpose", [embed], {"perm": [1, 0]})
+    if inputs_embeds:
+        x = input_ids  # embedded and scaled already, by the embedding graph
+    elif cfg.tie_word_embeddings:
         x = b.op("Transpose", [b.op("Gather", [embed_t, input_ids], {"axis": 1})], {"perm": [1, 2, 0]})
     else:
         x = b.op("Gather", [embed, input_ids], {"axis": 0})
-    if cfg.embedding_scale is not None and cfg.embedding_scale != 1.0:
+    if cfg.embedding_scale is not None and cfg.embedding_scale != 1.0 and not inputs_embeds:
         x = b.op("Mul", [x, b.scalar(cfg.embedding_scale)])  # gemma: sqrt(hidden); granite: its multiplier
+    per_layer = per_layer_inputs(b, arch, cfg, input_ids, x) if cfg.per_layer_input else None
     outputs = []
     post_norm = arch.norm_layout == POST_NORM
     h = x if post_norm else norm(b, arch, x, arch.names(0)["input_norm"], cfg.rms_norm_eps)
+    shared_kv = {}  # gemma4: each layer's keys and values, for the layers that share them
     for i in range(cfg.num_layers):
-        mlp_out, x, cache_out = decoder_layer(b, h, x, arch, cfg, i, variant, step_for(i), caches_in[i])
+        mlp_out, x, cache_out = decoder_layer(b, h, x, arch, cfg.for_layer(i), i, variant, step_for(i), caches_in[i],
+                                              shared_kv)
         last = i + 1 == cfg.num_layers
         if post_norm and not last:
             x = h = b.op("Add", [x, mlp_out])
         else:
             next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
-            h, x = residual_norm(b, arch, x, mlp_out, next_norm, cfg.rms_norm_eps)
-        if cfg.is_attention(i):
+            h, x = end_layer(b, arch, cfg, i, x, mlp_out, next_norm, per_layer)
+        if cfg.has_cache(i):
             names = io.cache_names(variant, i)
             outputs += [
-                _name_output(cache_out[0], names[2], dtype, out_cache_dims),
-                _name_output(cache_out[1], names[3], dtype, out_cache_dims),
+                _name_output(cache_out[0], names[2], dtype, cache_dims(i, output=True)),
+                _name_output(cache_out[1], names[3], dtype, cache_dims(i, output=True)),
             ]
             cache_out = cache_out[2:]
         if cfg.is_recurrent(i):

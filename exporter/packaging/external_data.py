@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from exporter.contract import DATA_FILE, MODEL_FILE
+from exporter.contract import DATA_FILE, MODEL_FILE, data_file
 
 # onnx-ir's default ``size_threshold_bytes``: tensors up to this size stay in model.onnx.
 INLINE_MAX_BYTES = 256
@@ -108,13 +108,16 @@ def external_values(model: ir.Model) -> list[ir.Value]:
             if value.const_value is not None and value.const_value.nbytes > INLINE_MAX_BYTES]
 
 
-def write_model_files(model: ir.Model, out_dir: Path, on_bytes: Callable[[int], None] | None = None) -> WrittenFile:
-    """Write ``out_dir / model.onnx`` and ``out_dir / model.onnx.data``; returns the data file's sha256 and size.
+def write_model_files(model: ir.Model, out_dir: Path, on_bytes: Callable[[int], None] | None = None,
+                      model_file: str = MODEL_FILE) -> WrittenFile:
+    """Write ``out_dir / model.onnx`` and ``out_dir / model.onnx.data`` (``model_file`` and its ``.data``: an
+    image-text export's vision.onnx, embedding.onnx); returns the data file's sha256 and size.
 
     The model is left as it was (its initializers keep their lazy tensors)."""
     out_dir = Path(out_dir)
     values = external_values(model)
-    writer = _HashingWriter(out_dir / DATA_FILE)
+    data_name = DATA_FILE if model_file == MODEL_FILE else data_file(model_file)
+    writer = _HashingWriter(out_dir / data_name)
     externals = []
     try:
         for value in values:
@@ -123,7 +126,7 @@ def write_model_files(model: ir.Model, out_dir: Path, on_bytes: Callable[[int], 
             write_tensor(tensor, writer)
             if writer.size - offset != tensor.nbytes:
                 raise RuntimeError(f"{tensor.name} wrote {writer.size - offset} bytes, expected {tensor.nbytes}")
-            externals.append(ir.ExternalTensor(DATA_FILE, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+            externals.append(ir.ExternalTensor(data_name, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape,
                                                name=tensor.name, base_dir=os.fspath(out_dir)))
             if on_bytes:
                 on_bytes(tensor.nbytes)
@@ -135,7 +138,7 @@ def write_model_files(model: ir.Model, out_dir: Path, on_bytes: Callable[[int], 
     try:
         for value, external in zip(values, externals):
             value.const_value = external
-        ir.save(model, out_dir / MODEL_FILE)  # external tensors are referenced, not copied
+        ir.save(model, out_dir / model_file)  # external tensors are referenced, not copied
     finally:
         for value, original in zip(values, originals):
             value.const_value = original

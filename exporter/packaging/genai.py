@@ -59,6 +59,10 @@ GENAI_MODEL_TYPES = {
     # The 2025-26 dense families: what differs from llama is in the graph (norm layouts, rotary pairing, query scales).
     "seed_oss": "decoder", "ernie4_5": "decoder", "olmo3": "decoder", "exaone4": "decoder", "ministral3": "decoder",
     "hunyuan_v1_dense": "decoder", "cohere2": "decoder", "apertus": "decoder",
+    # Gemma 4: genai reads each cache's KV heads and head size off the graph's inputs (its per-layer KV shapes); the
+    # per-layer inputs are computed in the graph from input_ids; the KV-shared layers are the last ones and carry no
+    # cache, so genai's layers are the ones before them (_genai_layers).
+    "gemma4_text": "decoder",
 }
 # A graph traced by transformers.exporters (exporter/graph/traced.py) carries everything model-specific
 # and takes the attn_dynamic contract's inputs, which genai's generic decoder feeds.
@@ -255,13 +259,29 @@ def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names:
     if config.architecture not in GENAI_MODEL_TYPES and not traced:
         return f"onnxruntime-genai has no decoder model type for {config.architecture!r}"
     past_key, past_value, _, _ = _cache_templates(variant)
+    cached = _cache_layers(config)
+    if cached != list(config.attention_layers) and cached != list(range(len(cached))):
+        return (f"layers {sorted(set(config.attention_layers) - set(cached))} read other layers' keys and values and "
+                "carry no cache, and they are not the last layers: onnxruntime-genai numbers a model's caches 0..n-1")
     fed = set(_GENAI_FED_INPUTS)
-    fed.update(t % i for t in (past_key, past_value) for i in config.attention_layers)
+    fed.update(t % i for t in (past_key, past_value) for i in cached)
     fed.update(t % i for t, _ in _state_templates(config).values() for i in range(config.num_layers) if config.is_recurrent(i))
     unfed = [name for name in input_names if name not in fed]
     if unfed:
         return f"graph inputs {', '.join(unfed)} are not ones onnxruntime-genai feeds"
     return None
+
+
+def _cache_layers(config: ModelConfig) -> list[int]:
+    """The attention layers with a KV cache of their own (not gemma4's KV-shared ones)."""
+    return [i for i in config.attention_layers if config.has_cache(i)]
+
+
+def _genai_layers(config: ModelConfig) -> int:
+    """genai's num_hidden_layers: the layers whose caches it feeds (past_key_values.0 .. n-1); where the last layers
+    share earlier layers' keys and values and carry none (gemma4), the layers before them."""
+    cached = _cache_layers(config)
+    return len(cached) if cached != list(config.attention_layers) else config.num_layers
 
 
 def build_genai_config(
@@ -277,7 +297,7 @@ def build_genai_config(
     past_key, past_value, present_key, present_value = _cache_templates(variant)
     for template, names in ((past_key, input_names), (past_value, input_names),
                             (present_key, output_names), (present_value, output_names)):
-        missing = [template % i for i in config.attention_layers if template % i not in names]
+        missing = [template % i for i in _cache_layers(config) if template % i not in names]
         if missing:
             raise AssertionError(f"graph contract and genai config disagree: {missing} not in the graph")
     inputs = {name: name for name in _GENAI_FED_INPUTS if name in input_names}
@@ -320,7 +340,7 @@ def build_genai_config(
         "head_size": config.head_dim,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_heads,
-        "num_hidden_layers": config.num_layers,
+        "num_hidden_layers": _genai_layers(config),
         "num_key_value_heads": config.num_kv_heads,
         "inputs": inputs,
         "outputs": outputs,

@@ -190,6 +190,10 @@ for _type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
         "the export caches multi-head latent attention's latent (one KV head of kv_lora_rank + qk_rope_head_dim), "
         "while transformers.js 4.3 and optimum feed per-head caches sized from the config")
 
+TRANSFORMERSJS_REFUSES["gemma4_text"] = (
+    "transformers.js 4.3 feeds a cache to every layer, all alike in size from config.json (getKeyValueShapes), "
+    "while Gemma 4's global layers have their own head size and KV heads and its KV-shared layers take no cache")
+
 
 def check_family(checkpoint_dir: Path) -> None:
     """ExportError when transformers.js cannot drive the checkpoint's family (TRANSFORMERSJS_REFUSES)."""

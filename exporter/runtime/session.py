@@ -33,7 +33,7 @@ from exporter.request import Variant
 from exporter.runtime.device import cuda_provider
 from exporter.runtime.isolated import phase
 from exporter.contract import (
-    ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, LOGITS, META_CONFIG, META_PREFIX,
+    ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, INPUTS_EMBEDS, LOGITS, META_CONFIG, META_PREFIX,
     META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, is_state_input, numpy_of_ort,
     static_cache_counts,
 )
@@ -192,6 +192,9 @@ class Decoder:
             # onnxruntime-genai's builder leaves head_dim symbolic; its genai_config.json has it.
             genai = json.loads((self.model_path.parent / GENAI_CONFIG_FILE).read_text())["model"]["decoder"]
             self.cache_dims[-1] = genai["head_size"]
+        # Each cache's own dims (gemma4's global layers have their own head size and KV heads).
+        self.pair_dims = {name: [self.cache_dims[-1] if k + 1 == len(self.cache_dims) and not isinstance(d, int) else d
+                                 for k, d in enumerate(self.inputs[name].shape)] for name, _ in self.pairs}
         self.mask_dtype = numpy_of_ort(self.inputs[ATTENTION_MASK].type) if ATTENTION_MASK in self.inputs else np.int64
         self.logits_dtype = numpy_of_ort(self.session.get_outputs()[0].type)
         self.vocab = self.session.get_outputs()[0].shape[2]
@@ -201,6 +204,20 @@ class Decoder:
         self.max_seq_len = config.get("max_seq_len")
         self._graph_ids = 0
         self._cast = None  # bfloat16 -> float32 on the device, for reading logits back
+        # A decoder taking inputs_embeds (an image-text export's): input_ids [batch, seq] -> its embeddings,
+        # set by the driver that owns the embedding graph (exporter.runtime.image_text).
+        self.embed = None
+
+    def _embedded(self, feeds: dict) -> dict:
+        """``feeds`` as the graph takes them: input_ids through ``embed`` where it takes inputs_embeds."""
+        if INPUTS_EMBEDS not in self.inputs:
+            return feeds
+        if self.embed is None:
+            raise ValueError(f"{self.model_path} takes {INPUTS_EMBEDS}: drive it through its embedding graph "
+                             "(exporter.runtime.image_text.ImageTextModel)")
+        feeds = dict(feeds)
+        feeds[INPUTS_EMBEDS] = self.embed(feeds.pop(INPUT_IDS))
+        return feeds
 
     @property
     def num_layers(self) -> int:
@@ -244,9 +261,12 @@ class Decoder:
     def new_state(self, batch: int = 1, buffer: int | None = None) -> CacheState:
         """Empty caches: attn_static's whole buffer (default: the exported max_seq_len), else an empty past."""
         width = (buffer or self.max_seq_len) if self.mode == STATIC else 0
-        shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
-        caches = [np.zeros(shape, self.dtype.numpy) for _ in self.pairs]
+        caches = [np.zeros(self._cache_shape(name, batch, width), self.dtype.numpy) for name, _ in self.pairs]
         return CacheState(caches, np.zeros(batch, np.int64), width, np.zeros(batch, np.int64), self.new_states(batch))
+
+    def _cache_shape(self, name: str, batch: int, positions: int) -> list[int]:
+        """The cache input ``name`` of ``batch`` rows holding ``positions`` positions."""
+        return [batch] + [d if isinstance(d, int) else positions for d in self.pair_dims[name][1:]]
 
     def new_states(self, batch: int) -> dict[str, np.ndarray]:
         """A hybrid's recurrent states at the start of a sequence: zeros."""
@@ -303,6 +323,7 @@ class Decoder:
         for (name_in, _), cache in zip(self.pairs, state.caches):
             feeds[name_in] = cache
         feeds.update(state.states)
+        feeds = self._embedded(feeds)
         logits = np.empty((batch, seq, self.vocab), self.logits_dtype)
         new_states = {out: np.empty(state.states[name].shape, state.states[name].dtype) for name, out in self.state_pairs}
         if in_place:  # each cache input and its updated output are one (host) buffer
@@ -312,8 +333,8 @@ class Decoder:
                 state.states[name][...] = outputs[out]
         else:
             width = state.width if self.mode == STATIC else state.width + seq
-            shape = [batch] + [d if isinstance(d, int) else width for d in self.cache_dims[1:]]
-            outputs = {LOGITS: logits, **new_states, **{out: np.empty(shape, self.dtype.numpy) for _, out in self.pairs}}
+            outputs = {LOGITS: logits, **new_states,
+                       **{out: np.empty(self._cache_shape(name, batch, width), self.dtype.numpy) for name, out in self.pairs}}
             if self.dtype.name == "bf16":
                 run_bound(self.session, feeds, outputs)
             else:
@@ -346,8 +367,8 @@ class Decoder:
     def new_caches(self, buffer: int, batch: int = 1) -> dict:
         """Zeroed device cache buffers of ``buffer`` positions (dynamic: an empty past)."""
         length = 0 if self.mode == DYNAMIC else buffer
-        shape = [batch] + [d if isinstance(d, int) else length for d in self.cache_dims[1:]]
-        caches = {name: self._device_value(np.zeros(shape, self.dtype.numpy)) for name, _ in self.pairs}
+        caches = {name: self._device_value(np.zeros(self._cache_shape(name, batch, length), self.dtype.numpy))
+                  for name, _ in self.pairs}
         # A hybrid's states in two buffers each, by input and output name: a step reads one and writes
         # the other, then they swap (``_swap_states``).
         zeros = self.new_states(batch)
@@ -402,7 +423,7 @@ class Decoder:
             feeds = self.step_feeds(tokens, np.zeros(batch, np.int64), np.full(batch, seq, np.int64), 0)
         else:
             feeds = self._bound_feeds(tokens, past, buffer)
-        for name, array in feeds.items():
+        for name, array in self._embedded(feeds).items():
             binding.bind_ortvalue_input(name, self._device_value(array))
         binding.bind_output(LOGITS, self.device, self.device_id)  # first: outputs come back in binding order
         self._bind_caches(binding, caches)

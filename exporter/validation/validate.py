@@ -31,6 +31,7 @@ from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE,
 from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
+from exporter.packaging.image_text import component_sources
 from exporter.packaging.resolve import resolve_source
 from exporter.contract import (
     BUILDER_TRACED, GENAI_CONFIG_FILE, MANIFEST_FILE, META_BUILDER, META_PREFIX, MODEL_FILE, REPORT_JSON, REPORT_MD,
@@ -58,6 +59,8 @@ class ValidationReport:
     parity: dict | None = None
     quality: dict | None = None  # quantized exports: the quality gate's figures
     genai: dict | None = None  # what the genai gate checked (None: the export is not a genai package)
+    # an image-text export: a section per component (vision, embedding, end_to_end; validation/image_text.py)
+    components: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -85,6 +88,7 @@ class ValidationReport:
             "parity": self.parity,
             **({"quality": self.quality} if self.quality else {}),
             **({"genai": self.genai} if self.genai else {}),
+            **({"components": self.components} if self.components else {}),
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
 
@@ -153,6 +157,10 @@ def render_markdown(data: dict) -> str:
     if parity:
         lines += ["", f"Near ties (reference top-1/top-2 gap below the margin): {len(parity['near_ties'])} "
                   f"at steps {parity['near_ties']}; tokens that differed there: {parity['tie_mismatches']}."]
+    if data.get("components"):
+        from exporter.validation.image_text import render_sections
+
+        lines += render_sections(data["components"])
     details = next((g["details"] for g in data["gates"] if g["gate"] == "weights" and g.get("details")), {})
     worst = details.get("worst", [])
     if "bit_exact" in details:
@@ -242,7 +250,7 @@ def validate_export(
     recurrent = cfg.get("recurrent") or {}
     gates += structure_gates(model_path, variant, activations, cfg["num_layers"], compat,
                              tuple(recurrent.get("layers", ())), tuple(recurrent.get("ops", ())),
-                             recurrent.get("attention_layers"), traced)
+                             recurrent.get("attention_layers"), traced, tuple(cfg.get("kv_shared_layers", ())))
     timings["structure"] = time.perf_counter() - t0
     checkpoints.checkpoint()
 
@@ -252,8 +260,20 @@ def validate_export(
     # (and where parity computes the reference for an export on a device, transformers' model
     # loads on a third: reference_beside_session; the quantized quality gate loads it after).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
+        # an image-text export: the tensors its vision and embedding graphs read are not missing from model.onnx
+        elsewhere = component_sources(manifest["image_text"]) if manifest.get("image_text") else frozenset()
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
-                              activations, traced)
+                              activations, traced, elsewhere)
+        if cfg.get("image_text"):  # vision -> embedding -> decoder against transformers' image-text model
+            from exporter.validation.image_text import component_weight_gates, image_text_gates
+
+            t0 = time.perf_counter()
+            runtime, components = image_text_gates(export_dir, Path(ref_source.path), ep, dtype, activations, steps)
+            timings["image_text"] = time.perf_counter() - t0
+            (weight_results, _), timings["weights"] = weights.result()
+            weight_results += component_weight_gates(export_dir, manifest, Checkpoint(ref_source.path), activations)
+            return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates + weight_results + runtime,
+                                    timings, components=components)
         runtime: list[GateResult] = []
         # the export's own greedy tokens on a prompt, for the genai gate (None: it will not run)
         own: dict | None = {} if will_check_genai(manifest) else None

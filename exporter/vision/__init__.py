@@ -3,8 +3,10 @@ config.json and the lazy checkpoint weights, equal to transformers' on the same 
 
 Families (``FAMILIES``, keyed by config.json's model_type): gemma3 (SigLIP + pooled, soft-normed
 projection), llava (CLIP or SigLIP tower, vision_feature_layer(s), vision_feature_select_strategy,
-the MLP projector), idefics3 and smolvlm (SigLIP + pixel shuffle + projection). Anything else, or a
-setting these graphs do not compute, is refused with an ExportError naming it.
+the MLP projector), idefics3 and smolvlm (SigLIP + pixel shuffle + projection), qwen2_5_vl (dynamic
+resolution: Conv3d patches, 2-D rotary, window attention, the PatchMerger; exporter.vision.qwen2_5_vl).
+Anything else (qwen2_vl, qwen3_vl and its deepstack features, mistral3, ...), or a setting these graphs do
+not compute, is refused with an ExportError naming it.
 
 Contract (names in exporter.vision.graphs; opset 24 + com.microsoft, IR 11):
 
@@ -17,21 +19,37 @@ vision graph (``build_vision_graph``)
         ``get_image_features(pixel_values)`` pooler output per image (gemma3: mm_tokens_per_image rows;
         llava: the patches, less the class token under "default"; idefics3: patches / scale_factor^2).
 
+qwen2_5_vl's vision graph takes any image size the processor makes (one graph, no Loop, the layout
+computed from image_grid_thw: exporter.vision.patch_grid):
+    in  ``pixel_values``    float32 [num_patches, channels * temporal_patch_size * patch_size^2]: the
+        processor's flattened patches, image after image.
+    in  ``image_grid_thw``  int64 [num_images, 3]: the processor's (frames, patch rows, patch columns).
+    out ``image_features``  dtype [num_image_tokens, text hidden_size], num_image_tokens = sum(t * h * w) /
+        spatial_merge_size^2: ``get_image_features``' per-image tuple concatenated. 2-D, because images
+        differ in token count (a ragged 3-D tensor does not exist) and the embedding only needs the rows in
+        order. The input names are onnxruntime-genai's Qwen2.5-VL processor's (transformers.js' Qwen2-VL
+        feeds ``grid_thw``: its layout would rename the input). A grid of several frames gives
+        ``get_video_features``' result (tested), though no embedding graph takes it.
+
 embedding graph (``build_embedding_graph``)
     in  ``input_ids``       int64 [batch_size, sequence_length]
-    in  ``image_features``  dtype [num_images, tokens_per_image, text hidden_size] (num_images may be 0)
+    in  ``image_features``  dtype [num_images, tokens_per_image, text hidden_size] (num_images may be 0);
+        qwen2_5_vl: the vision graph's 2-D [num_image_tokens, text hidden_size] (video tokens, video_token_id,
+        are not merged: they keep their table row)
     out ``inputs_embeds``   dtype [batch_size, sequence_length, text hidden_size]: the token embedding
         (gemma3 scaled by sqrt(hidden_size)) with image feature rows, in order, at the image-token
         positions, as transformers' masked_scatter merges them. The prompt must hold exactly
         num_images * tokens_per_image image tokens (more index past the features: onnxruntime errors).
 
-Both models carry metadata ``exportfarm.vision.tokens_per_image``, ``.image_token_id`` and ``.image_size``.
+Both models carry metadata ``exportfarm.vision.tokens_per_image``, ``.image_token_id`` and ``.image_size``
+(qwen2_5_vl: tokens_per_image and image_size 0, as both follow image_grid_thw).
 """
 
 from exporter.vision.config import VisionConfig
 from exporter.vision.families import FAMILIES, VisionFamily
 from exporter.vision.graphs import (
     IMAGE_FEATURES,
+    IMAGE_GRID_THW,
     INPUT_IDS,
     INPUTS_EMBEDS,
     PIXEL_VALUES,
@@ -41,6 +59,7 @@ from exporter.vision.graphs import (
 )
 
 __all__ = [
-    "FAMILIES", "IMAGE_FEATURES", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES", "VisionConfig", "VisionFamily",
+    "FAMILIES", "IMAGE_FEATURES", "IMAGE_GRID_THW", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES", "VisionConfig",
+    "VisionFamily",
     "build_embedding_graph", "build_vision_graph", "load_vision_config",
 ]

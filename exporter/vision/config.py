@@ -16,6 +16,8 @@ from exporter.graph.config import read_raw_config
 
 # The vision towers the builder knows: a ViT with a class token and a pre-norm (CLIP) or without (SigLIP).
 CLIP, SIGLIP = "clip", "siglip"
+# A dynamic-resolution tower: flattened patches of any grid in, 2-D rotary, window attention (Qwen2.5-VL).
+QWEN2_5_VL = "qwen2_5_vl"
 _TOWERS = {"clip_vision_model": CLIP, "siglip_vision_model": SIGLIP, "idefics3_vision": SIGLIP,
            "smolvlm_vision": SIGLIP}
 # Activations as transformers names them -> how the MLPs compute them (encoder.activation).
@@ -52,6 +54,19 @@ class VisionConfig:
     tokens_per_image: int = 0  # image_features rows per image
     pool_kernel: int = 1  # gemma3's average pool
     scale_factor: int = 1  # idefics3's pixel shuffle
+    # Dynamic-resolution towers (QWEN2_5_VL; image_size and tokens_per_image 0: they follow image_grid_thw):
+    # a patch spans temporal_patch_size frames, spatial_merge_size^2 neighbouring patches become one token,
+    # attention stays within windows of ``window`` x ``window`` merged tokens except on full_attention_layers.
+    temporal_patch_size: int = 1
+    spatial_merge_size: int = 1
+    window: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    rope_theta: int = 0  # the 2-D rotary's base (an integer, cast to fp32 in the graph)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch (QWEN2_5_VL's pixel_values rows): channels x frames x patch^2."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
     def grid(self) -> int:
@@ -83,6 +98,8 @@ def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> Visi
                           f"{', '.join(supported)} (image-text checkpoints with a CLIP / SigLIP tower)")
     hf = _transformers_config(Path(checkpoint_dir))
     vision, text = hf.vision_config, hf.get_text_config()
+    if model_type == "qwen2_5_vl":
+        return _qwen2_5_vl(hf, vision, text)
     tower = _TOWERS.get(vision.model_type)
     if tower is None:
         raise ExportError(f"{model_type}'s vision tower is {vision.model_type!r}, which the vision builder does not "
@@ -148,3 +165,41 @@ def _llava(hf, common: dict, grid: int) -> VisionConfig:
     tokens = grid * grid + (common["tower"] == CLIP) - drop
     return VisionConfig(**{**common, "num_layers": max(resolved), "feature_layers": resolved, "drop_class_token": drop},
                         projector_act=hf.projector_hidden_act, tokens_per_image=tokens)
+
+
+def _qwen2_5_vl(hf, vision, text) -> VisionConfig:
+    """Qwen2_5_VisionTransformerPretrainedModel + its PatchMerger: RMSNorm (eps 1e-6, fixed in transformers),
+    a gated MLP, 2-D axial rotary, windows of ``window_size // spatial_merge_size // patch_size`` merged tokens."""
+    act = vision.hidden_act
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ExportError(f"qwen2_5_vl's vision_config.hidden_act {act!r} is not one the vision builder computes "
+                          "for its gated MLP (silu, gelu_pytorch_tanh)")
+    heads, hidden = vision.num_heads, vision.hidden_size
+    if hidden % heads or (hidden // heads) % 4:
+        raise ExportError(f"qwen2_5_vl's vision hidden_size {hidden} over num_heads {heads} must give a head_dim "
+                          "that is a multiple of 4 (its rotary splits each half between rows and columns): "
+                          "fix config.json")
+    rope = dict(vision.rope_parameters or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
+        raise ExportError(f"qwen2_5_vl's vision rope_parameters {rope} are not what the vision builder computes: an "
+                          "axial rope whose rope_theta is a whole number")
+    merge = vision.spatial_merge_size
+    window = vision.window_size // merge // vision.patch_size
+    if window < 1:
+        raise ExportError(f"qwen2_5_vl's vision window_size {vision.window_size} is under one merged token "
+                          f"(spatial_merge_size {merge} x patch_size {vision.patch_size} pixels): fix config.json")
+    full = tuple(sorted(set(vision.fullatt_block_indexes)))
+    if any(not 0 <= i < vision.depth for i in full):
+        raise ExportError(f"qwen2_5_vl's fullatt_block_indexes {list(vision.fullatt_block_indexes)} name blocks "
+                          f"outside its depth {vision.depth}: fix config.json")
+    if vision.out_hidden_size != text.hidden_size:
+        raise ExportError(f"qwen2_5_vl's merger gives {vision.out_hidden_size} channels (vision out_hidden_size) "
+                          f"but the text hidden_size is {text.hidden_size}: fix config.json")
+    return VisionConfig(
+        model_type="qwen2_5_vl", tower=QWEN2_5_VL, hidden_size=hidden, num_heads=heads,
+        intermediate_size=vision.intermediate_size, num_layers=vision.depth, image_size=0,
+        patch_size=vision.patch_size, num_channels=vision.in_channels, layer_norm_eps=1e-6, hidden_act=act,
+        feature_layers=None, drop_class_token=False, text_hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+        image_token_id=hf.image_token_id, embed_scale=None, temporal_patch_size=vision.temporal_patch_size,
+        spatial_merge_size=merge, window=window, full_attention_layers=full, rope_theta=int(theta))

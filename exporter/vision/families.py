@@ -14,6 +14,7 @@ from exporter.graph.components.graph import GraphBuilder
 from exporter.packaging.checkpoint import Checkpoint
 from exporter.vision.config import VisionConfig
 from exporter.vision.projectors import gemma3_projector, llava_projector, pixel_shuffle_projector
+from exporter.vision.qwen2_5_vl import patch_merger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +35,12 @@ class VisionFamily:
     projector_module: str  # the projector's module name (its weights' common part)
     # Rows of the position table each patch reads, where they are not 0..n-1 (None: they are).
     position_ids: Callable[[VisionConfig], np.ndarray | None] = lambda cfg: None
+    patch_embedding: str = "embeddings.patch_embedding.weight"  # the tower's weight whose prefix names the tower
 
     def module_names(self, checkpoint: Checkpoint) -> ModuleNames:
         names = checkpoint.names()
-        tower = _one({n.removesuffix("embeddings.patch_embedding.weight") for n in names
-                      if n.endswith("embeddings.patch_embedding.weight")}, "vision tower patch embedding")
+        tower = _one({n.removesuffix(self.patch_embedding) for n in names if n.endswith(self.patch_embedding)},
+                     "vision tower patch embedding")
         module = f"{self.projector_module}."
         projector = _one({n[: n.index(module) + len(module)] for n in names if module in n}, f"{module} projector")
         embed = _one({n for n in names if n.endswith("embed_tokens.weight") and not n.startswith(tower)},
@@ -78,5 +80,7 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("llava", llava_projector, "multi_modal_projector"),
         VisionFamily("idefics3", pixel_shuffle_projector, "connector", idefics3_position_ids),
         VisionFamily("smolvlm", pixel_shuffle_projector, "connector", idefics3_position_ids),
+        # The tower and merger are one graph (qwen2_5_vl.qwen2_5_vl_tower); the merger is inside the tower module.
+        VisionFamily("qwen2_5_vl", patch_merger, "merger", patch_embedding="patch_embed.proj.weight"),
     )
 }

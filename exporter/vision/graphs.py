@@ -1,6 +1,7 @@
 """The two graphs of an image-text export besides its decoder: the vision encoder (tower + projector)
 and the embedding (token embedding with image features scattered into the image-token positions).
-This module owns their inputs and outputs (exporter.vision's docstring states the contract)."""
+Their input and output names and metadata keys are exporter.contract's (exporter.vision's docstring
+states the contract)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,22 @@ import numpy as np
 import onnx_ir as ir
 
 from exporter import __version__
-from exporter.contract import META_PREFIX
+from exporter.contract import (
+    BATCH, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_TOKENS_PER_IMAGE,
+    NUM_IMAGES, PIXEL_VALUES, SEQ,
+)
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.target import CURRENT
 from exporter.packaging.checkpoint import Checkpoint
-from exporter.vision.config import VisionConfig, read_vision_config
+from exporter.vision.config import QWEN2_5_VL, VisionConfig, read_vision_config
 from exporter.vision.encoder import vision_tower
 from exporter.vision.families import FAMILIES, VisionFamily
+from exporter.vision.qwen2_5_vl import qwen2_5_vl_tower
 
-PIXEL_VALUES = "pixel_values"
-IMAGE_FEATURES = "image_features"
-INPUT_IDS = "input_ids"
-INPUTS_EMBEDS = "inputs_embeds"
-NUM_IMAGES, BATCH, SEQ = "num_images", "batch_size", "sequence_length"
-# Metadata both graphs carry, so a runtime can check a prompt's image tokens against the features.
-META_TOKENS_PER_IMAGE = f"{META_PREFIX}vision.tokens_per_image"
-META_IMAGE_TOKEN_ID = f"{META_PREFIX}vision.image_token_id"
-META_IMAGE_SIZE = f"{META_PREFIX}vision.image_size"
+# Dynamic-resolution towers (qwen2_5_vl): the processor's grid beside its flattened patches, and the
+# symbolic dims of both. (To move into exporter.contract beside PIXEL_VALUES.)
+IMAGE_GRID_THW = "image_grid_thw"  # vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
+NUM_PATCHES, NUM_IMAGE_TOKENS = "num_patches", "num_image_tokens"
 
 FLOAT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
@@ -70,6 +70,8 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
+    if cfg.tower == QWEN2_5_VL:
+        return _patch_sequence_vision_graph(b, cfg, names.tower, names.projector)
     pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_IMAGES, cfg.num_channels, cfg.image_size, cfg.image_size])
     # Image processors give fp32; the tower computes in the model dtype, as transformers casts to it.
     x = pixels if dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": dtype})
@@ -77,6 +79,18 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     features = family.projector(b, states, cfg, names.projector)
     out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGES, cfg.tokens_per_image, cfg.text_hidden_size])
     return _model(b, [pixels], [out], f"{cfg.model_type}_vision", cfg)
+
+
+def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, tower: str, merger: str) -> ir.Model:
+    """qwen2_5_vl: ``pixel_values`` fp32 [num_patches, patch_dim] + ``image_grid_thw`` int64 [num_images, 3]
+    -> ``image_features`` [num_image_tokens, text hidden], the images' merged tokens one after another
+    (transformers' get_image_features, its per-image tuple concatenated)."""
+    pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_PATCHES, cfg.patch_dim])
+    grid = _input(IMAGE_GRID_THW, ir.DataType.INT64, [NUM_IMAGES, 3])
+    x = pixels if b.dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": b.dtype})
+    features = qwen2_5_vl_tower(b, x, grid, cfg, tower, merger)
+    out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
+    return _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
 
 
 def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
@@ -90,20 +104,28 @@ def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType
     b = GraphBuilder(checkpoint, dtype)
     hidden = cfg.text_hidden_size
     ids = _input(INPUT_IDS, ir.DataType.INT64, [BATCH, SEQ])
-    features = _input(IMAGE_FEATURES, dtype, [NUM_IMAGES, cfg.tokens_per_image, hidden])
+    dims = [NUM_IMAGE_TOKENS, hidden] if cfg.tower == QWEN2_5_VL else [NUM_IMAGES, cfg.tokens_per_image, hidden]
+    features = _input(IMAGE_FEATURES, dtype, dims)
     is_image = b.op("Equal", [ids, b.scalar_i64(cfg.image_token_id)])
-    text_ids = b.op("Where", [is_image, b.scalar_i64(0), ids])
-    x = b.op("Gather", [b.weight(names.embed_tokens), text_ids], {"axis": 0})
-    if cfg.embed_scale is not None:
-        x = b.op("Mul", [x, b.scalar(cfg.embed_scale)])
     # The k-th image token (row-major over batch and sequence) takes feature row k: row k + 1 of the
     # features behind one zero row, which every other position indexes (and which keeps the Gather
-    # valid when there are no images).
+    # valid when there are no images). An image token past the features (one the model generated in a
+    # decode step, where there are none) is embedded as transformers embeds it without pixel_values.
     rows = b.op("Concat", [b.constant(np.zeros((1, hidden), dtype.numpy()), "vision_zero_row"),
                            b.op("Reshape", [features, b.ints(-1, hidden)])], {"axis": 0})
     flags = b.op("Cast", [b.op("Reshape", [is_image, b.ints(-1)])], {"to": ir.DataType.INT64})
     order = b.op("Mul", [b.op("CumSum", [flags, b.scalar_i64(0)]), flags])
+    available = b.op("Sub", [b.op("Shape", [rows], {"start": 0, "end": 1}), b.scalar_i64(1)])
+    has_feature = b.op("And", [b.op("Cast", [order], {"to": ir.DataType.BOOL}),
+                               b.op("LessOrEqual", [order, available])])
+    order = b.op("Where", [has_feature, order, b.scalar_i64(0)])
+    has_feature = b.op("Reshape", [has_feature, b.op("Shape", [ids])])
+    # gemma3 looks every image token up as id 0 (its id may lie past the table); the others their own row.
+    text_ids = b.op("Where", [is_image if cfg.model_type == "gemma3" else has_feature, b.scalar_i64(0), ids])
+    x = b.op("Gather", [b.weight(names.embed_tokens), text_ids], {"axis": 0})
+    if cfg.embed_scale is not None:
+        x = b.op("Mul", [x, b.scalar(cfg.embed_scale)])
     picked = b.op("Gather", [rows, b.op("Reshape", [order, b.op("Shape", [ids])])], {"axis": 0})
-    merged = b.op("Where", [b.op("Unsqueeze", [is_image, b.ints(-1)]), picked, x])
+    merged = b.op("Where", [b.op("Unsqueeze", [has_feature, b.ints(-1)]), picked, x])
     out = _output(merged, INPUTS_EMBEDS, dtype, [BATCH, SEQ, hidden])
     return _model(b, [ids, features], [out], f"{cfg.model_type}_embedding", cfg)

@@ -38,19 +38,36 @@ VLM_CONFIGS = {
                                       image_token_id=IMAGE_TOKEN)),
 }
 
+# Dynamic-resolution towers, apart from VLM_CONFIGS: they take flattened patches and image_grid_thw, not
+# images of one size (tests/test_vision_qwen.py, not tests/test_vision.py's fixed-size cases).
+PATCH_SEQUENCE_CONFIGS = {
+    # qwen2_5_vl: 4-pixel patches over 2 frames, 2 x 2 merged, windows of 2 x 2 merged tokens
+    # (window_size 16 pixels) on blocks 0 and 2, full attention on 1 and 3; the text side's M-RoPE sections
+    # sized to its head_dim 16.
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(
+        text_config={**TEXT, "model_type": "qwen2_5_vl_text", "bos_token_id": 1, "eos_token_id": 2,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1, 3],
+                           out_hidden_size=TEXT["hidden_size"], hidden_act="silu"),
+        image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+        vision_end_token_id=IMAGE_TOKEN + 3)),
+}
+
 
 def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
-    """Write config.json + safetensors of a random ``VLM_CONFIGS[name]`` model to ``out_dir``; returns it."""
+    """Write config.json + safetensors of a random ``VLM_CONFIGS[name]`` (or ``PATCH_SEQUENCE_CONFIGS[name]``)
+    model to ``out_dir``; returns it."""
     import torch
     import transformers
 
-    class_name, kwargs = VLM_CONFIGS[name]
+    class_name, kwargs = {**VLM_CONFIGS, **PATCH_SEQUENCE_CONFIGS}[name]
     config = getattr(transformers, class_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if "norm" in param_name:
+            if "norm" in param_name or ".ln_q." in param_name:  # ln_q: qwen2_5_vl's merger RMSNorm
                 param.uniform_(0.8, 1.2) if "soft_emb_norm" not in param_name else param.uniform_(-0.2, 0.2)
             elif param_name.endswith("bias"):
                 param.normal_(0.0, 0.1)

@@ -1,7 +1,7 @@
 """Registry of supported architectures, keyed by config.json ``model_type``."""
 
 from exporter.graph.architectures import (
-    apertus, cohere2, deepseek_v2, deepseek_v3, glm4_moe_lite, ernie4_5, ernie4_5_moe, exaone4, falcon_h1, glm4_moe, hunyuan_v1_dense, llama4_text, ministral3, olmo3, seed_oss, gemma2, gemma3, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
+    apertus, cohere2, deepseek_v2, deepseek_v3, glm4_moe_lite, ernie4_5, ernie4_5_moe, exaone4, falcon_h1, glm4_moe, hunyuan_v1_dense, llama4_text, ministral3, olmo3, seed_oss, gemma2, gemma3, gemma4_text, gpt_oss, granite, granitemoe, granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, olmo2,
     olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3,
 )
 from exporter.graph.architectures.base import Architecture
@@ -20,5 +20,5 @@ ARCHITECTURES: dict[str, Architecture] = {
               # The 2025-26 dense families.
               seed_oss.ARCHITECTURE, ernie4_5.ARCHITECTURE, olmo3.ARCHITECTURE, exaone4.ARCHITECTURE,
               ministral3.ARCHITECTURE, hunyuan_v1_dense.ARCHITECTURE, cohere2.ARCHITECTURE, apertus.ARCHITECTURE,
-              llama4_text.ARCHITECTURE)
+              llama4_text.ARCHITECTURE, gemma4_text.ARCHITECTURE)
 }

@@ -83,6 +83,11 @@ class Architecture:
             "down": f"{p}.mlp.down_proj",
             "q_norm": f"{p}.self_attn.q_norm.weight",
             "k_norm": f"{p}.self_attn.k_norm.weight",
+            # gemma4's per-layer input branch (PLE) and the scalar its layers' outputs are multiplied by.
+            "per_layer_gate": f"{p}.per_layer_input_gate.weight",
+            "per_layer_projection": f"{p}.per_layer_projection.weight",
+            "post_per_layer_norm": f"{p}.post_per_layer_input_norm.weight",
+            "layer_scalar": f"{p}.layer_scalar",
         }
 
     def recurrent_name(self, i: int, tensor: str) -> str:
@@ -157,3 +162,8 @@ class Architecture:
     final_norm = "model.norm.weight"
     lm_head = "lm_head.weight"
     lm_head_bias = "lm_head.bias"  # read where config.json's lm_head_bias says there is one (phimoe)
+    # gemma4's per-layer inputs (config.per_layer_input): the packed [vocab, layers * width] embedding, the projection
+    # of the embedded tokens to the same width and the norm of each layer's slice of it.
+    per_layer_embed = "model.embed_tokens_per_layer.weight"
+    per_layer_model_projection = "model.per_layer_model_projection.weight"
+    per_layer_projection_norm = "model.per_layer_projection_norm.weight"

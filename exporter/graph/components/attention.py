@@ -25,6 +25,7 @@ from exporter.graph.components.graph import GraphBuilder, linear
 from exporter.graph.components.norm import rms_norm
 from exporter.graph.components.rotary import Rotary, apply_rotary
 from exporter.graph.config import ModelConfig
+from exporter.request import Variant
 
 
 @dataclasses.dataclass
@@ -41,6 +42,25 @@ class AttentionWeights:
     # alternate with the query's head by head), and the output is attn * sigmoid(gate) before o.
     output_gate: bool = False
     qkv_scale: ir.Value | None = None  # [q + k + v] per output channel, after the projection (falcon_h1's key_multiplier)
+    # gemma4: the values are the keys as projected (qkv packs [q | k]: attention_k_eq_v); values through an RMSNorm per
+    # head (its weight: ones).
+    value_is_key: bool = False
+    v_norm: ir.Value | None = None
+
+
+@dataclasses.dataclass
+class SharedKV:
+    """A layer's keys and values as the later layers sharing them read them (gemma4's num_kv_shared_layers): its
+    caches after this step (attn_dynamic's present, [batch, kv_heads, total, head_dim]; attn_static's updated caches)
+    and, for GroupQueryAttention, which takes no finished cache but appends a step's keys to a past itself, that
+    past and this step's keys and values as the op took them (not rotated)."""
+
+    key: ir.Value
+    value: ir.Value
+    past_key: ir.Value | None = None
+    past_value: ir.Value | None = None
+    new_key: ir.Value | None = None
+    new_value: ir.Value | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +101,9 @@ def _projected(b: GraphBuilder, x: ir.Value, w: AttentionWeights) -> ir.Value:
 def _split_qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig):
     """q, k, v and the output gate (None without one) of one packed projection."""
     qkv = _projected(b, x, w)
+    if w.value_is_key:
+        q, k = b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size)], {"axis": -1}, num_outputs=2)
+        return q, k, k, None
     if w.output_gate:
         return b.op_multi("Split", [qkv, b.ints(cfg.q_size, cfg.kv_size, cfg.kv_size, cfg.q_size)], {"axis": -1},
                           num_outputs=4)
@@ -102,6 +125,7 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
     transpose per tensor per layer, which is most of a decode step's kernel count.
     """
     q, k, v, gate = _split_qkv(b, x, w, cfg)
+    v = _value_norm(b, v, w, cfg)
     if not cfg.qk_norm_after_rotary:
         q, k = _qk_norms(b, q, k, w, cfg)
     q, k, v = (_clipped(b, t, cfg) for t in (q, k, v))
@@ -119,6 +143,18 @@ def _qkv(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, ro
 def _qk_norms(b: GraphBuilder, q: ir.Value, k: ir.Value, w: AttentionWeights, cfg: ModelConfig):
     return (_head_norm(b, q, cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps, w.qk_norm_per_head),
             _head_norm(b, k, cfg.num_kv_heads, cfg.head_dim, w.k_norm, cfg.rms_norm_eps, w.qk_norm_per_head))
+
+
+def _value_norm(b: GraphBuilder, v: ir.Value, w: AttentionWeights, cfg: ModelConfig) -> ir.Value:
+    return _head_norm(b, v, cfg.num_kv_heads, cfg.head_dim, w.v_norm, cfg.rms_norm_eps)
+
+
+def _query(b: GraphBuilder, x: ir.Value, w: AttentionWeights, cfg: ModelConfig, rotary: Rotary | None) -> ir.Value:
+    """A KV-sharing layer's queries (its qkv holds q_proj alone): projected, normed per head, rotated unless the
+    attention op rotates them."""
+    q = _head_norm(b, linear(b, x, w.qkv, w.qkv_bias), cfg.num_heads, cfg.head_dim, w.q_norm, cfg.rms_norm_eps,
+                   w.qk_norm_per_head)
+    return apply_rotary(b, q, rotary, cfg.num_heads) if rotary is not None else q
 
 
 def position_scaled_query(b: GraphBuilder, q: ir.Value, cfg: ModelConfig, positions: ir.Value) -> ir.Value:
@@ -214,13 +250,20 @@ def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
     MultiHeadAttention takes neither fewer K/V heads than query heads nor soft-capping: grouped-query
     models repeat K/V here (as transformers' repeat_kv does), and soft-capped scores (gemma2) go
     through MatMul / Softmax instead."""
+    present_key = b.op("Concat", [past_key, _heads_first(b, k, cfg.num_kv_heads, cfg.head_dim)], {"axis": 2})
+    present_value = b.op("Concat", [past_value, _heads_first(b, v, cfg.num_kv_heads, cfg.head_dim)], {"axis": 2})
+    return compat_attend(b, q, present_key, present_value, cfg, step), present_key, present_value
+
+
+def _heads_first(b, x, n: int, d: int):
+    """[batch, seq, n*d] -> [batch, n, seq, d]."""
+    return b.op("Transpose", [b.op("Reshape", [x, b.ints(0, 0, n, d)])], {"perm": [0, 2, 1, 3]})
+
+
+def compat_attend(b, q, present_key, present_value, cfg, step: StepInputs):
+    """compat_core's attention over whole present caches (BNSH): K/V repeated to the query heads, MultiHeadAttention
+    (or MatMul / Softmax for soft-capped scores)."""
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def heads_first(x, n):  # [batch, seq, n*d] -> [batch, n, seq, d]
-        return b.op("Transpose", [b.op("Reshape", [x, b.ints(0, 0, n, d)])], {"perm": [0, 2, 1, 3]})
-
-    present_key = b.op("Concat", [past_key, heads_first(k, kv_heads)], {"axis": 2})
-    present_value = b.op("Concat", [past_value, heads_first(v, kv_heads)], {"axis": 2})
     key, value = present_key, present_value
     if heads != kv_heads:  # [batch, kv, total, d] -> [batch, kv, group, total, d] -> [batch, heads, total, d]
         group = b.ints(1, 1, heads // kv_heads, 1, 1)
@@ -228,10 +271,9 @@ def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
                                        b.ints(0, heads, -1, d)]) for t in (key, value))
     scale = cfg.attention_scale if cfg.attention_scale is not None else d ** -0.5
     if not cfg.attention_softcap:
-        y = b.op("MultiHeadAttention", [q, key, value, None, None, step.attn_mask],
-                 {"num_heads": heads, "scale": float(scale)}, domain="com.microsoft")
-        return y, present_key, present_value
-    scores = b.op("Mul", [b.op("MatMul", [heads_first(q, heads), b.op("Transpose", [key], {"perm": [0, 1, 3, 2]})]),
+        return b.op("MultiHeadAttention", [q, key, value, None, None, step.attn_mask],
+                    {"num_heads": heads, "scale": float(scale)}, domain="com.microsoft")
+    scores = b.op("Mul", [b.op("MatMul", [_heads_first(b, q, heads, d), b.op("Transpose", [key], {"perm": [0, 1, 3, 2]})]),
                           b.scalar(scale)])
     f32, bias = ir.DataType.FLOAT, step.attn_mask
     if b.dtype != f32:  # soft-cap and softmax in fp32, as transformers' eager attention does
@@ -243,7 +285,7 @@ def compat_core(b, q, k, v, cfg, step: StepInputs, past_key, past_value):
     if b.dtype != f32:
         probs = b.op("Cast", [probs], {"to": b.dtype})
     y = b.op("Transpose", [b.op("MatMul", [probs, value])], {"perm": [0, 2, 1, 3]})
-    return b.op("Reshape", [y, b.ints(0, 0, heads * d)]), present_key, present_value
+    return b.op("Reshape", [y, b.ints(0, 0, heads * d)])
 
 
 def static_core(b, q, k, v, cfg, step: StepInputs, key_cache, value_cache):
@@ -252,12 +294,15 @@ def static_core(b, q, k, v, cfg, step: StepInputs, key_cache, value_cache):
     count after the scatter), no mask; -> (y, updated k, updated v)."""
     updated_key = b.op("TensorScatter", [key_cache, k, step.write_indices], {"axis": 1})
     updated_value = b.op("TensorScatter", [value_cache, v, step.write_indices], {"axis": 1})
+    return static_attend(b, q, updated_key, updated_value, cfg, step), updated_key, updated_value
+
+
+def static_attend(b, q, key_cache, value_cache, cfg, step: StepInputs) -> ir.Value:
+    """Attention over whole static caches already holding this step's rows."""
     if step.window_mask is not None:  # a sliding layer: the window mask says which slots each query sees
-        y = b.op("Attention", [q, updated_key, updated_value, step.window_mask], _heads_attrs(cfg, is_causal=0))
-    else:
-        y = b.op("Attention", [q, updated_key, updated_value, None, None, None, step.nonpad_kv_seqlen],
-                 _heads_attrs(cfg, is_causal=1))
-    return y, updated_key, updated_value
+        return b.op("Attention", [q, key_cache, value_cache, step.window_mask], _heads_attrs(cfg, is_causal=0))
+    return b.op("Attention", [q, key_cache, value_cache, None, None, None, step.nonpad_kv_seqlen],
+                _heads_attrs(cfg, is_causal=1))
 
 
 def gqa_core(b, query, key, value, cfg, step: StepInputs, past_key, past_value, sinks=None):
@@ -294,13 +339,22 @@ def attention_static(b, x, w, cfg, step: StepInputs, key_cache, value_cache):
 
 
 def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
+    query, key, value, gate, step = _gqa_inputs(b, x, w, cfg, step)
+    y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
+    return _output(b, y, w, gate), present_key, present_value
+
+
+def _gqa_inputs(b, x, w, cfg, step: StepInputs):
+    """GroupQueryAttention's query, key and value (packed QKV with key and value None), the output gate, and the step
+    inputs for the op (without its rotary where the heads are rotated here)."""
     gate, nope = None, step.rotary is None
     if (w.q_norm is None and not w.output_gate and cfg.position_query_scale is None
-            and (not nope or cfg.temperature_tuning is None)):
+            and (not nope or cfg.temperature_tuning is None) and w.v_norm is None and not w.value_is_key):
         query, key, value = _clipped(b, _projected(b, x, w), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value, gate = _split_qkv(b, x, w, cfg)
+        value = _value_norm(b, value, w, cfg)
         if cfg.qk_norm_after_rotary and step.rotary is not None:
             # hunyuan normalizes rotated heads: rotate here, at the positions the op would use, not in the op.
             rotary = dataclasses.replace(step.rotary, position_ids=gqa_positions(b, x, step))
@@ -312,5 +366,34 @@ def attention_gqa(b, x, w, cfg, step: StepInputs, past_key, past_value):
             query = position_scaled_query(b, query, cfg, gqa_positions(b, x, step))
         if nope and cfg.temperature_tuning is not None:
             query = temperature_tuned_query(b, query, cfg, gqa_positions(b, x, step))
-    y, present_key, present_value = gqa_core(b, query, key, value, cfg, step, past_key, past_value, w.sinks)
-    return _output(b, y, w, gate), present_key, present_value
+    return query, key, value, gate, step
+
+
+def attention_sharing_kv(b, x, w, cfg, variant: Variant, step: StepInputs, cache: tuple, shared: SharedKV | None
+                         ) -> tuple[ir.Value, SharedKV]:
+    """Attention in a model whose later layers attend over earlier layers' keys and values (gemma4): with ``shared``
+    None the layer projects its own (``cache``: its past) and returns them as the layers sharing them read them;
+    else it projects queries only and attends over ``shared``, with no cache of its own."""
+    if shared is None and variant is Variant.GQA:
+        query, key, value, gate, op_step = _gqa_inputs(b, x, w, cfg, step)
+        y, present_key, present_value = gqa_core(b, query, key, value, cfg, op_step, *cache, w.sinks)
+        return _output(b, y, w, gate), SharedKV(present_key, present_value, *cache, key, value)
+    if shared is None:
+        attend = (attention_compat if b.target.contrib_ops else attention_static if variant is Variant.ATTN_STATIC
+                  else attention_dynamic)
+        out, key, value = attend(b, x, w, cfg, step, *cache)
+        return out, SharedKV(key, value)
+    if b.target.contrib_ops:  # attn_dynamic for older onnxruntime: MultiHeadAttention over the shared present
+        y = compat_attend(b, _query(b, x, w, cfg, step.rotary), shared.key, shared.value, cfg, step)
+    elif variant is Variant.GQA:  # the op appends the shared step's keys to the shared past again, and rotates both
+        y, _, _ = gqa_core(b, _query(b, x, w, cfg, None), shared.new_key, shared.new_value, cfg, step,
+                           shared.past_key, shared.past_value)
+    elif variant is Variant.ATTN_STATIC:
+        y = static_attend(b, _query(b, x, w, cfg, step.rotary), shared.key, shared.value, cfg, step)
+    else:  # Attention takes a present cache as key and value with the query in the same 4-D layout
+        heads, d = cfg.num_heads, cfg.head_dim
+        q = b.op("Transpose", [b.op("Reshape", [_query(b, x, w, cfg, step.rotary), b.ints(0, 0, heads, d)])],
+                 {"perm": [0, 2, 1, 3]})
+        y = b.op("Attention", [q, shared.key, shared.value, step.attn_mask], {**_scores_attrs(cfg), "is_causal": 0})
+        y = b.op("Reshape", [b.op("Transpose", [y], {"perm": [0, 2, 1, 3]}), b.ints(0, 0, heads * d)])
+    return _output(b, y, w, None), shared

@@ -12,10 +12,12 @@ import onnx_ir as ir
 from exporter.graph.architectures.base import PARALLEL_BLOCK, POST_NORM, SANDWICH, Architecture
 from exporter.graph.components.attention import (
     AttentionWeights,
+    SharedKV,
     StepInputs,
     attention_compat,
     attention_dynamic,
     attention_gqa,
+    attention_sharing_kv,
     attention_static,
 )
 from exporter.graph.components.gated_deltanet import DELTANET_GATES, DeltaNetWeights, gated_deltanet
@@ -25,6 +27,7 @@ from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
 from exporter.graph.components.mlp import gated_mlp, relu2_mlp, xielu
 from exporter.graph.components.moe import moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
+from exporter.graph.components.per_layer_input import per_layer_update
 from exporter.graph.components.short_conv import ShortConvWeights, short_conv
 from exporter.graph.config import GATE_ONLY, GATED_DELTANET, MAMBA2, MOE_BLOCK, ModelConfig
 from exporter.packaging.checkpoint import WeightPart
@@ -86,6 +89,15 @@ def _gated_qkv_parts(arch: Architecture, cfg: ModelConfig, i: int) -> list[Weigh
             + [WeightPart(q.name, rows=(2 * h * d + d, 2 * h * d + 2 * d)) for h in heads])
 
 
+def projected_parts(arch: Architecture, cfg: ModelConfig, i: int, suffix: str = "weight") -> list[WeightPart]:
+    """What layer ``i`` projects: q, k and v; q and k where its values are its keys; q alone where it attends over
+    another layer's keys and values (gemma4)."""
+    parts = arch.qkv_parts(i, suffix)
+    if cfg.kv_source(i) != i:
+        return parts[:1]
+    return parts[:2] if cfg.value_is_key(i) else parts
+
+
 def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int) -> AttentionWeights:
     names = arch.names(i)
     if cfg.attention_output_gate:
@@ -103,18 +115,22 @@ def attention_weights(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: 
         unit = b.constant(np.ones(cfg.head_dim, dtype=b.dtype.numpy()), f"qk_norm.unit.{cfg.head_dim}")
     qkv_bias = None
     if arch.qkv_bias or cfg.attention_bias:
-        bias_parts = arch.qkv_parts(i, "bias")
+        bias_parts = projected_parts(arch, cfg, i, "bias")
         if all(b.has_weight(p.name) for p in bias_parts):
             qkv_bias = _packed_weight(b, bias_parts)
+    own_kv = cfg.kv_source(i) == i
     return AttentionWeights(
-        qkv=_packed_weight(b, arch.qkv_parts(i)),
+        qkv=_packed_weight(b, projected_parts(arch, cfg, i)),
         o=b.weight(f"{names['o']}.weight"),
         qkv_bias=qkv_bias,
         o_bias=_optional(b, f"{names['o']}.bias") if cfg.attention_bias else None,
         q_norm=norm_weight(b, arch, names["q_norm"]) if qk_norm else unit,
-        k_norm=norm_weight(b, arch, names["k_norm"]) if qk_norm else unit,
+        k_norm=(norm_weight(b, arch, names["k_norm"]) if qk_norm else unit) if own_kv else None,
         qk_norm_per_head=arch.qk_norm_per_head,
         sinks=b.weight(f"{arch.layer_prefix(i)}.self_attn.{arch.attention_sinks}") if arch.attention_sinks else None,
+        value_is_key=cfg.value_is_key(i),
+        v_norm=(b.constant(np.ones(cfg.head_dim, dtype=b.dtype.numpy()), f"v_norm.unit.{cfg.head_dim}")
+                if cfg.value_norm and own_kv else None),
     )
 
 
@@ -244,9 +260,11 @@ def decoder_layer(
     variant: Variant,
     step: StepInputs,
     cache: tuple[ir.Value, ...],
+    shared_kv: dict[int, SharedKV] | None = None,
 ) -> tuple[ir.Value, ir.Value, tuple[ir.Value, ...]]:
     """One layer on ``h`` (the normed input; the residual itself for the post-norm layout) and
-    the residual stream ``x``; ``cache``: its KV cache (key, value), or a recurrent layer's states.
+    the residual stream ``x``; ``cache``: its KV cache (key, value), or a recurrent layer's states;
+    ``shared_kv``: where a model whose layers share keys and values (gemma4) keeps each layer's for the later ones.
 
     Returns (the MLP branch, residual after attention, caches out). The last residual add is left
     to the caller, which fuses it with the next norm (the next layer's input norm, or the final norm).
@@ -266,6 +284,11 @@ def decoder_layer(
                               "onnxruntime): export it without compat")
         attn_out, key_out, value_out = latent_attention(b, h, latent_weights(b, arch, cfg, i), cfg, variant, step, *cache)
         cache_out = (key_out, value_out)
+    elif cfg.layer_attention:  # gemma4: attention shapes by layer, the last layers reading earlier layers' K/V
+        source = cfg.kv_source(i)
+        attn_out, shared_kv[i] = attention_sharing_kv(b, h, attention_weights(b, arch, cfg, i), cfg, variant, step,
+                                                      cache, shared_kv[source] if source != i else None)
+        cache_out = (shared_kv[i].key, shared_kv[i].value) if source == i else ()
     else:
         attend = attention_compat if b.target.contrib_ops else ATTENTION[variant]  # compat: attn_dynamic only
         attn_out, key_out, value_out = attend(b, h, attention_weights(b, arch, cfg, i), cfg, step, *cache)
@@ -299,3 +322,29 @@ def decoder_layer(
     if arch.norm_layout in (SANDWICH, POST_NORM):
         mlp_out = norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, cache_out
+
+
+def _layer_scalar(b: GraphBuilder, arch: Architecture, i: int) -> ir.Value | None:
+    """gemma4's layer_scalar, which multiplies the layer's output (None where there is none, or it is 1)."""
+    name = arch.names(i).get("layer_scalar")
+    if not name or not b.has_weight(name) or np.all(np.asarray(b.checkpoint.array(name), dtype=np.float32) == 1.0):
+        return None
+    return b.weight(name)
+
+
+def end_layer(b: GraphBuilder, arch: Architecture, cfg: ModelConfig, i: int, x: ir.Value, mlp_out: ir.Value,
+              next_norm: str, per_layer: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
+    """The residual add that ends layer ``i`` and the norm ``next_norm`` after it (the next layer's input norm, or
+    the final norm): (normed, residual). One fused kernel, unless gemma4's per-layer input branch (``per_layer``:
+    components/per_layer_input.py) and its layer scalar come between them."""
+    eps, scalar = cfg.rms_norm_eps, _layer_scalar(b, arch, i)
+    if per_layer is None and scalar is None:
+        return residual_norm(b, arch, x, mlp_out, next_norm, eps)
+    x = b.op("Add", [x, mlp_out])
+    if per_layer is not None:
+        update = per_layer_update(b, arch, cfg, i, x, per_layer)
+        if scalar is None:
+            return residual_norm(b, arch, x, update, next_norm, eps)
+        x = b.op("Add", [x, update])
+    x = b.op("Mul", [x, scalar])
+    return norm(b, arch, x, next_norm, eps), x

@@ -20,12 +20,15 @@ def gated_mlp(
     )
     if gate_scale is not None and gate_scale != 1.0:
         gate = b.op("Mul", [gate, b.scalar(gate_scale)])
+    return linear(b, b.op("Mul", [gate_activation(b, gate, act), up]), down, down_bias)
+
+
+def gate_activation(b: GraphBuilder, gate: ir.Value, act: str) -> ir.Value:
+    """A gate's activation: tanh-GELU (gemma) or SiLU."""
     if act == "gelu_pytorch_tanh":
-        activated = b.op("Gelu", [gate], {"approximate": "tanh"})  # opset 20
-    else:
-        # Sigmoid + Mul: ORT fuses it into one QuickGelu(alpha=1) kernel at session creation.
-        activated = b.op("Mul", [gate, b.op("Sigmoid", [gate])])
-    return linear(b, b.op("Mul", [activated, up]), down, down_bias)
+        return b.op("Gelu", [gate], {"approximate": "tanh"})  # opset 20
+    # Sigmoid + Mul: ORT fuses it into one QuickGelu(alpha=1) kernel at session creation.
+    return b.op("Mul", [gate, b.op("Sigmoid", [gate])])
 
 
 def relu2_mlp(b: GraphBuilder, x: ir.Value, up: ir.Value, down: ir.Value) -> ir.Value:

@@ -86,14 +86,16 @@ def _compat_gate(model: onnx.ModelProto, nodes) -> GateResult:
 
 def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
                     compat: bool = False, recurrent_layers: tuple[int, ...] = (), recurrent_ops: tuple[str, ...] = (),
-                    attention_layers: list[int] | None = None, traced: bool = False) -> list[GateResult]:
+                    attention_layers: list[int] | None = None, traced: bool = False,
+                    kv_shared_layers: tuple[int, ...] = ()) -> list[GateResult]:
     """``traced``: the graph was traced by transformers.exporters (exporter/graph/traced.py), so it attends
     and keeps initializers as transformers' code does, not as exportfarm's components do: those two
     checks are reported as information, and parity (with the traced batch check) judges the graph;
     ``compat``: the export is the compat target's graph (graph/target.py is_compat on its metadata);
     ``recurrent_layers``: a hybrid's layers with a recurrent state and no attention, each holding one of
     each of ``recurrent_ops`` (com.microsoft op types); ``attention_layers``: a hybrid's layers that attend
-    (its metadata's: nemotron_h's MLP / experts blocks do not, falcon_h1's layers attend beside Mamba2)."""
+    (its metadata's: nemotron_h's MLP / experts blocks do not, falcon_h1's layers attend beside Mamba2);
+    ``kv_shared_layers``: gemma4's layers that attend over an earlier layer's keys and values, writing no cache."""
     results = []
     model = onnx.load(str(model_path), load_external_data=False)
     try:
@@ -109,7 +111,7 @@ def structure_gates(model_path: Path, variant: str, dtype: str, num_layers: int,
 
     attending = len(attention_layers) if attention_layers is not None else num_layers - len(recurrent_layers)
     expected = {
-        "attn_static": {"Attention": attending, "TensorScatter": 2 * attending},
+        "attn_static": {"Attention": attending, "TensorScatter": 2 * (attending - len(kv_shared_layers))},
         "gqa": {"com.microsoft::GroupQueryAttention": attending},
         "attn_dynamic": {"Attention": attending},
     }[variant]

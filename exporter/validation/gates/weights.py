@@ -589,14 +589,16 @@ def _joined(spans: list[_Accumulator | None]) -> _Accumulator | None:
 
 
 def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, dtype: str,
-                     activations: str | None = None, traced: bool = False) -> tuple[list[GateResult], list[SliceStats]]:
+                     activations: str | None = None, traced: bool = False,
+                     exported_elsewhere: frozenset[str] = frozenset()) -> tuple[list[GateResult], list[SliceStats]]:
     """Compare every checkpoint-derived slice; returns gate results and per-slice figures.
 
     A weight quantized to MatMulNBits is dequantized and held to the quantization's own error
     bound element by element (``QUANT_BOUND`` quantization steps); the rest to their dtype's.
     ``traced``: a graph traced by transformers.exporters holds what the model's forward reads, some of
     it folded into computed constants; a checkpoint tensor found nowhere as stored is then reported, not
-    failed (parity judges what the model computes from it)."""
+    failed (parity judges what the model computes from it). ``exported_elsewhere``: checkpoint tensors another
+    graph of the export holds (an image-text export's vision and embedding graphs), not missing from this one."""
     activations = activations or dtype
     model = onnx.load(str(model_path), load_external_data=False)
     arrays = _external_arrays(model, model_path.parent)
@@ -708,7 +710,8 @@ def weight_integrity(model_path: Path, manifest: dict, checkpoint: Checkpoint, d
                                 acc.max_abs if finite else None, finite, passed,
                                 ratio if ratio is None or math.isfinite(ratio) else None,
                                 getattr(acc, "requantized_equal", None), getattr(acc, "l2_vs_rtn", None)))
-    missing = [s for s in checkpoint.names() if s not in used_sources and not s.endswith(IGNORED_SOURCES)]
+    missing = [s for s in checkpoint.names() if s not in used_sources and s not in exported_elsewhere
+               and not s.endswith(IGNORED_SOURCES)]
     failed = [s for s in stats if not s.passed]
     measured = [s for s in stats if s.rel_l2 is not None]  # the bit-exact ones carry no figures
     worst = sorted(measured, key=lambda s: (s.passed, s.correlation if s.correlation is not None else 2.0, -s.rel_l2))

@@ -1,0 +1,107 @@
+"""The language model of an image-text checkpoint, as the decoder of an image-text export (issue 48).
+
+An image-text checkpoint (gemma3, llava, idefics3, smolvlm: the families exporter.vision builds) holds a
+text model the exporter already builds (gemma3_text, llama, mistral, qwen2, ...) under a prefix of its own
+(``language_model.model.``, ``model.language_model.``, ``model.text_model.``). Its config is the
+checkpoint's text_config read as that text model's; its architecture is the text architecture with the
+weight names moved under the prefix. What an image-text export cannot be yet is refused here, in one
+preflight, before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from exporter.errors import ExportError
+from exporter.graph.architectures.base import Architecture
+from exporter.graph.config import LANGUAGE_MODEL_OF, ModelConfig, read_raw_config
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModel:
+    """An image-text checkpoint's language model: what build_model builds the decoder from."""
+
+    model_type: str  # the image-text checkpoint's (gemma3, llava, ...)
+    config: ModelConfig  # text_config's; config.architecture is the text model_type
+    architecture: Architecture  # the text architecture, its weights under the checkpoint's prefix
+
+
+def image_text_type(checkpoint_dir: Path) -> str | None:
+    """The model_type of an image-text checkpoint (config.json has a vision_config), None for a text one.
+    qwen3_5's image-text checkpoints are not: the exporter takes their language model alone (LANGUAGE_MODEL_OF)."""
+    raw = read_raw_config(Path(checkpoint_dir))
+    model_type = raw.get("model_type")
+    if isinstance(raw.get("vision_config"), dict) and model_type not in LANGUAGE_MODEL_OF:
+        return model_type
+    return None
+
+
+def check_image_text_request(request, checkpoint_dir: Path) -> None:
+    """Refuse (ExportError) what an image-text export cannot be yet: a family the vision builder does not
+    take, a language model the exporter does not build, the hf layout, the compat target, a traced graph."""
+    from exporter.vision import FAMILIES, load_vision_config
+
+    model_type = image_text_type(checkpoint_dir)
+    if model_type not in FAMILIES:
+        raise ExportError(f"image-text checkpoints of model_type {model_type!r} are not exported yet: the vision and "
+                          f"embedding graphs are built for {', '.join(FAMILIES)} (exporter.vision.FAMILIES); an "
+                          "export needs all three graphs to run an image prompt")
+    if request.layout == "hf":
+        raise ExportError("an image-text export is not laid out for transformers.js yet (onnx/vision_encoder, "
+                          "onnx/embed_tokens, onnx/decoder_model_merged): export it with layout farm")
+    if request.compat:
+        raise ExportError("an image-text export is built for the current onnxruntime only (its vision graph uses "
+                          "opset-24 Attention): drop compat")
+    if request.builder == "traced":
+        raise ExportError("transformers.exporters does not build the vision and embedding graphs of an image-text "
+                          "checkpoint: drop builder traced (the hand-built graphs export it)")
+    load_vision_config(checkpoint_dir)  # refuses a tower or a setting the vision builder does not compute
+    language_model(checkpoint_dir)  # refuses a language model the exporter does not build
+
+
+def language_model(checkpoint_dir: Path) -> LanguageModel:
+    """The language model of the image-text checkpoint at ``checkpoint_dir`` (ExportError where the exporter
+    does not build it)."""
+    from exporter.graph.architectures import ARCHITECTURES
+    from exporter.graph.config import _transformers_config, check_config_values, text_model_config
+    from exporter.packaging.checkpoint import Checkpoint
+    from exporter.vision import FAMILIES
+
+    checkpoint_dir = Path(checkpoint_dir)
+    raw = read_raw_config(checkpoint_dir)
+    model_type = raw.get("model_type")
+    check_config_values(raw)
+    text = _transformers_config(checkpoint_dir).get_text_config()
+    if text.model_type not in ARCHITECTURES:
+        raise ExportError(f"{model_type}'s language model is a {text.model_type!r}, which the exporter does not build "
+                          f"(it builds {', '.join(sorted(ARCHITECTURES))})")
+    config = text_model_config(text, text.model_type)
+    if config.per_layer_input:
+        raise ExportError(f"{text.model_type} reads its token ids inside the decoder (per-layer inputs), which an "
+                          "image-text decoder taking inputs_embeds does not have")
+    checkpoint = Checkpoint(checkpoint_dir)
+    embed = FAMILIES[model_type].module_names(checkpoint).embed_tokens
+    prefix = embed.removesuffix("embed_tokens.weight")
+    heads = [n for n in checkpoint.names() if n.endswith("lm_head.weight")]
+    if len(heads) > 1 or (not heads and not config.tie_word_embeddings):
+        raise ExportError(f"the checkpoint holds {len(heads) or 'no'} LM head weights ({', '.join(heads) or 'none'}) "
+                          "where its text_config describes one: is config.json from this checkpoint?")
+    head = heads[0] if heads else "lm_head.weight"
+    return LanguageModel(model_type, config, _under(ARCHITECTURES[text.model_type], prefix, head))
+
+
+def _under(text: Architecture, prefix: str, head: str) -> Architecture:
+    """``text`` with its layers, embedding and final norm under ``prefix`` and its LM head named ``head``."""
+
+    class UnderPrefix(type(text)):
+        @staticmethod
+        def layer_prefix(i: int) -> str:
+            return f"{prefix}layers.{i}"
+
+    UnderPrefix.embed_tokens = f"{prefix}embed_tokens.weight"
+    UnderPrefix.final_norm = f"{prefix}norm.weight"
+    UnderPrefix.lm_head = head
+    UnderPrefix.lm_head_bias = head.removesuffix("weight") + "bias"
+    UnderPrefix.__name__ = UnderPrefix.__qualname__ = f"{type(text).__name__}Of{text.model_type}"
+    return UnderPrefix(**{f.name: getattr(text, f.name) for f in dataclasses.fields(text)})

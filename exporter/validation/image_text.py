@@ -1,0 +1,223 @@
+"""An image-text export against transformers' image-text model on the same weights (issue 48), one
+section per component: the vision graph's image features, the embedding graph's merged inputs_embeds,
+and end to end the three graphs' greedy tokens and logits on image prompts (one image, two images,
+text only) against transformers' own ``generate``.
+
+The export runs as a runtime runs it (exporter.runtime.image_text): vision -> embedding -> decoder
+prefill, then each decode step's token through the embedding graph with no images. The pixels are
+random normalized images at the checkpoint's size (what its image processor hands the model: the
+graphs start at pixel_values), the same array to both sides. transformers is loaded whole, in fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from exporter.validation.gates import GateResult
+from exporter.validation.reference import ReferenceRun, top2_gap
+
+# Max abs error of image features and merged embeddings, as a fraction of the reference's range (max - min).
+FEATURE_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-3, "bf16": 3e-2}
+PROMPTS = ("one image", "two images", "text only")
+# Families whose processor gives pixel_values [batch, images per row, ...] (the tiles of each row's images).
+PER_ROW_IMAGES = ("idefics3", "smolvlm")
+
+
+TEXT_TOKENS = 12  # text tokens of each validation prompt, around its images
+
+
+def check_image_text_validatable(max_seq_len: int | None, tokens_per_image: int, steps: int) -> None:
+    """Refuse an export too short for validation's two-image prompt and its decode steps."""
+    from exporter.errors import ExportError
+
+    needed = 2 * tokens_per_image + TEXT_TOKENS + steps
+    if max_seq_len is not None and max_seq_len < needed:
+        raise ExportError(f"max_seq_len {max_seq_len} is shorter than validation's two-image prompt needs (2 x "
+                          f"{tokens_per_image} image tokens + {TEXT_TOKENS} text tokens + {steps} decode steps = "
+                          f"{needed}): use max_seq_len {needed} or more (CLI: or --no-validate)")
+
+
+def load_image_text_reference(checkpoint: Path):
+    """transformers' image-text model of ``checkpoint``, fp32, in eval."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32)
+    return model.eval()
+
+
+def random_images(count: int, size: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    """``count`` normalized images [count, channels, size, size] fp32, as an image processor gives them."""
+    return np.random.default_rng(seed).standard_normal((count, channels, size, size)).astype(np.float32)
+
+
+def image_prompt(images: int, tokens_per_image: int, image_token_id: int, vocab: int, text_tokens: int = TEXT_TOKENS,
+                 seed: int = 0) -> list[int]:
+    """A prompt of random text tokens around ``images`` images' tokens (each image's tokens in one run)."""
+    rng = np.random.default_rng(seed)
+    text = [int(t) for t in rng.integers(3, vocab, size=text_tokens) if t != image_token_id]
+    cut = np.linspace(0, len(text), images + 2).astype(int)[1:-1]  # where the images go between text
+    prompt, start = [], 0
+    for c in cut:
+        prompt += text[start:c] + [image_token_id] * tokens_per_image
+        start = c
+    return prompt + text[start:]
+
+
+def _pixels_for(model, pixels: np.ndarray | None):
+    import torch
+
+    if pixels is None or not len(pixels):
+        return None
+    pixel_values = torch.from_numpy(pixels)
+    return pixel_values[None] if model.config.model_type in PER_ROW_IMAGES else pixel_values
+
+
+def reference_features(model, pixels: np.ndarray) -> np.ndarray:
+    """transformers' ``get_image_features``, per image: [images, tokens, text hidden]."""
+    import torch
+
+    with torch.no_grad():
+        out = model.model.get_image_features(_pixels_for(model, pixels)).pooler_output
+    if model.config.model_type in PER_ROW_IMAGES:  # one flat row of features per batch row
+        (flat,) = out
+        return flat.reshape(len(pixels), -1, flat.shape[-1]).numpy()
+    return (torch.stack(list(out)) if isinstance(out, (list, tuple)) else out).numpy()
+
+
+def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None) -> np.ndarray:
+    """The inputs_embeds transformers' model hands its language model for one prompt row."""
+    import torch
+
+    captured = {}
+    language_model = getattr(model.model, "language_model", None) or model.model.text_model
+    hook = language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.model(input_ids=torch.tensor([prompt]), pixel_values=_pixels_for(model, pixels))
+    finally:
+        hook.remove()
+    return captured["embeds"].numpy()
+
+
+def reference_generate(model, prompt: list[int], pixels: np.ndarray | None, steps: int) -> ReferenceRun:
+    """transformers' own greedy ``generate`` (``steps`` tokens, no stop at end-of-sequence) and the raw
+    logits that chose each token."""
+    import torch
+
+    pixel_values = _pixels_for(model, pixels)  # (passed as None, generate would encode it all the same)
+    images = {} if pixel_values is None else {"pixel_values": pixel_values}
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), **images, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0)
+    logits = [step[0].float().numpy() for step in out.logits]
+    tokens = [int(t) for t in out.sequences[0, len(prompt):]]
+    return ReferenceRun(list(prompt), logits[0], tokens, logits, [top2_gap(step) for step in logits])
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    """Max abs error as a fraction of the reference's range."""
+    if ours.shape != reference.shape:
+        raise ValueError(f"shape {list(ours.shape)} where transformers gives {list(reference.shape)}")
+    span = float(np.ptp(reference)) or 1.0
+    return float(np.abs(ours.astype(np.float64) - reference).max() / span)
+
+
+def _component_gate(gate: str, check: str, error: float, tolerance: float, what: str) -> GateResult:
+    ok = bool(error <= tolerance)
+    return GateResult(gate, check, ok, error, tolerance,
+                      "" if ok else f"{what} differ from transformers' by {error:.3g} of their range",
+                      details={"relative_to": "the reference's range (max - min)"})
+
+
+def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, activations: str, steps: int,
+                     model=None) -> tuple[list[GateResult], dict]:
+    """Every component of the image-text export in ``export_dir`` against transformers on ``checkpoint``:
+    (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
+    A quantized export's end-to-end figures inform (its weights are not the checkpoint's); its vision and
+    embedding graphs, which are not quantized, are judged."""
+    from exporter.runtime.image_text import ImageTextModel, image_text_decode
+    from exporter.validation.gates.parity import parity_gates
+
+    quantized = dtype in ("int4", "int8")
+    tolerance = FEATURE_TOLERANCE[activations]
+    model = model if model is not None else load_image_text_reference(checkpoint)
+    runtime = ImageTextModel(export_dir, ep, prepack=False, spin=False)
+    tpi, image_token, vocab = runtime.tokens_per_image, runtime.image_token_id, runtime.decoder.vocab
+    gates: list[GateResult] = []
+    sections: dict = {"vision": [], "embedding": [], "end_to_end": []}
+    for images, label in zip((1, 2, 0), PROMPTS):
+        pixels = random_images(images, runtime.image_size, seed=images) if images else None
+        prompt = image_prompt(images, tpi, image_token, vocab, seed=images)
+        suffix = f", {label}"
+        if images:
+            features = runtime.image_features(pixels)
+            error = relative_error(features, reference_features(model, pixels))
+            gates.append(_component_gate("vision", f"image features max abs error / range{suffix}", error, tolerance,
+                                         "image features"))
+            sections["vision"].append({"prompt": label, "images": images, "shape": list(features.shape),
+                                       "max_abs_error_of_range": error, "tolerance": tolerance})
+        else:
+            features = None
+        embeds = runtime.embed(np.array([prompt], np.int64), features)
+        error = relative_error(embeds, reference_embeds(model, prompt, pixels))
+        gates.append(_component_gate("embedding", f"merged inputs_embeds max abs error / range{suffix}", error,
+                                     tolerance, "merged embeddings"))
+        sections["embedding"].append({"prompt": label, "images": images, "tokens": len(prompt),
+                                      "image_tokens": images * tpi, "max_abs_error_of_range": error,
+                                      "tolerance": tolerance})
+        ref = reference_generate(model, prompt, pixels, steps)
+        run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens)  # teacher-forced on transformers' tokens
+        judged, result = parity_gates(run, ref, activations if quantized else dtype, prompt=label, ep=ep)
+        worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
+        own = image_text_decode(runtime, prompt, pixels, steps)  # and free-running, as a runtime generates
+        for gate in judged:
+            if quantized:
+                gate.informational = True
+                gate.message = ("quantized weights: reported against fp32 transformers, not judged"
+                                + (f" ({gate.message})" if gate.message else ""))
+        gates += judged
+        sections["end_to_end"].append({
+            "prompt": label, "images": images, "prompt_tokens": len(prompt), **result.to_dict(),
+            "steps_max_abs_error": worst, "reference_tokens": ref.tokens, "greedy_tokens": own.chosen,
+            "greedy_equal": own.chosen == ref.tokens})
+    return gates, sections
+
+
+def render_sections(sections: dict) -> list[str]:
+    """The report's markdown for the components (parity_report.md)."""
+    lines = ["", "## Vision features", "", "| prompt | images | max abs error / range | tolerance |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {s['prompt']} | {s['images']} | {s['max_abs_error_of_range']:.3g} | {s['tolerance']:.3g} |"
+              for s in sections.get("vision", [])]
+    lines += ["", "## Merged embeddings", "", "| prompt | tokens | image tokens | max abs error / range | tolerance |",
+              "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {s['prompt']} | {s['tokens']} | {s['image_tokens']} | {s['max_abs_error_of_range']:.3g} | "
+              f"{s['tolerance']:.3g} |" for s in sections.get("embedding", [])]
+    lines += ["", "## End to end (vision -> embedding -> decoder)", "",
+              "| prompt | steps | prefill max abs error | logit range | steps max abs error | mismatches | "
+              "near ties | greedy tokens equal |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {s['prompt']} | {s['steps']} | {s['prefill_max_abs_error']:.3g} | {s['logit_range']:.3g} | "
+              f"{s['steps_max_abs_error']:.3g} | {s['mismatches']} | {len(s['near_ties'])} | {s['greedy_equal']} |"
+              for s in sections.get("end_to_end", [])]
+    return lines
+
+
+def component_weight_gates(export_dir: Path, manifest: dict, checkpoint, activations: str) -> list[GateResult]:
+    """The weight gate's by-value check of the vision and embedding graphs (in the activation dtype, never
+    quantized), each against the checkpoint tensors its manifest entry names."""
+    from exporter.validation.gates.weights import weight_integrity
+
+    everything = frozenset(checkpoint.names())  # which tensors no graph holds is the decoder's check
+    gates = []
+    for name, component in manifest["image_text"]["components"].items():
+        if "initializers" not in component:
+            continue  # the decoder: checked as model.onnx
+        (slices, _exported), _stats = weight_integrity(Path(export_dir) / component["file"], component, checkpoint,
+                                                       activations, activations, False, everything)
+        slices.check = f"{name}: {slices.check}"
+        gates.append(slices)
+    return gates
