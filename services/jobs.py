@@ -15,6 +15,7 @@ from exporter.graph.build import check_request_against_config
 from exporter.graph.config import load_model_config
 from exporter.graph.architectures import ARCHITECTURES
 from exporter.errors import ExportError
+from exporter.graph.language_model import check_image_text_request, image_text_type, language_model
 from exporter.graph.traced import check_traced_request, resolve_builder
 from exporter.request import ExportRequest, Variant, cache_key
 from exporter.validation.validate import check_validatable
@@ -69,6 +70,8 @@ def check_against_local_config(source: ModelSource, request: ExportRequest) -> N
     if traced_locally(source, request):
         check_traced_request(request)  # transformers' config is read by the trace itself, on the worker
     elif source.local:
+        if image_text_type(source.directory):  # the refusals an image-text export has, before queueing
+            check_image_text_request(request, source.directory)
         config = _model_config(str(source.directory), directory_signature(source.directory))
         check_request_against_config(request, request.resolved_variant(), config)
 
@@ -81,7 +84,10 @@ def traced_locally(source: ModelSource, request: ExportRequest) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _model_config(directory: str, signature: tuple):
-    """config.json read through transformers, once per version of the directory (it is not cheap)."""
+    """config.json read through transformers, once per version of the directory (it is not cheap); an image-text
+    checkpoint's: its language model's (the decoder, which the request's limits and the estimate are about)."""
+    if image_text_type(Path(directory)):
+        return language_model(Path(directory)).config
     return load_model_config(Path(directory), ARCHITECTURES)
 
 

@@ -540,3 +540,20 @@ def test_an_unreachable_store_is_a_503_within_seconds_and_readyz_shows_no_intern
     ready = client.get("/readyz", headers={"Authorization": ""})
     assert ready.status_code == 503 and ready.json()["checks"]["storage"] == "unavailable"
     assert str(port) not in ready.text and "127.0.0.1" not in ready.text
+
+
+def test_an_image_text_model_is_queued_for_its_hand_built_graphs_and_refused_where_they_cannot_be(tmp_path):
+    """A local image-text checkpoint (gemma3: vision tower, projector, language model) has no text architecture of
+    its model_type, yet it is not sent to the traced fallback: its variant is kept (a traced job is attn_dynamic
+    whatever was asked) and what its three graphs cannot be is refused before queueing, saying why."""
+    from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+    client = make_app(tmp_path)
+    make_tiny_vlm_checkpoint("gemma3", client.settings.models_dir / "tiny-gemma3-vlm")
+    queued = client.post("/exports", json={"model": "tiny-gemma3-vlm", "dtype": "fp32", "ep": "cpu", "variant": "gqa"})
+    assert queued.status_code == 202, queued.text
+    assert queued.json()["variant"] == "gqa"
+    refused = client.post("/exports", json={"model": "tiny-gemma3-vlm", "dtype": "fp32", "ep": "cpu",
+                                            "variant": "attn_dynamic", "compat": True})
+    assert refused.status_code == 422, refused.text
+    assert "image-text export is built for the current onnxruntime only" in refused.json()["detail"]

@@ -54,10 +54,13 @@ def resolve_builder(request: ExportRequest, checkpoint_dir: Path) -> str:
     from exporter.graph.architectures import ARCHITECTURES
     from exporter.graph.config import read_raw_config
 
+    from exporter.graph.language_model import image_text_type
+
     model_type = read_raw_config(Path(checkpoint_dir)).get("model_type")
     if request.builder == TRACED:
         return contract.BUILDER_TRACED
-    if model_type in ARCHITECTURES:
+    # an image-text checkpoint's three graphs are hand-built (graph/language_model.py refuses what they cannot be)
+    if model_type in ARCHITECTURES or image_text_type(Path(checkpoint_dir)):
         return contract.BUILDER_HAND
     if request.builder == HAND:
         raise ExportError(f"exportfarm has no hand-built architecture for model_type {model_type!r} (it has "
