@@ -326,3 +326,25 @@ def test_the_dtype_recommendation_weighs_speed_against_the_quality_gate():
     assert "- **ours int4 gqa**: 7.00 ms/token, 86 MB" in text
     assert "int4: our fastest (ours int4 gqa) is 0.78x the builder's decode time, KL 0.1900 against its 0.2000" in text
     assert "genai builder fp32 could not be built: KeyError: 'rope_type'" in text
+
+
+@pytest.mark.parametrize("variant", ["attn_dynamic", "gqa", "attn_static"])
+def test_an_image_text_export_is_benchmarked_through_its_embedding_graph_with_its_image_costs(variant, tmp_path):
+    """The farm benchmarks every export it publishes: an image-text decoder takes inputs_embeds, so its text decode is
+    timed through the embedding graph (no images), and the image costs are added: the vision graph on one image and
+    the time to the first token of a one-image prompt (vision, embedding, prefill)."""
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+    source = make_tiny_vlm_checkpoint("gemma3", tmp_path / "ckpt")
+    out = export_model(ExportRequest(model=str(source), dtype="fp32", ep="cpu", variant=variant,
+                                     static_cache=variant == "attn_static", max_seq_len=64), tmp_path / "export",
+                       validate=False).out_dir
+    run_bench(out, "cpu", contexts=[16], steps=4, warmup=1, prefill_lengths=[8])
+    data = json.loads((out / "benchmark.json").read_text())
+    assert [d["ctx"] for d in data["decode"]] == [16] and data["decode"][0]["decode_ms_median"] > 0
+    image = data["image"]
+    assert image["tokens_per_image"] == 16 and image["prompt_tokens"] == 24
+    assert 0 < image["encode_ms_median"] < image["time_to_first_token_ms_median"]
+    assert "time to the first token of a 24-token one-image prompt" in markdown(data)

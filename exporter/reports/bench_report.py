@@ -130,6 +130,14 @@ def markdown(result: dict) -> str:
             lines += ["", "Within 3% of the pick (a tie, not a measured difference): " + "; ".join(close)]
     else:
         lines += ["", "No recommendation: no configuration of ours was reproduced by the independent check."]
+    image = result.get("image") or {}
+    if "encode_ms_median" in image:  # an image-text export
+        lines += ["", f"Image ({image['image_size']} px, {image['tokens_per_image']} tokens): vision graph "
+                  f"{image['encode_ms_median']:.3f} ms; time to the first token of a {image['prompt_tokens']}-token "
+                  f"one-image prompt (vision, embedding, prefill) {image['time_to_first_token_ms_median']:.3f} ms "
+                  "(medians); text decode above runs through the embedding graph."]
+    elif image.get("skipped"):
+        lines += ["", f"Image figures: {image['skipped']}."]
     static = [n for n in series if n.startswith("ours attn_static") and "graph" in n and "no graph" not in n]
     gqa = [n for n in series if n.startswith("ours gqa") and "no graph" not in n]
     if static and gqa:

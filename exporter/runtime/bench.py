@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.contract import BENCH_FILE, MODEL_FILE
+from exporter.contract import BENCH_FILE, MODEL_FILE, VISION_FILE
 from exporter.runtime.isolated import phase
 from exporter.runtime.session import Decoder, read_metadata
 
@@ -51,6 +51,7 @@ class BenchResult:
     contexts: list[ContextResult]
     prefill_tokens_per_s: dict[int, float]
     settings: dict
+    image: dict | None = None  # an image-text export's image figures (image_figures)
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +61,7 @@ class BenchResult:
             "decode": [dataclasses.asdict(c) for c in self.contexts],
             "prefill_tokens_per_s": {str(k): v for k, v in self.prefill_tokens_per_s.items()},
             "settings": self.settings,
+            **({"image": self.image} if self.image else {}),
         }
 
 
@@ -90,6 +92,36 @@ def bench_contexts(decoder: Decoder, contexts, steps: int, warmup: int, buffer_f
     return results
 
 
+def image_figures(model, repeats: int = 5, text_tokens: int = 8) -> dict:
+    """An image-text export's image costs, on ``model`` (exporter.runtime.image_text.ImageTextModel): the vision graph
+    on one image (median ms of ``repeats`` after one untimed run), and the time to the first token of a prompt of
+    one image and ``text_tokens`` text tokens: vision, embedding and the decoder's prefill on fresh caches (median)."""
+    import time
+
+    if not model.tokens_per_image:  # its token count follows each image's grid (qwen2_5_vl): no fixed image to time
+        return {"skipped": "the vision graph's input follows each image's grid (image_grid_thw); not timed here"}
+    pixels = np.zeros((1, 3, model.image_size, model.image_size), np.float32)
+    model.image_features(pixels)
+    encode = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.image_features(pixels)
+        encode.append(time.perf_counter() - start)
+    prompt = np.array([[model.image_token_id] * model.tokens_per_image + [3] * text_tokens], np.int64)
+    buffer = prompt.shape[1] + 1
+    first = []
+    for i in range(repeats + 1):
+        caches = model.decoder.new_caches(buffer, 1)
+        start = time.perf_counter()
+        model.encode(pixels)
+        model.decoder.prefill_bound(prompt, caches, buffer)
+        if i:  # the first pays the prompt shape's kernel selection
+            first.append(time.perf_counter() - start)
+    return {"image_size": model.image_size, "tokens_per_image": model.tokens_per_image,
+            "encode_ms_median": float(np.median(encode)) * 1000.0, "prompt_tokens": int(prompt.shape[1]),
+            "time_to_first_token_ms_median": float(np.median(first)) * 1000.0, "repeats": repeats}
+
+
 def run_bench(
     export_dir: Path, ep: str | None = None, contexts: list[int] = (16, 64), steps: int = 16, warmup: int = 3,
     prefill_lengths: list[int] = (64,), repeats: int = 1, should_stop=lambda: False, cuda_graph: bool | None = None,
@@ -102,8 +134,17 @@ def run_bench(
     export_dir = Path(export_dir)
     meta = read_metadata(export_dir / MODEL_FILE)
     ep = ep or meta["ep"]
-    graph = (ep == "cuda" and meta["variant"] != "attn_dynamic") if cuda_graph is None else cuda_graph
-    decoder = Decoder(export_dir, ep, cuda_graph=graph)
+    image_text = (export_dir / VISION_FILE).is_file()
+    # an image-text decoder is fed inputs_embeds the embedding graph computes on the host before every step: no
+    # captured graph around it
+    graph = (ep == "cuda" and meta["variant"] != "attn_dynamic" and not image_text) if cuda_graph is None else cuda_graph
+    if image_text:  # text decode timed through the embedding graph (no images), as generation runs it
+        from exporter.runtime.image_text import ImageTextModel
+
+        model = ImageTextModel(export_dir, ep, cuda_graph=graph)
+        decoder = model.decoder
+    else:
+        decoder = Decoder(export_dir, ep, cuda_graph=graph)
     limit = meta["config"]["max_seq_len"] or meta["config"]["context_length"]
     vocab = meta["config"]["vocab_size"]
     results = []
@@ -127,6 +168,7 @@ def run_bench(
                          {"steps": steps, "warmup": warmup, "prefill_warmup": PREFILL_WARMUP, "repeats": repeats,
                           "cuda_graph": graph,
                           "io_binding": True, "cache_mode": decoder.mode, "batches": list(batches),
-                          "sliding_layers": len(meta["config"].get("sliding_layers") or [])})
+                          "sliding_layers": len(meta["config"].get("sliding_layers") or [])},
+                         image_figures(model) if image_text else None)
     (export_dir / BENCH_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -450,7 +450,9 @@ class Decoder:
         phase(f"decoding {warmup + steps} steps after {past} positions, batch {batch}"
               + (f" (CUDA graph {graph_id}: captured on the first run, replayed after)" if graph_id >= 0 else ""))
         ones = np.ones((batch, 1), np.int64)
-        fixed = {name: self._device_value(array) for name, array in self._bound_feeds(ones, past, buffer).items()}
+        # (an image-text decoder's inputs_embeds in place of the ids: the embedding graph's, on the host, every step)
+        fixed = {name: self._device_value(array)
+                 for name, array in self._embedded(self._bound_feeds(ones, past, buffer)).items()}
         logits = self._device_empty((batch, 1, self.vocab), BY_ORT[self.session.get_outputs()[0].type])
         binding = self.session.io_binding()
         for name, value in fixed.items():
@@ -469,7 +471,7 @@ class Decoder:
                 self._bind_caches(binding, caches)
             elif self.state_pairs:  # a hybrid's states alternate between their two buffers
                 self._bind_states(binding, caches)
-            for name, array in self._bound_feeds(ones, past + i, buffer).items():
+            for name, array in self._embedded(self._bound_feeds(ones, past + i, buffer)).items():
                 if name not in (INPUT_IDS, ATTENTION_MASK) or (self.mode == GQA and not self.grow_mask):
                     fixed[name].update_inplace(array)  # same address: a captured graph sees the new value
             self._run_device(binding, graph_id)
