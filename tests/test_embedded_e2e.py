@@ -47,6 +47,9 @@ class Embedded:
         models.mkdir()
         for arch in ("llama", "qwen2", "qwen3_5_text", "lfm2"):
             (models / f"tiny-{arch}").symlink_to(checkpoint(arch))
+        from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+        make_tiny_vlm_checkpoint("gemma3", models / "tiny-gemma3-vlm")  # an image-text checkpoint
         self.logs = root / "logs"
         self.logs.mkdir()
         self.failpoints = farm.Failpoints(root / "failpoints.json")
@@ -166,6 +169,26 @@ def test_a_hybrid_model_runs_through_the_farm_to_ready_with_its_states_packaged(
     decoder = httpx.get(links["genai_config.json"]["url"], timeout=30).json()["model"]["decoder"]
     assert decoder["inputs"]["past_conv_names"] == "past_conv.%d"
     assert decoder["inputs"].get("past_recurrent_names") == recurrent
+
+
+def test_an_image_text_model_runs_through_the_farm_to_ready_with_its_three_graphs(embedded):
+    """An image-text checkpoint over the REST API like any other: its vision, embedding and decoder graphs built,
+    validated end to end against transformers per component, benched with its image costs, all published."""
+    posted = embedded.http.post("/exports", json={"model": "tiny-gemma3-vlm", "dtype": "fp32", "ep": "cpu",
+                                                  "variant": "gqa"})
+    assert posted.status_code == 202, posted.text
+    export = embedded.wait(posted.json()["id"], lambda e: e["status"] in ("ready", "failed", "cancelled", "quarantined"),
+                           what="the export to end")
+    assert export["status"] == "ready", export["error"]
+    links = embedded.http.get(f"/exports/{export['id']}/artifacts").json()["files"]
+    manifest = httpx.get(links["manifest.json"]["url"], timeout=30).json()
+    assert manifest["image_text"]["run"] == ["vision", "embedding", "decoder"]
+    assert {"vision.onnx", "embedding.onnx", "model.onnx"} <= set(links)
+    report = httpx.get(links["parity_report.json"]["url"], timeout=30).json()
+    assert {"vision", "embedding", "end_to_end"} <= set(report["components"])
+    assert all(s["greedy_equal"] for s in report["components"]["end_to_end"])
+    bench = httpx.get(links["benchmark.json"]["url"], timeout=30).json()
+    assert bench["image"]["encode_ms_median"] > 0
 
 
 @pytest.mark.parametrize("stage", STAGES)
