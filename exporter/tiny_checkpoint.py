@@ -234,6 +234,11 @@ ARCH_CONFIGS["gemma4_text"] = ("Gemma4TextConfig", {
     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                            "rope_theta": 1000000.0}}})
+# The image-text Gemma 4 checkpoint (Gemma4ForConditionalGeneration, as Google publishes it): the text decoder above
+# under model.language_model, beside a one-layer vision tower (not read: the language model is exported alone).
+ARCH_CONFIGS["gemma4"] = ("Gemma4Config", {"text_config": ARCH_CONFIGS["gemma4_text"][1], "vision_config": dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+    patch_size=4, position_embedding_size=64, pooling_kernel_size=2)})
 NEW_ARCHITECTURES = ("gemma4_text", "glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "seed_oss", "ernie4_5", "olmo3", "exaone4", "ministral3", "hunyuan_v1_dense",
                      "cohere2", "apertus", "llama4_text")
 NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "llama4_text")
@@ -254,7 +259,7 @@ def make_tiny_checkpoint(
     kwargs = {**BASE, **extra, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std, **overrides}
     if arch in ("phi3", "granitemoehybrid"):
         kwargs.pop("head_dim", None)  # derived from hidden / heads
-    if arch == "gemma4_text":  # a per-layer input row for every token id
+    if arch in ("gemma4_text", "gemma4"):  # a per-layer input row for every token id
         kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     if arch == "nemotron_h":  # its layer count is its block list's length, its norms' epsilon layer_norm_epsilon
         kwargs.pop("num_hidden_layers"), kwargs.pop("rms_norm_eps")

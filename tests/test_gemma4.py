@@ -180,3 +180,34 @@ def test_the_per_layer_inputs_gather_and_mix_once_for_every_layer(exported):
     nodes = _nodes(exported(ARCH, "attn_dynamic", "fp32", ()))
     gathers = [n for n in nodes if n.op_type == "Gather" and "embed_tokens_per_layer" in " ".join(n.input)]
     assert len(gathers) == 1
+
+
+# Gemma 4 as Google publishes it (Gemma4ForConditionalGeneration): the text decoder above under model.language_model,
+# beside a vision tower; its language model is exported alone, as qwen3_5's image-text checkpoints are.
+IMAGE_TEXT = "gemma4"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_image_text_checkpoint_s_language_model_matches_transformers(variant, exported, reference):
+    ref = reference(IMAGE_TEXT, PROMPT)
+    result = run_parity(Decoder(exported(IMAGE_TEXT, variant, "fp32")), ref, near_tie_margin=0.0)
+    assert _close(result), result
+    assert result.tokens == ref.tokens, result.mismatches
+
+
+def test_the_image_text_checkpoint_s_validated_export_passes_every_gate(checkpoint, tmp_path):
+    """The whole validation: the weight gate reads every language-model tensor back (the towers are not the export's),
+    parity against Gemma4ForConditionalGeneration's text-only forward, the genai gate."""
+    request = ExportRequest(model=str(checkpoint(IMAGE_TEXT)), dtype="fp16", ep="cpu", variant="gqa")
+    out = export_model(request, tmp_path / "export", validate=True).out_dir
+    report = json.loads((out / "parity_report.json").read_text())
+    assert report["status"] == "passed" and not report["failed_gates"], report["failed_gates"]
+
+
+def test_the_image_text_checkpoint_s_genai_package_generates_transformers_tokens(tmp_path):
+    source = make_tiny_tokenizer(make_tiny_checkpoint(IMAGE_TEXT, tmp_path / "ckpt", vocab_size=TINY_TOKENIZER_VOCAB))
+    request = ExportRequest(model=str(source), ep="cpu", variant="gqa", max_seq_len=MAX_SEQ_LEN)
+    out = export_model(request, tmp_path / "gqa", validate=False).out_dir
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, TINY_TOKENIZER_VOCAB, size=12)]
+    want = reference_greedy(load_reference(source), prompt, 20).tokens
+    assert genai_greedy(og.Model(str(out)), prompt, 20) == want

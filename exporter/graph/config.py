@@ -613,7 +613,9 @@ def _transformers_config(checkpoint_dir: Path):
 
 # Image-text checkpoints whose language model the exporter takes alone (its weights under
 # model.language_model, the vision tower's ignored): config.json's text_config describes it.
-LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe")
+LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe", "gemma4")
+# The text family each one's language model is (what its features are read as).
+TEXT_FAMILY_OF = {"gemma4": "gemma4_text"}
 
 
 def text_model_config(hf_text, model_type: str) -> ModelConfig:
@@ -704,13 +706,14 @@ def _lfm2_intermediate(hf) -> int:
 def _model_config(hf, model_type: str) -> ModelConfig:
     if model_type in LANGUAGE_MODEL_OF and getattr(hf, "text_config", None) is not None:
         hf = hf.text_config
+    family = TEXT_FAMILY_OF.get(model_type, model_type)  # gemma4's language model is a gemma4_text
     if model_type in ("lfm2", "lfm2_moe"):  # its own name for the norms' epsilon
         hf.rms_norm_eps = hf.norm_eps
     if model_type == "nemotron_h":
         hf.rms_norm_eps = hf.layer_norm_epsilon
     if model_type == "cohere2":
         hf.rms_norm_eps = hf.layer_norm_eps
-    if model_type == "gemma4_text":  # head sizes and KV heads by layer (_gemma4_fields); the model-wide ones: the sliding layers'
+    if family == "gemma4_text":  # head sizes and KV heads by layer (_gemma4_fields); the model-wide ones: the sliding layers'
         hf.allow_global_per_layer_attribute_access = True
     multipliers = {}
     if model_type == "falcon_h1":
@@ -730,7 +733,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
     layer_types = tuple(getattr(hf, "layer_types", None) or ())
     per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
     if per_type:  # gemma3: {"sliding_attention": {...}, "full_attention": {...}}
-        ropes = {t: _rope(hf, p, _layer_type_head_dim(hf, model_type, t, head_dim), t) for t, p in params.items()}
+        ropes = {t: _rope(hf, p, _layer_type_head_dim(hf, family, t, head_dim), t) for t, p in params.items()}
         rope = ropes.get(FULL) or next(iter(ropes.values()))
     else:
         ropes, rope = {}, _rope(hf, params, head_dim, None)
@@ -761,7 +764,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         raise ExportError(f"unsupported MLP activation {act!r}: supported are {', '.join(SUPPORTED_ACTIVATIONS)}")
     scalar = getattr(hf, "query_pre_attn_scalar", None)
     attention_scale = getattr(hf, "attention_multiplier", None) or (scalar ** -0.5 if scalar else None)
-    gemma4 = _gemma4_fields(hf, layer_types) if model_type == "gemma4_text" else {}
+    gemma4 = _gemma4_fields(hf, layer_types) if family == "gemma4_text" else {}
     if gemma4:
         attention_scale = 1.0  # its q / k norms stand in for the softmax scale
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -771,7 +774,7 @@ def _model_config(hf, model_type: str) -> ModelConfig:
         attention_scale = yarn_apply_mscale(rope.parameters, (latent.nope_dim + latent.rope_dim) ** -0.5)
         head_dim, num_kv_heads = latent.kv_rank + latent.rope_dim, 1
     embedding_scale = getattr(hf, "embedding_multiplier", None)
-    if model_type in ("gemma2", "gemma3_text", "gemma4_text"):
+    if family in ("gemma2", "gemma3_text", "gemma4_text"):
         embedding_scale = hf.hidden_size ** 0.5
     return ModelConfig(
         architecture=model_type,

@@ -62,7 +62,7 @@ GENAI_MODEL_TYPES = {
     # Gemma 4: genai reads each cache's KV heads and head size off the graph's inputs (its per-layer KV shapes); the
     # per-layer inputs are computed in the graph from input_ids; the KV-shared layers are the last ones and carry no
     # cache, so genai's layers are the ones before them (_genai_layers).
-    "gemma4_text": "decoder",
+    "gemma4_text": "decoder", "gemma4": "decoder",
 }
 # A graph traced by transformers.exporters (exporter/graph/traced.py) carries everything model-specific
 # and takes the attn_dynamic contract's inputs, which genai's generic decoder feeds.

@@ -193,6 +193,7 @@ for _type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
 TRANSFORMERSJS_REFUSES["gemma4_text"] = (
     "transformers.js 4.3 feeds a cache to every layer, all alike in size from config.json (getKeyValueShapes), "
     "while Gemma 4's global layers have their own head size and KV heads and its KV-shared layers take no cache")
+TRANSFORMERSJS_REFUSES["gemma4"] = TRANSFORMERSJS_REFUSES["gemma4_text"]  # its language model, exported alone
 
 
 def check_family(checkpoint_dir: Path) -> None:

@@ -28,6 +28,10 @@ import numpy as np
 
 from exporter import checkpoints
 from exporter.errors import ExportError
+from exporter.graph.config import TEXT_FAMILY_OF
+
+# Where an image-text checkpoint keeps its language model (gemma4's, transformers' model.language_model).
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 
 class NotStreamable(ExportError):
     """transformers' model of the checkpoint keeps its decoder layers elsewhere than ``get_decoder().layers``
@@ -105,8 +109,15 @@ class StreamedReference:
             torch.backends.cudnn.allow_tf32 = False
         self.vocab_block_bytes = vocab_block_bytes
         self.source = Checkpoint(self.checkpoint)
+        self.language_model_prefix = None
         try:
             config = AutoConfig.from_pretrained(str(self.checkpoint))
+            if config.model_type in TEXT_FAMILY_OF:
+                # An image-text checkpoint whose language model is exported alone (gemma4): the reference is that
+                # language model as its own causal LM (its image-text forward reads the embedding table outside
+                # the embedding's forward), its weights read under the checkpoint's model.language_model.
+                config = config.get_text_config()
+                self.language_model_prefix = LANGUAGE_MODEL_PREFIX
             with _parameters_on_meta():
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         except (OSError, ValueError) as err:
@@ -134,6 +145,8 @@ class StreamedReference:
         for prefix, buffer_owner in model.named_modules():
             for name, buffer in list(buffer_owner._buffers.items()):
                 full = f"{prefix}.{name}" if prefix else name
+                if self.language_model_prefix and full.startswith("model.") and full not in self.source:
+                    full = self.language_model_prefix + full[len("model."):]
                 stored = full in self.source or self._merged.get(full, ("",))[0] == "renamed"
                 if buffer is not None and name not in buffer_owner._non_persistent_buffers_set and stored:
                     # A persistent buffer the checkpoint stores (lfm2_moe's expert_bias, nemotron_h's
@@ -213,6 +226,8 @@ class StreamedReference:
         candidates: dict[int, list[str]] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             candidates.setdefault(id(param), []).append(name)
+            if self.language_model_prefix and name.startswith("model."):  # model.X stored as model.language_model.X
+                candidates[id(param)].append(self.language_model_prefix + name[len("model."):])
         # (under transformers' own name where the checkpoint stores it renamed: an image-text checkpoint's
         # model.language_model.embed_tokens, read as the causal LM's model.embed_tokens)
         embedding = next((n for n in candidates[id(self.embedding.weight)] if n in self.source or n in self._merged), None)

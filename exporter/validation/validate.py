@@ -31,6 +31,7 @@ from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE,
 from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
+from exporter.graph.config import LANGUAGE_MODEL_OF
 from exporter.packaging.image_text import component_sources
 from exporter.packaging.resolve import resolve_source
 from exporter.contract import (
@@ -194,6 +195,14 @@ def _packed_gqa(model_path: Path) -> bool:
 
 
 
+def towers_beside_language_model(checkpoint: Checkpoint) -> frozenset[str]:
+    """An image-text checkpoint's tensors outside its language model (vision and audio towers, their projections):
+    where the export is the language model alone, not the export's to hold."""
+    from exporter.validation.streamed import LANGUAGE_MODEL_PREFIX
+
+    return frozenset(n for n in checkpoint.names() if not n.startswith((LANGUAGE_MODEL_PREFIX, "lm_head.")))
+
+
 def validate_export(
     export_dir: Path,
     reference: str | None = None,
@@ -262,6 +271,8 @@ def validate_export(
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights") as pool:
         # an image-text export: the tensors its vision and embedding graphs read are not missing from model.onnx
         elsewhere = component_sources(manifest["image_text"]) if manifest.get("image_text") else frozenset()
+        if cfg.get("architecture") in LANGUAGE_MODEL_OF:  # a language model exported alone (qwen3_5, gemma4): not its towers
+            elsewhere |= towers_beside_language_model(Checkpoint(ref_source.path))
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations, traced, elsewhere)
         if cfg.get("image_text"):  # vision -> embedding -> decoder against transformers' image-text model

@@ -20,5 +20,5 @@ ARCHITECTURES: dict[str, Architecture] = {
               # The 2025-26 dense families.
               seed_oss.ARCHITECTURE, ernie4_5.ARCHITECTURE, olmo3.ARCHITECTURE, exaone4.ARCHITECTURE,
               ministral3.ARCHITECTURE, hunyuan_v1_dense.ARCHITECTURE, cohere2.ARCHITECTURE, apertus.ARCHITECTURE,
-              llama4_text.ARCHITECTURE, gemma4_text.ARCHITECTURE)
+              llama4_text.ARCHITECTURE, gemma4_text.ARCHITECTURE, gemma4_text.IMAGE_TEXT)
 }

@@ -4,6 +4,22 @@ attention_k_eq_v their values the keys, fewer KV heads) and a proportional rope;
 attending over an earlier layer's keys and values; per-layer inputs (PLE) gated into each layer's output, which
 its layer_scalar multiplies (config.py _gemma4_fields)."""
 
+import dataclasses
+
 from exporter.graph.architectures.base import SANDWICH, Architecture
+from exporter.graph.architectures.qwen3_5 import LanguageModelOf
 
 ARCHITECTURE = Architecture(model_type="gemma4_text", norm_layout=SANDWICH, qk_norm=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4LanguageModel(LanguageModelOf):
+    """The image-text checkpoint (Gemma4ForConditionalGeneration, as Gemma 4 is published): its text decoder under
+    model.language_model, per-layer inputs included, exported alone (the vision and audio towers are not read)."""
+
+    per_layer_embed = "model.language_model.embed_tokens_per_layer.weight"
+    per_layer_model_projection = "model.language_model.per_layer_model_projection.weight"
+    per_layer_projection_norm = "model.language_model.per_layer_projection_norm.weight"
+
+
+IMAGE_TEXT = Gemma4LanguageModel(model_type="gemma4", norm_layout=SANDWICH, qk_norm=True)
