@@ -125,15 +125,27 @@ def static_cache_counts(cached: np.ndarray | list[int], new_tokens: int) -> dict
 
 # --- image-text exports: the vision and embedding graphs beside the decoder (exporter.vision) ------
 PIXEL_VALUES = "pixel_values"  # vision in: float32 [num_images, channels, image_size, image_size]
-IMAGE_FEATURES = "image_features"  # vision out, embedding in: [num_images, tokens_per_image, text hidden]
-NUM_IMAGES = "num_images"  # the symbolic dim (0 in the embedding graph: a text-only prompt, a decode step)
+IMAGE_FEATURES = "image_features"  # vision out, embedding in: [num_image_tokens, text hidden], image after image
+NUM_IMAGES = "num_images"  # the symbolic dim of pixel_values (and image_grid_thw)
 IMAGE_TEXT_TASK = "image-text-to-text"  # the manifest's "task" of such an export
 VISION, EMBEDDING, DECODER = "vision", "embedding", "decoder"  # the manifest's component names
 
 
-def image_text_step_inputs(variant: Variant) -> tuple[str, ...]:
-    """``step_inputs`` of an image-text decoder: ``inputs_embeds`` in place of ``input_ids``."""
-    return tuple(INPUTS_EMBEDS if name == INPUT_IDS else name for name in step_inputs(variant))
+def image_text_step_inputs(variant: Variant, mrope: bool = False) -> tuple[str, ...]:
+    """``step_inputs`` of an image-text decoder: ``inputs_embeds`` in place of ``input_ids``; ``mrope``: a decoder
+    with multimodal rotary takes ``position_ids`` [3, batch, seq] in every variant (gqa's last, after the mask)."""
+    names = tuple(INPUTS_EMBEDS if name == INPUT_IDS else name for name in step_inputs(variant))
+    return names + (POSITION_IDS,) if mrope and POSITION_IDS not in names else names
+
+
+# M-RoPE (qwen2_5_vl's language model, docs/graph-contracts.md "M-RoPE"): position_ids hold three position streams per
+# token, temporal / height / width (transformers' get_rope_index), where every other decoder takes one.
+MROPE_STREAMS = 3
+
+
+def position_ids_dims(mrope: bool = False) -> list:
+    """Declared dims of ``position_ids``: [batch, seq], or [3, batch, seq] for a multimodal rotary (M-RoPE)."""
+    return [MROPE_STREAMS, BATCH, SEQ] if mrope else [BATCH, SEQ]
 
 
 # --- model metadata -------------------------------------------------------------------------------
@@ -151,6 +163,10 @@ BUILDER_HAND, BUILDER_TRACED = "exportfarm", "transformers.exporters"
 META_TOKENS_PER_IMAGE = f"{META_PREFIX}vision.tokens_per_image"
 META_IMAGE_TOKEN_ID = f"{META_PREFIX}vision.image_token_id"
 META_IMAGE_SIZE = f"{META_PREFIX}vision.image_size"
+# qwen2_5_vl's vision graph: patches merged per side into one token, which a runtime needs to place an image's
+# tokens on M-RoPE's height / width streams (image_grid_thw's rows and columns / this).
+META_SPATIAL_MERGE_SIZE = f"{META_PREFIX}vision.spatial_merge_size"
+IMAGE_GRID_THW = "image_grid_thw"  # qwen2_5_vl's vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")
@@ -185,6 +201,9 @@ GENAI_CONFIG_FILE = "genai_config.json"
 MODEL_FILES = (MODEL_FILE, DATA_FILE)
 # An image-text export's other two graphs, each with its own weights file (<file>.data) beside model.onnx.
 VISION_FILE = "vision.onnx"
+# onnxruntime-genai's image processor of an image-text export (onnxruntime-extensions' transforms; genai_config's
+# vision.config_filename), apart from the processor_config.json transformers and transformers.js read.
+GENAI_IMAGE_PROCESSOR_FILE = "ort_image_processor.json"
 EMBEDDING_FILE = "embedding.onnx"
 
 

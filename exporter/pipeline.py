@@ -26,6 +26,7 @@ from exporter.graph.traced import builder_entry, check_traced_quantization, reso
 from exporter.graph.passes.quantize import IMPORTED_DESCRIPTION, METHOD_DESCRIPTIONS
 from exporter.packaging import hf_layout
 from exporter.packaging.genai import write_genai_package
+from exporter.packaging.genai_image_text import write_genai_image_text_package
 from exporter.packaging.package import MANIFEST_FILE, Manifest, build_manifest, write_model
 from exporter.request import ExportRequest
 from exporter.packaging.resolve import ResolvedSource, resolve_source
@@ -128,8 +129,10 @@ def build_export(
         hashed.update(written)
     progress.bytes_written(total, total)  # tiny tensors are stored inline, without a callback
     timings["write"] = time.perf_counter() - t0
-    if image_text:
-        genai = None
+    if image_text:  # genai_config.json with vision / embedding / decoder sections where genai has the type
+        genai = write_genai_image_text_package(out_dir, source.path, built.config, built.variant, request, components,
+                                               [v.name for v in built.model.graph.inputs],
+                                               [v.name for v in built.model.graph.outputs])
     else:
         # genai_config.json + tokenizer files, so the folder also runs in onnxruntime-genai unchanged.
         genai = write_genai_package(
@@ -137,16 +140,13 @@ def build_export(
             [v.name for v in built.model.graph.inputs], [v.name for v in built.model.graph.outputs], traced=traced,
         )
     manifest = build_manifest(built.model, out_dir, request, built.variant, source, timings,
-                              sorted(hashed.keys() - set(contract.MODEL_FILES)) if image_text else genai.files,
+                              sorted(hashed.keys() - set(contract.MODEL_FILES)) + genai.files if image_text
+                              else genai.files,
                               export_id, hashed, builder_entry(builder))
     if image_text:
         manifest.data["task"] = contract.IMAGE_TEXT_TASK
         manifest.data["image_text"] = components
-        manifest.data["genai"] = {"package": False, "runtime": None, "config": None, "files": [], "tokenizer": "missing",
-                                  "reason": "an image-text export has no genai_config.json yet (its vision, embedding "
-                                            "and decoder sections and the image processor config are not written)"}
-    else:
-        manifest.data["genai"] = genai.manifest_entry()
+    manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
             "method": request.quant.method,

@@ -52,13 +52,15 @@ def images(directory, count: int, seed: int = 0) -> np.ndarray:
 
 
 def reference_features(model, pixels: np.ndarray) -> np.ndarray:
-    """transformers' get_image_features, per image: [images, tokens, text hidden]."""
+    """transformers' get_image_features, the images' rows one after another (as the vision graph gives them):
+    [images * tokens, text hidden]."""
     with torch.no_grad():
         if model.config.model_type in ("idefics3", "smolvlm"):  # [batch, images, ...] in; a flat row per batch row out
             (flat,) = model.model.get_image_features(torch.from_numpy(pixels)[None]).pooler_output
-            return flat.reshape(len(pixels), -1, flat.shape[-1]).numpy()
+            return flat.reshape(-1, flat.shape[-1]).numpy()
         out = model.model.get_image_features(torch.from_numpy(pixels)).pooler_output
-        return (torch.stack(list(out)) if isinstance(out, (list, tuple)) else out).numpy()
+        out = torch.stack(list(out)) if isinstance(out, (list, tuple)) else out
+        return out.reshape(-1, out.shape[-1]).numpy()
 
 
 def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
@@ -133,7 +135,7 @@ def test_text_only_prompt_takes_no_features(vlm, case):
     directory, model = vlm(case)
     input_ids = np.array([[1, 5, 6, 7, 8, 9]], dtype=np.int64)
     cfg = load_vision_config(directory)
-    none = np.zeros((0, cfg.tokens_per_image, cfg.text_hidden_size), np.float32)
+    none = np.zeros((0, cfg.text_hidden_size), np.float32)
     (embeds,) = session(build_embedding_graph(directory)).run(None, {INPUT_IDS: input_ids, IMAGE_FEATURES: none})
     np.testing.assert_array_equal(embeds, reference_embeds(model, input_ids, None))
 
@@ -181,7 +183,7 @@ def test_graph_contract_and_fused_ops(vlm):
     vision = build_vision_graph(directory)
     (pixels,), (features,) = vision.graph.inputs, vision.graph.outputs
     assert (pixels.name, pixels.dtype, pixels.shape.dims[1:]) == (PIXEL_VALUES, ir.DataType.FLOAT, (3, 32, 32))
-    assert (features.name, features.shape.dims[1:]) == (IMAGE_FEATURES, (cfg.tokens_per_image, cfg.text_hidden_size))
+    assert (features.name, features.shape.dims) == (IMAGE_FEATURES, ("num_image_tokens", cfg.text_hidden_size))
     ops = {node.op_type for node in vision.graph}
     assert {"Conv", "Attention", "LayerNormalization", "SkipLayerNormalization", "QuickGelu", "Gelu"} <= ops
     # vision_feature_layer -2 of 3 layers: the last layer is never built

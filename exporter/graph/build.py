@@ -16,6 +16,7 @@ from exporter.graph.components.decoder import projected_parts
 from exporter.graph.components.gated_deltanet import GATED_DELTANET_OP, LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.components.moe import fused_sparse_mixer, moe_metadata
+from exporter.graph.components.rotary import mrope_section
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, load_model_config
 from exporter.graph.language_model import image_text_type, language_model
 from exporter.errors import ExportError
@@ -326,6 +327,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                        if cfg.layer_attention else {}),
                     "activations": activations.value,
                     **({"image_text": language.model_type} if language else {}),
+                    # M-RoPE: position_ids [3, batch, seq] (docs/graph-contracts.md "M-RoPE")
+                    **({"mrope_section": list(mrope_section(cfg.rope))} if mrope_section(cfg.rope) else {}),
                     **({"recurrent": {"kind": cfg.recurrent.kind,
                                       "ops": ["CausalConvWithState"] + (
                                           [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else

@@ -18,6 +18,11 @@ from exporter.graph.architectures.base import Architecture
 from exporter.graph.config import LANGUAGE_MODEL_OF, ModelConfig, read_raw_config
 
 
+# Language models that are a text architecture the exporter builds under a name of their own: qwen2_5_vl's is qwen2
+# (q / k / v biases) with multimodal rotary (rope_parameters' mrope_section: position_ids [3, batch, seq]).
+TEXT_ARCHITECTURE_OF = {"qwen2_5_vl_text": "qwen2"}
+
+
 @dataclasses.dataclass(frozen=True)
 class LanguageModel:
     """An image-text checkpoint's language model: what build_model builds the decoder from."""
@@ -39,7 +44,8 @@ def image_text_type(checkpoint_dir: Path) -> str | None:
 
 def check_image_text_request(request, checkpoint_dir: Path) -> None:
     """Refuse (ExportError) what an image-text export cannot be yet: a family the vision builder does not
-    take, a language model the exporter does not build, the hf layout, the compat target, a traced graph."""
+    take, a language model the exporter does not build, an hf layout transformers.js cannot run, the compat
+    target, a traced graph."""
     from exporter.vision import FAMILIES, load_vision_config
 
     model_type = image_text_type(checkpoint_dir)
@@ -47,9 +53,10 @@ def check_image_text_request(request, checkpoint_dir: Path) -> None:
         raise ExportError(f"image-text checkpoints of model_type {model_type!r} are not exported yet: the vision and "
                           f"embedding graphs are built for {', '.join(FAMILIES)} (exporter.vision.FAMILIES); an "
                           "export needs all three graphs to run an image prompt")
-    if request.layout == "hf":
-        raise ExportError("an image-text export is not laid out for transformers.js yet (onnx/vision_encoder, "
-                          "onnx/embed_tokens, onnx/decoder_model_merged): export it with layout farm")
+    if request.layout == "hf":  # the families and checkpoints transformers.js cannot run (hf_image_text.py)
+        from exporter.packaging.hf_image_text import check_image_text_checkpoint
+
+        check_image_text_checkpoint(checkpoint_dir, model_type)
     if request.compat:
         raise ExportError("an image-text export is built for the current onnxruntime only (its vision graph uses "
                           "opset-24 Attention): drop compat")
@@ -73,10 +80,13 @@ def language_model(checkpoint_dir: Path) -> LanguageModel:
     model_type = raw.get("model_type")
     check_config_values(raw)
     text = _transformers_config(checkpoint_dir).get_text_config()
-    if text.model_type not in ARCHITECTURES:
+    text_type = TEXT_ARCHITECTURE_OF.get(text.model_type, text.model_type)
+    if text_type not in ARCHITECTURES:
         raise ExportError(f"{model_type}'s language model is a {text.model_type!r}, which the exporter does not build "
                           f"(it builds {', '.join(sorted(ARCHITECTURES))})")
-    config = text_model_config(text, text.model_type)
+    config = text_model_config(text, text_type)
+    if getattr(text, "tie_word_embeddings", None) is None:  # qwen2_5_vl_text: the checkpoint's top-level setting
+        config = dataclasses.replace(config, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
     if config.per_layer_input:
         raise ExportError(f"{text.model_type} reads its token ids inside the decoder (per-layer inputs), which an "
                           "image-text decoder taking inputs_embeds does not have")
@@ -88,7 +98,7 @@ def language_model(checkpoint_dir: Path) -> LanguageModel:
         raise ExportError(f"the checkpoint holds {len(heads) or 'no'} LM head weights ({', '.join(heads) or 'none'}) "
                           "where its text_config describes one: is config.json from this checkpoint?")
     head = heads[0] if heads else "lm_head.weight"
-    return LanguageModel(model_type, config, _under(ARCHITECTURES[text.model_type], prefix, head))
+    return LanguageModel(model_type, config, _under(ARCHITECTURES[text_type], prefix, head))
 
 
 def _under(text: Architecture, prefix: str, head: str) -> Architecture:

@@ -17,7 +17,7 @@ from exporter.graph.components.decoder import decoder_layer, end_layer, norm
 from exporter.graph.components.per_layer_input import per_layer_inputs
 from exporter.graph.components.gated_deltanet import LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder, linear
-from exporter.graph.components.rotary import Rotary, longrope_row_offset, rope_constants
+from exporter.graph.components.rotary import Rotary, longrope_row_offset, mrope_rotary, mrope_section, rope_constants
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, RopeConfig
 from exporter.errors import ExportError
 from exporter.request import Variant
@@ -151,6 +151,13 @@ def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int,
     """cos/sin tables of ``rope`` and this step's way into them (longrope picks its half in-graph)."""
     tables = rope_tables(cfg, table_len, rope, b.rope_cache)
     cos, sin = rope_constants(b, tables, rope.layer_type)
+    section = mrope_section(rope)
+    if section is not None:  # every variant takes position_ids [3, batch, seq] and rotates per token
+        if sum(section) * 2 != rope.rotary_dim or len(section) != 3 or tables.switch_at is not None or cfg.rotary_interleaved:
+            raise ExportError(f"{cfg.architecture}'s mrope_section {list(section)} is exported as three sections "
+                              f"filling half the rotary dims ({rope.rotary_dim // 2}) of a rope without longrope: fix "
+                              "config.json's rope_parameters")
+        return mrope_rotary(b, cos, sin, position_ids, section, rope.rotary_dim, cfg.head_dim)
     rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim, interleaved=cfg.rotary_interleaved)
     if variant is Variant.GQA:
         if tables.switch_at is not None:
@@ -196,12 +203,20 @@ def build_graph(
     inputs = [input_ids]
     step = StepInputs(rotary=None)
     lengths = position_ids = attention_mask = None
+    # M-RoPE (qwen2_5_vl's language model): position_ids [3, batch, seq] in every variant, gqa's too.
+    mrope = mrope_section(cfg.rope) is not None
+    if mrope and variant is Variant.ATTN_STATIC and any(cfg.window(i) or cfg.chunk(i) for i in range(cfg.num_layers)):
+        raise ExportError(f"{cfg.architecture}'s sliding layers under attn_static find their window from position_ids "
+                          "as cache slots, which M-RoPE's positions are not: use the attn_dynamic or gqa variant")
     if variant is Variant.GQA:
         attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
         inputs.append(attention_mask)
         lengths = gqa_lengths(b, attention_mask, step)
+        if mrope:
+            position_ids = _input(io.POSITION_IDS, I64, io.position_ids_dims(mrope))
+            inputs.append(position_ids)
     else:
-        position_ids = step.position_ids = _input(io.POSITION_IDS, I64, [BATCH, SEQ])
+        position_ids = step.position_ids = _input(io.POSITION_IDS, I64, io.position_ids_dims(mrope))
         if variant is Variant.ATTN_DYNAMIC:
             attention_mask = _input(io.ATTENTION_MASK, I64, [BATCH, TOTAL])
             inputs += [attention_mask, position_ids]

@@ -34,7 +34,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import _get_all_tensors  # every tensor of the graph and its subgraphs
 
-from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, LOGITS, MANIFEST_FILE, MODEL_FILE
+from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, IMAGE_TEXT_TASK, LOGITS, MANIFEST_FILE, MODEL_FILE
 from exporter.errors import ExportError
 from exporter.packaging.package import file_entry
 from exporter.packaging.source_files import checkpoint_file, side_file_names
@@ -150,8 +150,14 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, we
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.hf-partial-{uuid.uuid4().hex[:8]}")
     try:
-        layout_manifest = _write(export_dir, staging, checkpoint_dir, manifest, model_name, data_name, dtype,
-                                 weights)
+        if manifest.get("task") == IMAGE_TEXT_TASK:  # three sessions (exporter/packaging/hf_image_text.py)
+            from exporter.packaging.hf_image_text import write_image_text_layout
+
+            suffix = Path(model_name).stem.removeprefix("model")
+            layout_manifest = write_image_text_layout(export_dir, staging, checkpoint_dir, manifest, suffix, weights)
+        else:
+            layout_manifest = _write(export_dir, staging, checkpoint_dir, manifest, model_name, data_name, dtype,
+                                     weights)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -201,6 +207,13 @@ def check_family(checkpoint_dir: Path) -> None:
     path = checkpoint_file(checkpoint_dir, CONFIG_FILE, required=False)
     if path is not None:
         _checked_config(json.loads(path.read_text()))
+        from exporter.graph.language_model import image_text_type
+
+        model_type = image_text_type(checkpoint_dir)
+        if model_type:  # an image-text checkpoint: its family and its processor (hf_image_text.py)
+            from exporter.packaging.hf_image_text import check_image_text_checkpoint
+
+            check_image_text_checkpoint(checkpoint_dir, model_type)
 
 
 def _checked_config(config: dict) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from exporter.contract import (
-    EMBEDDING_FILE, IMAGE_FEATURES, INPUT_IDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_TOKENS_PER_IMAGE,
-    PIXEL_VALUES, VISION_FILE, numpy_of_ort,
+    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
+    META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
 )
 from exporter.runtime.session import Decoder
 
@@ -46,14 +46,15 @@ class ImageTextModel:
         return np.zeros((0, self.tokens_per_image, self.hidden), self.features_dtype)
 
     def image_features(self, pixel_values: np.ndarray) -> np.ndarray:
-        """The vision graph: pixel_values [images, channels, size, size] fp32 -> [images, tokens, hidden]."""
+        """The vision graph: pixel_values [images, channels, size, size] fp32 -> [images, tokens, hidden]
+        (the graph gives the rows 2-D, image after image)."""
         (features,) = self.vision.run(None, {PIXEL_VALUES: np.ascontiguousarray(pixel_values, np.float32)})
-        return features
+        return features.reshape(len(pixel_values), self.tokens_per_image, self.hidden)
 
     def embed(self, input_ids: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
         """The embedding graph: ids [batch, seq] and the features of the images their tokens hold (none:
         text only) -> inputs_embeds [batch, seq, hidden]."""
-        features = self.no_images() if features is None else features
+        features = (self.no_images() if features is None else features).reshape(-1, self.hidden)
         (embeds,) = self.embedding.run(None, {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features})
         return embeds
 
@@ -82,15 +83,144 @@ class ImageTextModel:
 
 
 def image_text_decode(model: ImageTextModel, prompt: list[int], pixel_values: np.ndarray | None, steps: int,
-                      feed: list[int] | None = None):
+                      feed: list[int] | None = None, image_grid_thw: np.ndarray | None = None):
     """``parity.export_decode`` of an image prompt: the images encoded, the prompt prefilled through the
     embedding graph, then ``steps`` greedy steps (teacher-forced on ``feed``), each token embedded with
-    no images."""
+    no images. ``image_grid_thw``: a patch-sequence export's grids (PatchSequenceModel)."""
     from exporter.validation.parity import export_decode
 
     model.clear()
-    model.encode(pixel_values)
+    model.encode(pixel_values) if image_grid_thw is None else model.encode(pixel_values, image_grid_thw)
     try:
         return export_decode(model.decoder, prompt, steps, feed)
     finally:
         model.clear()
+
+
+class PatchSequenceModel(ImageTextModel):
+    """qwen2_5_vl's export: the vision graph takes the processor's flattened patches with ``image_grid_thw`` and gives
+    each image t * h * w / merge^2 feature rows; the decoder takes M-RoPE ``position_ids`` [3, batch, seq], which
+    ``rope_index`` computes here as transformers' ``get_rope_index`` does, step by step: per row the offset between
+    the next text token's 3-D position and its 1-D one (transformers' rope_deltas) is kept for the steps after."""
+
+    def __init__(self, export_dir: Path, ep: str = "cpu", **decoder_options):
+        super().__init__(export_dir, ep, **decoder_options)
+        self.spatial_merge_size = int(self.vision.get_modelmeta().custom_metadata_map[META_SPATIAL_MERGE_SIZE])
+        self._grids: list[tuple[int, int, int]] = []  # (t, h, w) of each queued image, in order
+        self._deltas: list[int] = []  # per row: rope_deltas
+        self._prefilled = False  # the last call started every row's sequence (attn_static prefills rows one by one)
+        self.decoder.positions = self._positions
+
+    def no_images(self) -> np.ndarray:
+        return np.zeros((0, self.hidden), self.features_dtype)
+
+    def image_tokens(self, grid) -> int:
+        """Feature rows (image tokens) of one image of ``grid`` (t, h, w)."""
+        t, h, w = (int(v) for v in grid)
+        return t * h * w // self.spatial_merge_size ** 2
+
+    def image_features(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray | None = None) -> np.ndarray:
+        """The vision graph: patches [patches, patch_dim] fp32 + grids [images, 3] -> [image tokens, hidden]."""
+        if image_grid_thw is None:
+            raise ValueError("a patch-sequence vision graph takes image_grid_thw beside pixel_values")
+        (features,) = self.vision.run(None, {PIXEL_VALUES: np.ascontiguousarray(pixel_values, np.float32),
+                                             IMAGE_GRID_THW: np.asarray(image_grid_thw, np.int64)})
+        return features
+
+    def encode(self, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None = None) -> np.ndarray:
+        features = self.no_images()
+        if pixel_values is not None and len(pixel_values):
+            features = self.image_features(pixel_values, image_grid_thw)
+            self._grids += [tuple(int(v) for v in g) for g in np.asarray(image_grid_thw)]
+        self._queued = np.concatenate([self._queued, features])
+        return features
+
+    def _embed_queued(self, input_ids: np.ndarray) -> np.ndarray:
+        count = int(np.count_nonzero(np.asarray(input_ids) == self.image_token_id))
+        images, rows = 0, 0
+        while count and images < len(self._grids) and rows < count:
+            rows += self.image_tokens(self._grids[images])
+            images += 1
+        if count and rows == count:
+            features, self._queued, self._grids = self._queued[:rows], self._queued[rows:], self._grids[images:]
+            return self.embed(input_ids, features)
+        if count and self._grids:
+            raise ValueError(f"{count} image tokens are not whole images of the {len(self._grids)} queued (their "
+                             f"tokens: {[self.image_tokens(g) for g in self._grids]}): feed each image's tokens in one call")
+        return self.embed(input_ids)
+
+    def _positions(self, input_ids: np.ndarray, positions: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
+        """The decoder's ``positions``: this step's 1-D positions (each real token's count of real tokens before it)
+        -> [3, batch, seq]; padding at 0."""
+        from exporter.runtime.session import DYNAMIC, GQA, STATIC
+
+        input_ids, positions = np.asarray(input_ids), np.asarray(positions)
+        batch, seq = input_ids.shape
+        real = np.ones((batch, seq), bool)
+        if self.decoder.mode == DYNAMIC:  # left padding: the mask's last seq columns
+            real = np.asarray(attention_mask)[:, -seq:] == 1
+        elif self.decoder.mode == GQA:  # right padding: a row's tokens up to its length
+            real = positions < np.asarray(attention_mask).sum(axis=1, keepdims=True)
+        starts = [int(positions[r][real[r]][0]) if real[r].any() else 0 for r in range(batch)]
+        fresh = not any(starts)  # every row starts its sequence
+        if fresh and not (self._prefilled and self.decoder.mode == STATIC):  # (attn_static: row after row)
+            self._deltas = []
+        if fresh:
+            self._deltas += [0] * batch
+        elif len(self._deltas) != batch:
+            raise ValueError(f"a step of {batch} rows continues {len(self._deltas)} prefilled ones")
+        first = len(self._deltas) - batch  # this call's rows among the deltas
+        self._prefilled = fresh
+        out = np.zeros((3, batch, seq), np.int64)
+        grids = iter(self._grids)
+        for r in range(batch):
+            if not real[r].any():
+                continue
+            ids = input_ids[r][real[r]]
+            position_ids = rope_index(ids, grids, self.image_token_id, self.spatial_merge_size,
+                                      starts[r] + self._deltas[first + r])
+            out[:, r, real[r]] = position_ids
+            self._deltas[first + r] = int(position_ids.max()) + 1 - (starts[r] + len(ids))  # transformers' rope_deltas
+        return out
+
+    def clear(self) -> None:
+        super().clear()
+        self._grids, self._deltas, self._prefilled = [], [], False
+
+
+def rope_index(ids: np.ndarray, grids, image_token_id: int, merge: int, start: int = 0) -> np.ndarray:
+    """transformers' Qwen2.5-VL ``get_rope_index`` for one row's real tokens ``ids`` (numpy): [3, len(ids)] positions
+    from ``start``. A run of text tokens counts up on all three streams; a run of image tokens takes the next grid
+    (t, h, w) from ``grids`` and places its t x h/merge x w/merge tokens at start + (frame, row, column), after
+    which text continues at start + max(h, w) / merge. An image token with no grid left (one the model generated)
+    counts as text, as transformers' decode steps place it."""
+    out, pos, i = [], start, 0
+    is_image = ids == image_token_id
+    while i < len(ids):
+        j = i
+        while j < len(ids) and is_image[j] == is_image[i]:
+            j += 1
+        grid = next(grids, None) if is_image[i] else None
+        if grid is None:
+            out.append(np.broadcast_to(np.arange(pos, pos + j - i), (3, j - i)))
+            pos += j - i
+        else:
+            t, h, w = int(grid[0]), int(grid[1]) // merge, int(grid[2]) // merge
+            if t * h * w != j - i:
+                raise ValueError(f"a run of {j - i} image tokens where the next image's grid {list(grid)} holds "
+                                 f"{t * h * w}: each image's tokens in one run, the images in order")
+            frames, rows, cols = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            out.append(np.stack([frames, rows, cols]).reshape(3, -1) + pos)
+            pos += max(h, w)
+        i = j
+    return np.concatenate(out, axis=1).astype(np.int64)
+
+
+def open_image_text(export_dir: Path, ep: str = "cpu", **decoder_options) -> ImageTextModel:
+    """The runtime of an image-text export: PatchSequenceModel where its vision graph takes image_grid_thw
+    (qwen2_5_vl), else ImageTextModel."""
+    import onnx
+
+    vision = onnx.load(str(Path(export_dir) / VISION_FILE), load_external_data=False)
+    patches = any(i.name == IMAGE_GRID_THW for i in vision.graph.input)
+    return (PatchSequenceModel if patches else ImageTextModel)(export_dir, ep, **decoder_options)

@@ -162,7 +162,9 @@ class Decoder:
         self.session = ort.InferenceSession(str(self.model_path), session_options, providers=providers)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.mode = mode or cache_mode(set(self.inputs))
+        # (an M-RoPE gqa decoder takes position_ids beside its mask, as attn_dynamic does: its variant tells them apart)
+        gqa = self.session.get_modelmeta().custom_metadata_map.get(META_VARIANT) == Variant.GQA.value
+        self.mode = mode or (GQA if gqa else cache_mode(set(self.inputs)))
         if cuda_graph and self.mode == DYNAMIC:
             raise ValueError("a growing past/present cache cannot be captured in a CUDA graph")
         if in_place and self.mode != STATIC:
@@ -207,15 +209,22 @@ class Decoder:
         # A decoder taking inputs_embeds (an image-text export's): input_ids [batch, seq] -> its embeddings,
         # set by the driver that owns the embedding graph (exporter.runtime.image_text).
         self.embed = None
+        # A decoder with multimodal rotary (position_ids [3, batch, seq]): (input_ids, the step's 1-D positions, its
+        # attention_mask or None) -> the three streams, set by the same driver (it knows the images' grids).
+        self.positions = None
+        self.mrope = POSITION_IDS in self.inputs and len(self.inputs[POSITION_IDS].shape) == 3
 
     def _embedded(self, feeds: dict) -> dict:
-        """``feeds`` as the graph takes them: input_ids through ``embed`` where it takes inputs_embeds."""
+        """``feeds`` as the graph takes them: input_ids through ``embed`` where it takes inputs_embeds (and the
+        positions through ``positions`` where it takes M-RoPE's three streams)."""
         if INPUTS_EMBEDS not in self.inputs:
             return feeds
-        if self.embed is None:
+        if self.embed is None or (self.mrope and self.positions is None):
             raise ValueError(f"{self.model_path} takes {INPUTS_EMBEDS}: drive it through its embedding graph "
                              "(exporter.runtime.image_text.ImageTextModel)")
         feeds = dict(feeds)
+        if self.positions is not None:  # before embed, which takes the queued images the positions are computed from
+            feeds[POSITION_IDS] = self.positions(feeds[INPUT_IDS], feeds[POSITION_IDS], feeds.get(ATTENTION_MASK))
         feeds[INPUTS_EMBEDS] = self.embed(feeds.pop(INPUT_IDS))
         return feeds
 
@@ -244,6 +253,8 @@ class Decoder:
             for r in range(batch):
                 mask[r, : cached[r] + new[r]] = 1
             feeds[ATTENTION_MASK] = mask
+            if POSITION_IDS in self.inputs:  # M-RoPE's gqa decoder: from these, ``positions`` gives the three streams
+                feeds[POSITION_IDS] = cached[:, None] + np.arange(seq, dtype=np.int64)[None]
         else:  # left padding: pads first, positions count real tokens only
             pads = np.zeros(batch, np.int64) if pads is None else pads
             mask = np.ones((batch, width + seq), self.mask_dtype)

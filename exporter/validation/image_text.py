@@ -32,11 +32,30 @@ def check_image_text_validatable(max_seq_len: int | None, tokens_per_image: int,
     """Refuse an export too short for validation's two-image prompt and its decode steps."""
     from exporter.errors import ExportError
 
-    needed = 2 * tokens_per_image + TEXT_TOKENS + steps
+    # (tokens_per_image 0: a patch-sequence tower, whose validation images are VALIDATION_GRIDS' sizes)
+    image_tokens = f"2 x {tokens_per_image}" if tokens_per_image else str(_grid_tokens(VALIDATION_GRIDS[2]))
+    needed = (2 * tokens_per_image or _grid_tokens(VALIDATION_GRIDS[2])) + TEXT_TOKENS + steps
     if max_seq_len is not None and max_seq_len < needed:
-        raise ExportError(f"max_seq_len {max_seq_len} is shorter than validation's two-image prompt needs (2 x "
-                          f"{tokens_per_image} image tokens + {TEXT_TOKENS} text tokens + {steps} decode steps = "
+        raise ExportError(f"max_seq_len {max_seq_len} is shorter than validation's two-image prompt needs ("
+                          f"{image_tokens} image tokens + {TEXT_TOKENS} text tokens + {steps} decode steps = "
                           f"{needed}): use max_seq_len {needed} or more (CLI: or --no-validate)")
+
+
+# A patch-sequence tower's (qwen2_5_vl) validation images by count, as (frames, rows, columns) of merged tokens: one
+# image; two of different sizes and shapes. Their patch grids are these times spatial_merge_size in rows and columns.
+VALIDATION_GRIDS = {1: [(1, 4, 4)], 2: [(1, 4, 6), (1, 3, 2)]}
+
+
+def _grid_tokens(grids) -> int:
+    return sum(t * h * w for t, h, w in grids)
+
+
+def validation_patches(images: int, merge: int, patch_dim: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random normalized patches of VALIDATION_GRIDS[images] as the Qwen2-VL image processor lays them out
+    ([patches, patch_dim] fp32) and their image_grid_thw [images, 3]."""
+    grid_thw = np.array([(t, h * merge, w * merge) for t, h, w in VALIDATION_GRIDS[images]], np.int64)
+    patches = np.random.default_rng(seed).standard_normal((int(grid_thw.prod(axis=1).sum()), patch_dim))
+    return patches.astype(np.float32), grid_thw
 
 
 def load_image_text_reference(checkpoint: Path):
@@ -53,15 +72,17 @@ def random_images(count: int, size: int, channels: int = 3, seed: int = 0) -> np
     return np.random.default_rng(seed).standard_normal((count, channels, size, size)).astype(np.float32)
 
 
-def image_prompt(images: int, tokens_per_image: int, image_token_id: int, vocab: int, text_tokens: int = TEXT_TOKENS,
-                 seed: int = 0) -> list[int]:
-    """A prompt of random text tokens around ``images`` images' tokens (each image's tokens in one run)."""
+def image_prompt(images: int, tokens_per_image: int | list[int], image_token_id: int, vocab: int,
+                 text_tokens: int = TEXT_TOKENS, seed: int = 0) -> list[int]:
+    """A prompt of random text tokens around ``images`` images' tokens (each image's tokens in one run;
+    ``tokens_per_image`` a list: each image's own count)."""
     rng = np.random.default_rng(seed)
     text = [int(t) for t in rng.integers(3, vocab, size=text_tokens) if t != image_token_id]
     cut = np.linspace(0, len(text), images + 2).astype(int)[1:-1]  # where the images go between text
+    counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * images
     prompt, start = [], 0
-    for c in cut:
-        prompt += text[start:c] + [image_token_id] * tokens_per_image
+    for c, tokens in zip(cut, counts):
+        prompt += text[start:c] + [image_token_id] * tokens
         start = c
     return prompt + text[start:]
 
@@ -75,11 +96,15 @@ def _pixels_for(model, pixels: np.ndarray | None):
     return pixel_values[None] if model.config.model_type in PER_ROW_IMAGES else pixel_values
 
 
-def reference_features(model, pixels: np.ndarray) -> np.ndarray:
-    """transformers' ``get_image_features``, per image: [images, tokens, text hidden]."""
+def reference_features(model, pixels: np.ndarray, image_grid_thw: np.ndarray | None = None) -> np.ndarray:
+    """transformers' ``get_image_features``, per image: [images, tokens, text hidden] (``image_grid_thw``: a
+    patch-sequence tower's, its per-image tuple concatenated, [image tokens, text hidden])."""
     import torch
 
     with torch.no_grad():
+        if image_grid_thw is not None:
+            out = model.model.get_image_features(torch.from_numpy(pixels), torch.from_numpy(image_grid_thw))
+            return torch.cat(list(out.pooler_output)).numpy()
         out = model.model.get_image_features(_pixels_for(model, pixels)).pooler_output
     if model.config.model_type in PER_ROW_IMAGES:  # one flat row of features per batch row
         (flat,) = out
@@ -87,7 +112,19 @@ def reference_features(model, pixels: np.ndarray) -> np.ndarray:
     return (torch.stack(list(out)) if isinstance(out, (list, tuple)) else out).numpy()
 
 
-def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None) -> np.ndarray:
+def _grid_kwargs(prompt: list[int], image_grid_thw: np.ndarray | None, image_token_id: int | None) -> dict:
+    """A patch-sequence model's image arguments beside pixel_values: the grids, and mm_token_type_ids (1 at image
+    tokens), from which its get_rope_index places the images on M-RoPE's streams, as its processor gives them."""
+    import torch
+
+    if image_grid_thw is None:
+        return {}
+    return {"image_grid_thw": torch.from_numpy(image_grid_thw),
+            "mm_token_type_ids": (torch.tensor([prompt]) == image_token_id).int()}
+
+
+def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
+                     image_grid_thw: np.ndarray | None = None) -> np.ndarray:
     """The inputs_embeds transformers' model hands its language model for one prompt row."""
     import torch
 
@@ -95,21 +132,24 @@ def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None) -> np.
     language_model = getattr(model.model, "language_model", None) or model.model.text_model
     hook = language_model.register_forward_pre_hook(
         lambda module, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    grids = _grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None))
     try:
         with torch.no_grad():
-            model.model(input_ids=torch.tensor([prompt]), pixel_values=_pixels_for(model, pixels))
+            model.model(input_ids=torch.tensor([prompt]), pixel_values=_pixels_for(model, pixels), **grids)
     finally:
         hook.remove()
     return captured["embeds"].numpy()
 
 
-def reference_generate(model, prompt: list[int], pixels: np.ndarray | None, steps: int) -> ReferenceRun:
+def reference_generate(model, prompt: list[int], pixels: np.ndarray | None, steps: int,
+                       image_grid_thw: np.ndarray | None = None) -> ReferenceRun:
     """transformers' own greedy ``generate`` (``steps`` tokens, no stop at end-of-sequence) and the raw
     logits that chose each token."""
     import torch
 
     pixel_values = _pixels_for(model, pixels)  # (passed as None, generate would encode it all the same)
-    images = {} if pixel_values is None else {"pixel_values": pixel_values}
+    images = {} if pixel_values is None else {
+        "pixel_values": pixel_values, **_grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None))}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), **images, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              eos_token_id=None, pad_token_id=0)
@@ -139,23 +179,29 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
     (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
     A quantized export's end-to-end figures inform (its weights are not the checkpoint's); its vision and
     embedding graphs, which are not quantized, are judged."""
-    from exporter.runtime.image_text import ImageTextModel, image_text_decode
+    from exporter.runtime.image_text import PatchSequenceModel, image_text_decode, open_image_text
     from exporter.validation.gates.parity import parity_gates
 
     quantized = dtype in ("int4", "int8")
     tolerance = FEATURE_TOLERANCE[activations]
     model = model if model is not None else load_image_text_reference(checkpoint)
-    runtime = ImageTextModel(export_dir, ep, prepack=False, spin=False)
+    runtime = open_image_text(export_dir, ep, prepack=False, spin=False)
     tpi, image_token, vocab = runtime.tokens_per_image, runtime.image_token_id, runtime.decoder.vocab
+    patch_sequence = isinstance(runtime, PatchSequenceModel)  # qwen2_5_vl: patches + image_grid_thw, M-RoPE
     gates: list[GateResult] = []
     sections: dict = {"vision": [], "embedding": [], "end_to_end": []}
     for images, label in zip((1, 2, 0), PROMPTS):
         pixels = random_images(images, runtime.image_size, seed=images) if images else None
-        prompt = image_prompt(images, tpi, image_token, vocab, seed=images)
+        grid, tokens = None, tpi
+        if patch_sequence and images:
+            patch_dim = runtime.vision.get_inputs()[0].shape[1]
+            pixels, grid = validation_patches(images, runtime.spatial_merge_size, patch_dim, seed=images)
+            tokens = [runtime.image_tokens(g) for g in grid]
+        prompt = image_prompt(images, tokens, image_token, vocab, seed=images)
         suffix = f", {label}"
         if images:
-            features = runtime.image_features(pixels)
-            error = relative_error(features, reference_features(model, pixels))
+            features = runtime.image_features(pixels) if grid is None else runtime.image_features(pixels, grid)
+            error = relative_error(features, reference_features(model, pixels, grid))
             gates.append(_component_gate("vision", f"image features max abs error / range{suffix}", error, tolerance,
                                          "image features"))
             sections["vision"].append({"prompt": label, "images": images, "shape": list(features.shape),
@@ -163,17 +209,17 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
         else:
             features = None
         embeds = runtime.embed(np.array([prompt], np.int64), features)
-        error = relative_error(embeds, reference_embeds(model, prompt, pixels))
+        error = relative_error(embeds, reference_embeds(model, prompt, pixels, grid))
         gates.append(_component_gate("embedding", f"merged inputs_embeds max abs error / range{suffix}", error,
                                      tolerance, "merged embeddings"))
         sections["embedding"].append({"prompt": label, "images": images, "tokens": len(prompt),
-                                      "image_tokens": images * tpi, "max_abs_error_of_range": error,
+                                      "image_tokens": prompt.count(image_token), "max_abs_error_of_range": error,
                                       "tolerance": tolerance})
-        ref = reference_generate(model, prompt, pixels, steps)
-        run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens)  # teacher-forced on transformers' tokens
+        ref = reference_generate(model, prompt, pixels, steps, grid)
+        run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens, grid)  # teacher-forced on transformers' tokens
         judged, result = parity_gates(run, ref, activations if quantized else dtype, prompt=label, ep=ep)
         worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
-        own = image_text_decode(runtime, prompt, pixels, steps)  # and free-running, as a runtime generates
+        own = image_text_decode(runtime, prompt, pixels, steps, image_grid_thw=grid)  # and free-running, as a runtime generates
         for gate in judged:
             if quantized:
                 gate.informational = True

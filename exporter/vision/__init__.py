@@ -15,9 +15,11 @@ vision graph (``build_vision_graph``)
         processor's output, one image (or tile) per row. idefics3 / smolvlm: the processor's 5-D
         [batch, images, ...] flattened, all-zero padding images dropped, every patch real (no
         pixel_attention_mask: each tile is image_size square, as their processors make them).
-    out ``image_features``  dtype [num_images, tokens_per_image, text hidden_size]: transformers'
-        ``get_image_features(pixel_values)`` pooler output per image (gemma3: mm_tokens_per_image rows;
-        llava: the patches, less the class token under "default"; idefics3: patches / scale_factor^2).
+    out ``image_features``  dtype [num_images * tokens_per_image, text hidden_size]: transformers'
+        ``get_image_features(pixel_values)`` pooler output, image after image (gemma3: mm_tokens_per_image
+        rows each; llava: the patches, less the class token under "default"; idefics3: patches /
+        scale_factor^2). 2-D for every family: onnxruntime-genai preallocates it so, transformers.js
+        flattens any rank.
 
 qwen2_5_vl's vision graph takes any image size the processor makes (one graph, no Loop, the layout
 computed from image_grid_thw: exporter.vision.patch_grid):
@@ -33,16 +35,16 @@ computed from image_grid_thw: exporter.vision.patch_grid):
 
 embedding graph (``build_embedding_graph``)
     in  ``input_ids``       int64 [batch_size, sequence_length]
-    in  ``image_features``  dtype [num_images, tokens_per_image, text hidden_size] (num_images may be 0);
-        qwen2_5_vl: the vision graph's 2-D [num_image_tokens, text hidden_size] (video tokens, video_token_id,
-        are not merged: they keep their table row)
+    in  ``image_features``  dtype [num_image_tokens, text hidden_size], the vision graph's rows (0 rows: text
+        only, a decode step); qwen2_5_vl: video tokens (video_token_id) are not merged: they keep their table row
     out ``inputs_embeds``   dtype [batch_size, sequence_length, text hidden_size]: the token embedding
         (gemma3 scaled by sqrt(hidden_size)) with image feature rows, in order, at the image-token
         positions, as transformers' masked_scatter merges them. The prompt must hold exactly
         num_images * tokens_per_image image tokens (more index past the features: onnxruntime errors).
 
 Both models carry metadata ``exportfarm.vision.tokens_per_image``, ``.image_token_id`` and ``.image_size``
-(qwen2_5_vl: tokens_per_image and image_size 0, as both follow image_grid_thw).
+(qwen2_5_vl: tokens_per_image and image_size 0, as both follow image_grid_thw; its vision graph also carries
+``exportfarm.vision.spatial_merge_size``, which places an image's tokens on M-RoPE's streams).
 """
 
 from exporter.vision.config import VisionConfig

@@ -12,8 +12,8 @@ import onnx_ir as ir
 
 from exporter import __version__
 from exporter.contract import (
-    BATCH, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_TOKENS_PER_IMAGE,
-    NUM_IMAGES, PIXEL_VALUES, SEQ,
+    BATCH, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_SPATIAL_MERGE_SIZE,
+    META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
 )
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.target import CURRENT
@@ -25,7 +25,7 @@ from exporter.vision.qwen2_5_vl import qwen2_5_vl_tower
 
 # Dynamic-resolution towers (qwen2_5_vl): the processor's grid beside its flattened patches, and the
 # symbolic dims of both. (To move into exporter.contract beside PIXEL_VALUES.)
-IMAGE_GRID_THW = "image_grid_thw"  # vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
+from exporter.contract import IMAGE_GRID_THW  # noqa: E402  vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
 NUM_PATCHES, NUM_IMAGE_TOKENS = "num_patches", "num_image_tokens"
 
 FLOAT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -65,8 +65,8 @@ def _prepare(checkpoint_dir: Path, dtype: ir.DataType) -> tuple[VisionConfig, Vi
 
 def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
     """``pixel_values`` [num_images, channels, image_size, image_size] fp32 -> ``image_features``
-    [num_images, tokens_per_image, text hidden] in ``dtype``: what transformers' ``get_image_features``
-    gives per image (the tower, then the family's projector). Weights stay lazy (checkpoint tensors)."""
+    [num_images * tokens_per_image, text hidden] in ``dtype``: what transformers' ``get_image_features``
+    gives per image (the tower, then the family's projector), image after image. Weights stay lazy."""
     cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
@@ -77,7 +77,10 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     x = pixels if dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": dtype})
     states = vision_tower(b, x, cfg, names.tower, family.position_ids(cfg))
     features = family.projector(b, states, cfg, names.projector)
-    out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGES, cfg.tokens_per_image, cfg.text_hidden_size])
+    # 2-D, the images' rows one after another: what onnxruntime-genai preallocates (and feeds the embedding
+    # with no rows on a text-only prompt) and what transformers.js flattens any rank to, so one graph serves all.
+    features = b.op("Reshape", [features, b.ints(-1, cfg.text_hidden_size)])
+    out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
     return _model(b, [pixels], [out], f"{cfg.model_type}_vision", cfg)
 
 
@@ -90,12 +93,15 @@ def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, tower: str,
     x = pixels if b.dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": b.dtype})
     features = qwen2_5_vl_tower(b, x, grid, cfg, tower, merger)
     out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
-    return _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
+    model = _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
+    # what a runtime places an image's tokens on M-RoPE's height / width streams by (exporter.runtime.image_text)
+    model.metadata_props[META_SPATIAL_MERGE_SIZE] = str(cfg.spatial_merge_size)
+    return model
 
 
 def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
-    """``input_ids`` [batch, seq] int64 + ``image_features`` [num_images, tokens_per_image, text hidden]
-    -> ``inputs_embeds`` [batch, seq, text hidden], as transformers merges them: the token embedding
+    """``input_ids`` [batch, seq] int64 + ``image_features`` [num_image_tokens, text hidden] (the vision
+    graph's rows; 0 rows: text only) -> ``inputs_embeds`` [batch, seq, text hidden], as transformers merges them: the token embedding
     (gemma3: times sqrt(hidden), rounded to ``dtype``), then the image features, in order, into the
     positions holding the image token (``masked_scatter``). An image token's own row is never read, so
     an image token id past the vocabulary (gemma3 allows it) is fine; ``num_images`` may be 0."""
@@ -104,8 +110,7 @@ def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType
     b = GraphBuilder(checkpoint, dtype)
     hidden = cfg.text_hidden_size
     ids = _input(INPUT_IDS, ir.DataType.INT64, [BATCH, SEQ])
-    dims = [NUM_IMAGE_TOKENS, hidden] if cfg.tower == QWEN2_5_VL else [NUM_IMAGES, cfg.tokens_per_image, hidden]
-    features = _input(IMAGE_FEATURES, dtype, dims)
+    features = _input(IMAGE_FEATURES, dtype, [NUM_IMAGE_TOKENS, hidden])
     is_image = b.op("Equal", [ids, b.scalar_i64(cfg.image_token_id)])
     # The k-th image token (row-major over batch and sequence) takes feature row k: row k + 1 of the
     # features behind one zero row, which every other position indexes (and which keeps the Gather

@@ -38,8 +38,22 @@ VLM_CONFIGS = {
                                       image_token_id=IMAGE_TOKEN)),
 }
 
+# Checkpoints that carry a tokenizer and an image processor (make_tiny_image_text_processor), apart from VLM_CONFIGS:
+# what tests/test_genai_vlm.py runs in onnxruntime-genai. genai 0.18's gemma3 processor expands every image to a
+# constant 256 <image_soft_token>, so the tower's 16 x 16 patches (64 pixels in 4-pixel patches) pool to 256
+# tokens; the tiny BPE's 300 ids, then <start_of_image> 300, <end_of_image> 301, <image_soft_token> 302.
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+PROCESSOR_CONFIGS = {
+    "gemma3_genai": ("Gemma3Config", dict(text_config={**TEXT, "vocab_size": 303, "max_position_embeddings": 1024,
+                                                       "bos_token_id": 1, "eos_token_id": 2},
+                                          vision_config={**TOWER, "image_size": 64, "vision_use_head": False},
+                                          mm_tokens_per_image=256, boi_token_index=300, eoi_token_index=301,
+                                          image_token_index=302)),
+}
+
 # Dynamic-resolution towers, apart from VLM_CONFIGS: they take flattened patches and image_grid_thw, not
-# images of one size (tests/test_vision_qwen.py, not tests/test_vision.py's fixed-size cases).
+# images of one size (tests/test_vision_qwen.py, not tests/test_vision.py's fixed-size cases). Their whole exports
+# (vision, embedding and the M-RoPE decoder, end to end through the pipeline) are tests/test_vlm_qwen.py's.
 PATCH_SEQUENCE_CONFIGS = {
     # qwen2_5_vl: 4-pixel patches over 2 frames, 2 x 2 merged, windows of 2 x 2 merged tokens
     # (window_size 16 pixels) on blocks 0 and 2, full attention on 1 and 3; the text side's M-RoPE sections
@@ -61,7 +75,7 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
     import torch
     import transformers
 
-    class_name, kwargs = {**VLM_CONFIGS, **PATCH_SEQUENCE_CONFIGS}[name]
+    class_name, kwargs = {**VLM_CONFIGS, **PATCH_SEQUENCE_CONFIGS, **PROCESSOR_CONFIGS}[name]
     config = getattr(transformers, class_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config)
@@ -75,4 +89,27 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
                 param.normal_(0.0, 0.2)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
+    if name in PROCESSOR_CONFIGS:
+        make_tiny_image_text_processor(out_dir, config.vision_config.image_size, config.mm_tokens_per_image)
+    return out_dir
+
+
+def make_tiny_image_text_processor(out_dir: Path, image_size: int, image_seq_length: int) -> Path:
+    """Write a gemma3 processor beside a checkpoint in ``out_dir``: the tiny byte-level BPE (exporter.tiny_checkpoint,
+    BOS added) with <start_of_image>, <end_of_image>, <image_soft_token> after its 300 ids, named as Gemma-3's
+    tokenizer_config names them, and a Gemma3ImageProcessor at ``image_size`` (transformers 5 writes
+    processor_config.json; its defaults otherwise: bilinear, 1/255, mean and std 0.5)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    from exporter.tiny_checkpoint import make_tiny_tokenizer
+
+    out_dir = Path(out_dir)
+    base = PreTrainedTokenizerFast.from_pretrained(make_tiny_tokenizer(out_dir, bos=True))
+    base.add_special_tokens({"additional_special_tokens": list(GEMMA3_IMAGE_TOKENS.values())})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+    transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                 image_seq_length=image_seq_length).save_pretrained(out_dir)
     return out_dir

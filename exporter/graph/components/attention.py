@@ -348,16 +348,24 @@ def _gqa_inputs(b, x, w, cfg, step: StepInputs):
     """GroupQueryAttention's query, key and value (packed QKV with key and value None), the output gate, and the step
     inputs for the op (without its rotary where the heads are rotated here)."""
     gate, nope = None, step.rotary is None
-    if (w.q_norm is None and not w.output_gate and cfg.position_query_scale is None
+    per_token = step.rotary is not None and step.rotary.per_token  # M-RoPE: rotated here, never by the op
+    if (w.q_norm is None and not w.output_gate and cfg.position_query_scale is None and not per_token
             and (not nope or cfg.temperature_tuning is None) and w.v_norm is None and not w.value_is_key):
         query, key, value = _clipped(b, _projected(b, x, w), cfg), None, None
     else:
         # q/k norm sits between projection and rotary, and rotary is inside the op: feed Q, K, V apart.
         q, k, value, gate = _split_qkv(b, x, w, cfg)
         value = _value_norm(b, value, w, cfg)
+        if per_token and not cfg.qk_norm_after_rotary:
+            # the op's rotary indexes its tables by 1-D positions of its own: rotate the normed heads by the
+            # per-token cos / sin of the position_ids input here, and the op rotates nothing.
+            q, k = _qk_norms(b, q, k, w, cfg)
+            q, k = apply_rotary(b, q, step.rotary, cfg.num_heads), apply_rotary(b, k, step.rotary, cfg.num_kv_heads)
+            w = dataclasses.replace(w, q_norm=None, k_norm=None)  # normed already
+            step = dataclasses.replace(step, rotary=None)
         if cfg.qk_norm_after_rotary and step.rotary is not None:
             # hunyuan normalizes rotated heads: rotate here, at the positions the op would use, not in the op.
-            rotary = dataclasses.replace(step.rotary, position_ids=gqa_positions(b, x, step))
+            rotary = step.rotary if per_token else dataclasses.replace(step.rotary, position_ids=gqa_positions(b, x, step))
             q, k = apply_rotary(b, q, rotary, cfg.num_heads), apply_rotary(b, k, rotary, cfg.num_kv_heads)
             step = dataclasses.replace(step, rotary=None)
         query, key = _qk_norms(b, q, k, w, cfg)

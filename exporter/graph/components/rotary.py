@@ -21,6 +21,9 @@ class Rotary:
     head_dim: int
     position_ids: ir.Value | None = None  # table rows for this step (Attention variants)
     interleaved: bool = False  # adjacent dims paired (ernie4_5, cohere2), not the two halves
+    # cos / sin already gathered per token, [batch, seq, rotary_dim / 2] (M-RoPE: mrope_rotary): no position_ids,
+    # and GroupQueryAttention cannot rotate with them (its rotary indexes the tables by its own positions).
+    per_token: bool = False
 
 
 def rope_constants(b: GraphBuilder, tables: RopeTables, layer_type: str | None = None) -> tuple[ir.Value, ir.Value]:
@@ -43,11 +46,38 @@ def longrope_row_offset(b: GraphBuilder, total_len: ir.Value, tables: RopeTables
     return b.op("Mul", [b.op("Cast", [longer], {"to": ir.DataType.INT64}), b.scalar_i64(tables.table_len)])
 
 
+def mrope_section(rope) -> tuple[int, ...] | None:
+    """The (temporal, height, width) split of the rotary half of a multimodal rope (Qwen2.5-VL's M-RoPE), None for
+    a rope of one position stream."""
+    section = rope.parameters.get("mrope_section") if rope is not None else None
+    return tuple(int(s) for s in section) if section else None
+
+
+def mrope_rotary(b: GraphBuilder, cos: ir.Value, sin: ir.Value, position_ids: ir.Value, section: tuple[int, ...],
+                 rotary_dim: int, head_dim: int) -> Rotary:
+    """M-RoPE: the tables' rows gathered once per step for each of ``position_ids``' three streams ([3, batch, seq]:
+    temporal, height, width), then the first section[0] columns of the half taken from the temporal rows, the next
+    section[1] from the height rows and the last section[2] from the width rows, as transformers' Qwen2.5-VL rotary
+    recomposes its frequencies; every layer's RotaryEmbedding takes the result per token. (onnxruntime's
+    com.microsoft MRotaryEmbedding does the same per layer, gathering again in every call: 2.3x slower on the CPU at
+    a 512-token prefill of Qwen2.5-VL-7B's 28 layers, docs/graph-contracts.md.)"""
+    tables = []
+    starts = [sum(section[:i]) for i in range(len(section) + 1)]
+    for table in (cos, sin):
+        rows = b.op("Gather", [table, position_ids], {"axis": 0})  # [3, batch, seq, rotary_dim / 2]
+        parts = [b.op("Slice", [rows, b.ints(i, starts[i]), b.ints(i + 1, starts[i + 1]), b.ints(0, 3)])
+                 for i in range(len(section))]
+        tables.append(b.op("Squeeze", [b.op("Concat", parts, {"axis": 3}), b.ints(0)]))
+    return Rotary(tables[0], tables[1], rotary_dim, head_dim, per_token=True)
+
+
 def apply_rotary(b: GraphBuilder, x: ir.Value, rotary: Rotary, num_heads: int) -> ir.Value:
     """Rotate [batch, seq, heads*head_dim] by ``rotary.position_ids`` (the halves paired, or adjacent dims)."""
     attrs = {"interleaved": int(rotary.interleaved), "num_heads": num_heads}
     if rotary.rotary_dim != rotary.head_dim:
         attrs["rotary_embedding_dim"] = rotary.rotary_dim
+    if rotary.per_token:  # cos / sin [batch, seq, rotary_dim / 2]: RotaryEmbedding-23 without position_ids
+        return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin], attrs)
     if b.target.contrib_ops:
         return b.op("RotaryEmbedding", [x, rotary.position_ids, rotary.cos, rotary.sin], attrs, domain="com.microsoft")
     return b.op("RotaryEmbedding", [x, rotary.cos, rotary.sin, rotary.position_ids], attrs)

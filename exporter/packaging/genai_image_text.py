@@ -1,0 +1,151 @@
+"""Package stage, onnxruntime-genai part of an image-text export: genai_config.json with vision, embedding and
+decoder sections, onnxruntime-extensions' image processor (ort_image_processor.json) and the tokenizer files.
+
+genai 0.18 runs an image prompt as three sessions named by genai_config.json: the vision graph on the
+pixel_values its own processor makes (decode, resize, rescale, normalize, channels first: the transforms
+written here from the checkpoint's image processor settings), the embedding graph at every step (the
+prompt with the image rows, each new token with none: image_features [0, hidden]), then the decoder on
+inputs_embeds. The export's vision.onnx, embedding.onnx and model.onnx are those graphs unchanged
+(image_features is 2-D, exporter.vision); nothing is written twice.
+
+Only model types genai has a processor for get a package. Of the families exported, gemma3 (genai's
+``gemma3``: GemmaImageProcessor, which expands each ``<start_of_image>`` of a prompt to 256
+``<image_soft_token>``, a constant); llava, idefics3 and smolvlm have no genai VLM type in 0.18 and are
+refused with the reason in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from exporter.contract import (
+    EMBEDDING_FILE, GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
+    PIXEL_VALUES, VISION_FILE,
+)
+from exporter.graph.config import ModelConfig
+from exporter.packaging.genai import (
+    GenaiPackage, _read_checkpoint_json, align_special_tokens, build_genai_config, copy_tokenizer_files,
+    genai_unsupported_reason,
+)
+from exporter.request import ExportRequest, Variant
+
+# Hugging Face model_type -> genai model.type of the image-text types whose processor genai 0.18 has.
+GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3"}
+# genai 0.18's gemma3 processor: the prompt's marker, what it expands it to, and how many image tokens (constant).
+GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+GEMMA3_GENAI_IMAGE_TOKENS = 256
+# transformers' (PIL's) resample codes -> onnxruntime-extensions Resize interpolation.
+INTERPOLATION = {0: "NEAREST", 2: "LINEAR", 3: "CUBIC"}
+_RESAMPLE_NAMES = {"nearest": 0, "bilinear": 2, "linear": 2, "bicubic": 3, "cubic": 3}
+
+
+def write_genai_image_text_package(
+    out_dir: Path, source_dir: Path, config: ModelConfig, variant: Variant, request: ExportRequest,
+    image_text: dict, decoder_inputs: Sequence[str], decoder_outputs: Sequence[str],
+) -> GenaiPackage:
+    """Copy the checkpoint's tokenizer files and, where genai 0.18 can run the image-text export, write
+    genai_config.json and ort_image_processor.json; otherwise say why in the returned package.
+    ``config``: the language model's; ``image_text``: the manifest's ``image_text`` entry (model_type,
+    tokens_per_image, image_token_id, image_size, components); ``decoder_*``: model.onnx's I/O names."""
+    out_dir, source_dir = Path(out_dir), Path(source_dir)
+    tokenizer_files = copy_tokenizer_files(source_dir, out_dir)
+    model_type = image_text["model_type"]
+    # genai feeds the decoder inputs_embeds where a text decoder takes input_ids: the same check otherwise
+    as_text = [INPUT_IDS if name == INPUTS_EMBEDS else name for name in decoder_inputs]
+    reason = genai_image_text_reason(model_type) or genai_unsupported_reason(config, variant, as_text)
+    processor = None
+    if reason is None:
+        processor, reason = genai_image_processor(source_dir, image_text)
+    if reason is None:
+        reason = _tokenizer_reason(out_dir, image_text)
+    if reason is not None:
+        return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
+    special, unusable = align_special_tokens(source_dir, out_dir)
+    genai_config = build_genai_config(config, variant, request, as_text, decoder_outputs, source_dir)
+    model = genai_config["model"]
+    model["type"] = GENAI_IMAGE_TEXT_TYPES[model_type]
+    model["image_token_id"] = image_text["image_token_id"]
+    decoder = model["decoder"]
+    decoder["inputs"] = {"inputs_embeds": INPUTS_EMBEDS,
+                         **{k: v for k, v in decoder["inputs"].items() if k != "input_ids"}}
+    # the vision and embedding graphs run where the decoder does, with its session options
+    model["embedding"] = {"session_options": decoder["session_options"], "filename": EMBEDDING_FILE,
+                          "inputs": {"input_ids": INPUT_IDS, "image_features": IMAGE_FEATURES},
+                          "outputs": {"inputs_embeds": INPUTS_EMBEDS}}
+    model["vision"] = {"session_options": decoder["session_options"], "filename": VISION_FILE,
+                       "config_filename": GENAI_IMAGE_PROCESSOR_FILE,
+                       "inputs": {"pixel_values": PIXEL_VALUES}, "outputs": {"image_features": IMAGE_FEATURES}}
+    (out_dir / GENAI_IMAGE_PROCESSOR_FILE).write_text(json.dumps(processor, indent=2) + "\n")
+    (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
+    return GenaiPackage([GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, *tokenizer_files], True, unusable,
+                        tokenizer_files, genai_config, special_tokens=special)
+
+
+def genai_image_text_reason(model_type: str) -> str | None:
+    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3)."""
+    if model_type in GENAI_IMAGE_TEXT_TYPES:
+        return None
+    return (f"onnxruntime-genai 0.18 has no image-text model type for {model_type!r} (its image processors are "
+            "gemma3, phi3v, qwen2_5_vl, qwen3_vl, mistral3, lfm2_vl, ...; llava, idefics3 and smolvlm decoders run "
+            "there only as text models): run this export's three graphs with exporter.runtime.image_text, or with "
+            "transformers.js through the hf layout")
+
+
+def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | None, str | None]:
+    """onnxruntime-extensions' gemma3 image processing from the checkpoint's own image processor settings
+    (processor_config.json's ``image_processor``, or a v4 preprocessor_config.json): (the JSON, None), or
+    (None, why genai's processor cannot make the pixel_values transformers' would)."""
+    combined = _read_checkpoint_json(source_dir, "processor_config.json").get("image_processor")
+    settings = combined if isinstance(combined, dict) else _read_checkpoint_json(source_dir, "preprocessor_config.json")
+    if not settings:
+        return None, ("the checkpoint has no image processor settings (processor_config.json or "
+                      "preprocessor_config.json): genai's image processor config is written from them")
+    size, want = settings.get("size") or {}, image_text["image_size"]
+    if settings.get("do_resize", True) is False or (size.get("height"), size.get("width")) != (want, want):
+        return None, (f"the image processor resizes to {size} (do_resize {settings.get('do_resize', True)}) where the "
+                      f"vision graph takes {want} x {want}")
+    if settings.get("do_pan_and_scan"):
+        return None, "the image processor pans and scans (do_pan_and_scan): genai's gemma3 processor does not"
+    resample = settings.get("resample", 2)
+    resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
+    if resample not in INTERPOLATION:
+        return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
+                      f"resizes nearest, bilinear or bicubic only")
+    transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
+                  ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "width": want, "height": want,
+                                        "keep_aspect_ratio": 0})]
+    if settings.get("do_rescale", True):
+        factor = float(settings.get("rescale_factor", 1 / 255))
+        if abs(factor - 1 / 255) > 1e-12:
+            return None, f"the image processor rescales by {factor}: genai's Rescale multiplies by 1/255"
+        transforms.append(("re-scale", "Rescale", {}))
+    if settings.get("do_normalize", True):
+        mean, std = settings.get("image_mean", [0.5] * 3), settings.get("image_std", [0.5] * 3)
+        transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean], "std": [float(s) for s in std]}))
+    transforms.append(("to_channel_first", "Permute3D", {"dims": [2, 0, 1]}))
+    return {"processor": {"name": "gemma_3_image_processing", "transforms": [
+        {"operation": {"name": name, "type": kind, **({"attrs": attrs} if attrs else {})}}
+        for name, kind, attrs in transforms]}}, None
+
+
+def _tokenizer_reason(out_dir: Path, image_text: dict) -> str | None:
+    """Why genai's gemma3 processor cannot tokenize an image prompt for this export, or None."""
+    if image_text["tokens_per_image"] != GEMMA3_GENAI_IMAGE_TOKENS:
+        return (f"genai 0.18's gemma3 processor expands each image to {GEMMA3_GENAI_IMAGE_TOKENS} image tokens and the "
+                f"checkpoint's vision tower gives {image_text['tokens_per_image']} (mm_tokens_per_image)")
+    path = out_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    ids = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        ids = {**vocab, **ids}
+    missing = [t for t in (GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI) if t not in ids]
+    if missing:
+        return (f"genai's gemma3 processor writes {', '.join(missing)} into the prompt and the checkpoint's "
+                "tokenizer.json does not hold them")
+    if ids[GEMMA3_IMAGE_TOKEN] != image_text["image_token_id"]:
+        return (f"the tokenizer gives {GEMMA3_IMAGE_TOKEN} id {ids[GEMMA3_IMAGE_TOKEN]} and the model's image token "
+                f"is {image_text['image_token_id']}")
+    return None
