@@ -23,7 +23,7 @@ import transformers
 from exporter import contract
 from exporter.errors import ExportError
 from exporter.graph.target import COMPAT, ORT_DEFAULT_DOMAIN_OPS, check_compat
-from exporter.packaging.hf_layout import write_hf_layout
+from exporter.packaging.hf_layout import TRANSFORMERSJS_REFUSES, write_hf_layout
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.tiny_checkpoint import (ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, NEW_ARCHITECTURES,
@@ -33,8 +33,9 @@ from quantized_reference import dequantized_checkpoint
 
 DENSE = [a for a in ARCH_CONFIGS if a not in (*MOE_ARCHITECTURES, *HYBRID_ARCHITECTURES, *NEW_MOE_ARCHITECTURES)]
 # transformers.js 3 has no model class for most 2025-26 families ("Unsupported model type"); ernie4_5 and
-# ministral3 it has.
-TRANSFORMERSJS3 = [a for a in DENSE if a not in NEW_ARCHITECTURES or a in ("ernie4_5", "ministral3")]
+# ministral3 it has. Nor does the hf layout take what it refuses for transformers.js 4 (gemma4's per-layer caches).
+TRANSFORMERSJS3 = [a for a in DENSE if (a not in NEW_ARCHITECTURES or a in ("ernie4_5", "ministral3"))
+                   and a not in TRANSFORMERSJS_REFUSES]
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "transformersjs3"
 DECODE_TOKENS = [[17, 99, 140], [230, 4, 61]]  # fed one per step after the prompt, with the past
 NEW_TOKENS = 8  # transformers.js greedy generation
