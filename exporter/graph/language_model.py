@@ -42,6 +42,19 @@ def image_text_type(checkpoint_dir: Path) -> str | None:
     return None
 
 
+# Qwen3-VL's "deepstack" (transformers' Qwen3VLTextModel._deepstack_process): feature maps from the vision layers in
+# deepstack_visual_indexes, each through its own merger, ADDED to the hidden states at the image positions after the
+# first decoder layers. Measured without them (benchmarks/qwen3_vl_deepstack.py, a tiny random Qwen3-VL, fp32):
+# logits 42-49% of the range off on an image prompt, the next token changed in 2 of 3 seeds: not droppable.
+DEEPSTACK_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+DEEPSTACK_REFUSAL = (
+    "{model_type} is not exported: its language model adds 'deepstack' visual features (one map per "
+    "deepstack_visual_indexes entry) to the hidden states at the image positions after its first decoder layers, so "
+    "its decoder needs an input for each such layer, which the export's decoder contract does not have yet (nor does "
+    "transformers.js's decoder_model_merged feed one); without them transformers' own logits move 42-49% of their "
+    "range on an image prompt (benchmarks/results/qwen3_vl_deepstack_cpu.json), so they are not dropped")
+
+
 def check_image_text_request(request, checkpoint_dir: Path) -> None:
     """Refuse (ExportError) what an image-text export cannot be yet: a family the vision builder does not
     take, a language model the exporter does not build, an hf layout transformers.js cannot run, the compat
@@ -49,6 +62,8 @@ def check_image_text_request(request, checkpoint_dir: Path) -> None:
     from exporter.vision import FAMILIES, load_vision_config
 
     model_type = image_text_type(checkpoint_dir)
+    if model_type in DEEPSTACK_TYPES:
+        raise ExportError(DEEPSTACK_REFUSAL.format(model_type=model_type))
     if model_type not in FAMILIES:
         raise ExportError(f"image-text checkpoints of model_type {model_type!r} are not exported yet: the vision and "
                           f"embedding graphs are built for {', '.join(FAMILIES)} (exporter.vision.FAMILIES); an "
