@@ -189,6 +189,12 @@ def test_an_image_text_model_runs_through_the_farm_to_ready_with_its_three_graph
     assert all(s["greedy_equal"] for s in report["components"]["end_to_end"])
     bench = httpx.get(links["benchmark.json"]["url"], timeout=30).json()
     assert bench["image"]["encode_ms_median"] > 0
+    # its page shows the components in the order they run and each one's figures against transformers
+    with httpx.Client(base_url=f"http://127.0.0.1:{embedded.port}", timeout=30) as browser:
+        assert browser.post("/ui/login", data={"token": ADMIN}).status_code in (200, 303)
+        page = browser.get(f"/ui/exports/{export['id']}").text
+    assert "gemma3: vision (<span class=\"mono\">vision.onnx</span>) → embedding" in page
+    assert page.count("<td>vision features</td>") == len(report["components"]["vision"])
 
 
 @pytest.mark.parametrize("stage", STAGES)
