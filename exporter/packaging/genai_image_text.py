@@ -10,8 +10,12 @@ inputs_embeds. The export's vision.onnx, embedding.onnx and model.onnx are those
 
 Only model types genai has a processor for get a package. Of the families exported, gemma3 (genai's
 ``gemma3``: GemmaImageProcessor, which expands each ``<start_of_image>`` of a prompt to 256
-``<image_soft_token>``, a constant); llava, idefics3 and smolvlm have no genai VLM type in 0.18 and are
-refused with the reason in the manifest.
+``<image_soft_token>``, a constant) and qwen2_5_vl (genai's ``qwen2_5_vl``: QwenImageProcessor, whose
+onnxruntime-extensions transforms smart-resize the image and cut it into the flattened patches and
+image_grid_thw the vision graph takes, and which expands each ``<|vision_start|>`` to t x h x w / merge^2
+``<|image_pad|>``; genai computes the decoder's M-RoPE position_ids [3, batch, seq] itself, as transformers'
+get_rope_index); llava, idefics3 and smolvlm have no genai VLM type in 0.18 and are refused with the reason
+in the manifest.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exporter.contract import (
-    EMBEDDING_FILE, GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
-    PIXEL_VALUES, VISION_FILE,
+    EMBEDDING_FILE, GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS,
+    INPUTS_EMBEDS, PIXEL_VALUES, VISION_FILE,
 )
 from exporter.graph.config import ModelConfig
 from exporter.packaging.genai import (
@@ -32,10 +36,12 @@ from exporter.packaging.genai import (
 from exporter.request import ExportRequest, Variant
 
 # Hugging Face model_type -> genai model.type of the image-text types whose processor genai 0.18 has.
-GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3"}
+GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl"}
 # genai 0.18's gemma3 processor: the prompt's marker, what it expands it to, and how many image tokens (constant).
 GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 GEMMA3_GENAI_IMAGE_TOKENS = 256
+# genai 0.18's qwen2_5_vl processor: it expands each vision start .. end of a prompt to the image's pad tokens.
+QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # transformers' (PIL's) resample codes -> onnxruntime-extensions Resize interpolation.
 INTERPOLATION = {0: "NEAREST", 2: "LINEAR", 3: "CUBIC"}
 _RESAMPLE_NAMES = {"nearest": 0, "bilinear": 2, "linear": 2, "bicubic": 3, "cubic": 3}
@@ -59,7 +65,7 @@ def write_genai_image_text_package(
     if reason is None:
         processor, reason = genai_image_processor(source_dir, image_text)
     if reason is None:
-        reason = _tokenizer_reason(out_dir, image_text)
+        reason = _tokenizer_reason(out_dir, source_dir, image_text)
     if reason is not None:
         return GenaiPackage(list(tokenizer_files), False, reason, tokenizer_files)
     special, unusable = align_special_tokens(source_dir, out_dir)
@@ -67,6 +73,12 @@ def write_genai_image_text_package(
     model = genai_config["model"]
     model["type"] = GENAI_IMAGE_TEXT_TYPES[model_type]
     model["image_token_id"] = image_text["image_token_id"]
+    vision_keys = {}
+    if model_type == "qwen2_5_vl":  # what genai's M-RoPE positions and its processor's prompt expansion read
+        qwen = _qwen_settings(source_dir)
+        model["vision_start_token_id"] = qwen["vision_start_token_id"]
+        model["video_token_id"] = qwen["video_token_id"]
+        vision_keys = {k: qwen[k] for k in ("spatial_merge_size", "patch_size", "window_size", "tokens_per_second")}
     decoder = model["decoder"]
     decoder["inputs"] = {"inputs_embeds": INPUTS_EMBEDS,
                          **{k: v for k, v in decoder["inputs"].items() if k != "input_ids"}}
@@ -74,9 +86,12 @@ def write_genai_image_text_package(
     model["embedding"] = {"session_options": decoder["session_options"], "filename": EMBEDDING_FILE,
                           "inputs": {"input_ids": INPUT_IDS, "image_features": IMAGE_FEATURES},
                           "outputs": {"inputs_embeds": INPUTS_EMBEDS}}
+    vision_inputs = {"pixel_values": PIXEL_VALUES}
+    if model_type == "qwen2_5_vl":
+        vision_inputs["image_grid_thw"] = IMAGE_GRID_THW
     model["vision"] = {"session_options": decoder["session_options"], "filename": VISION_FILE,
-                       "config_filename": GENAI_IMAGE_PROCESSOR_FILE,
-                       "inputs": {"pixel_values": PIXEL_VALUES}, "outputs": {"image_features": IMAGE_FEATURES}}
+                       "config_filename": GENAI_IMAGE_PROCESSOR_FILE, **vision_keys,
+                       "inputs": vision_inputs, "outputs": {"image_features": IMAGE_FEATURES}}
     (out_dir / GENAI_IMAGE_PROCESSOR_FILE).write_text(json.dumps(processor, indent=2) + "\n")
     (out_dir / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config, indent=4) + "\n")
     return GenaiPackage([GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, *tokenizer_files], True, unusable,
@@ -84,7 +99,7 @@ def write_genai_image_text_package(
 
 
 def genai_image_text_reason(model_type: str) -> str | None:
-    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3)."""
+    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl)."""
     if model_type in GENAI_IMAGE_TEXT_TYPES:
         return None
     return (f"onnxruntime-genai 0.18 has no image-text model type for {model_type!r} (its image processors are "
@@ -94,14 +109,17 @@ def genai_image_text_reason(model_type: str) -> str | None:
 
 
 def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | None, str | None]:
-    """onnxruntime-extensions' gemma3 image processing from the checkpoint's own image processor settings
-    (processor_config.json's ``image_processor``, or a v4 preprocessor_config.json): (the JSON, None), or
-    (None, why genai's processor cannot make the pixel_values transformers' would)."""
+    """onnxruntime-extensions' image processing for genai's processor of ``image_text["model_type"]`` (gemma3
+    when absent) from the checkpoint's own image processor settings (processor_config.json's
+    ``image_processor``, or a v4 preprocessor_config.json): (the JSON, None), or (None, why genai's processor
+    cannot make the pixel_values transformers' would)."""
     combined = _read_checkpoint_json(source_dir, "processor_config.json").get("image_processor")
     settings = combined if isinstance(combined, dict) else _read_checkpoint_json(source_dir, "preprocessor_config.json")
     if not settings:
         return None, ("the checkpoint has no image processor settings (processor_config.json or "
                       "preprocessor_config.json): genai's image processor config is written from them")
+    if image_text.get("model_type") == "qwen2_5_vl":
+        return qwen_image_processor(settings, _qwen_settings(source_dir))
     size, want = settings.get("size") or {}, image_text["image_size"]
     if settings.get("do_resize", True) is False or (size.get("height"), size.get("width")) != (want, want):
         return None, (f"the image processor resizes to {size} (do_resize {settings.get('do_resize', True)}) where the "
@@ -130,17 +148,85 @@ def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | No
         for name, kind, attrs in transforms]}}, None
 
 
-def _tokenizer_reason(out_dir: Path, image_text: dict) -> str | None:
-    """Why genai's gemma3 processor cannot tokenize an image prompt for this export, or None."""
-    if image_text["tokens_per_image"] != GEMMA3_GENAI_IMAGE_TOKENS:
-        return (f"genai 0.18's gemma3 processor expands each image to {GEMMA3_GENAI_IMAGE_TOKENS} image tokens and the "
-                f"checkpoint's vision tower gives {image_text['tokens_per_image']} (mm_tokens_per_image)")
+def qwen_image_processor(settings: dict, qwen: dict) -> tuple[dict | None, str | None]:
+    """onnxruntime-extensions' qwen2_5_image_processor from a Qwen2VLImageProcessor's ``settings`` (``qwen``: the
+    checkpoint's patch / merge / temporal sizes, _qwen_settings): smart resize between min and max pixels to a
+    multiple of patch x merge (HF's smart_resize), rescale, normalize, then PatchImage's flattened patches in
+    transformers' order with image_grid_thw. (the JSON, None), or (None, why genai's would differ)."""
+    size = settings.get("size") or {}
+    low = settings.get("min_pixels", size.get("shortest_edge"))
+    high = settings.get("max_pixels", size.get("longest_edge"))
+    if settings.get("do_resize", True) is False or low is None or high is None:
+        return None, (f"the image processor does not bound its pixels (do_resize {settings.get('do_resize', True)}, "
+                      f"size {size}): genai's qwen2_5_vl processor smart-resizes between min_pixels and max_pixels")
+    for key in ("patch_size", "merge_size", "temporal_patch_size"):
+        ours = qwen["spatial_merge_size" if key == "merge_size" else key]
+        if settings.get(key, ours) != ours:
+            return None, (f"the image processor's {key} {settings[key]} is not the vision tower's {ours}: "
+                          "its patches would not be the ones the vision graph takes")
+    resample = settings.get("resample", 3)
+    resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
+    if resample not in INTERPOLATION:
+        return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
+                      f"resizes nearest, bilinear or bicubic only")
+    patch, merge = qwen["patch_size"], qwen["spatial_merge_size"]
+    # Rescale is also what turns the decoded bytes into the floats PatchImage takes: factor 1 when not rescaling.
+    factor = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else 1.0
+    transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
+                  ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "smart_resize": 1,
+                                        "min_pixels": int(low), "max_pixels": int(high), "patch_size": patch,
+                                        "merge_size": merge}),
+                  ("rescale", "Rescale", {"rescale_factor": factor})]
+    if settings.get("do_normalize", True):
+        mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073])
+        std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711])
+        transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean],
+                                                      "std": [float(s) for s in std]}))
+    transforms.append(("patch_image", "PatchImage", {"patch_size": patch, "merge_size": merge,
+                                                     "temporal_patch_size": qwen["temporal_patch_size"]}))
+    return {"processor": {"name": "qwen2_5_image_processor", "transforms": [
+        {"operation": {"name": name, "type": kind, "attrs": attrs}} for name, kind, attrs in transforms]}}, None
+
+
+def _qwen_settings(source_dir: Path) -> dict:
+    """What genai's qwen2_5_vl type reads from config.json: the vision tower's patch, merge and temporal sizes,
+    window_size and tokens_per_second (transformers' defaults where config.json leaves them out), and the
+    vision start / video token ids."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(source_dir))
+    vision = config.vision_config
+    return {"patch_size": vision.patch_size, "spatial_merge_size": vision.spatial_merge_size,
+            "temporal_patch_size": vision.temporal_patch_size, "window_size": vision.window_size,
+            "tokens_per_second": float(vision.tokens_per_second), "image_token_id": config.image_token_id,
+            "vision_start_token_id": config.vision_start_token_id, "video_token_id": config.video_token_id}
+
+
+def _tokenizer_ids(out_dir: Path) -> dict[str, int]:
+    """tokenizer.json's token -> id (its vocab and added tokens)."""
     path = out_dir / "tokenizer.json"
     tokenizer = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     ids = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens", [])}
     vocab = (tokenizer.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict):
-        ids = {**vocab, **ids}
+    return {**vocab, **ids} if isinstance(vocab, dict) else ids
+
+
+def _tokenizer_reason(out_dir: Path, source_dir: Path, image_text: dict) -> str | None:
+    """Why genai's processor cannot tokenize an image prompt with the tokenizer copied to ``out_dir``, or None."""
+    if image_text["model_type"] == "qwen2_5_vl":
+        ids, qwen = _tokenizer_ids(out_dir), _qwen_settings(source_dir)
+        missing = [t for t in (QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END) if t not in ids]
+        if missing:
+            return (f"genai's qwen2_5_vl processor writes {', '.join(missing)} into the prompt and the checkpoint's "
+                    "tokenizer.json does not hold them")
+        for token, key in ((QWEN_IMAGE_PAD, "image_token_id"), (QWEN_VISION_START, "vision_start_token_id")):
+            if ids[token] != qwen[key]:
+                return f"the tokenizer gives {token} id {ids[token]} and the model's {key} is {qwen[key]}"
+        return None
+    if image_text["tokens_per_image"] != GEMMA3_GENAI_IMAGE_TOKENS:
+        return (f"genai 0.18's gemma3 processor expands each image to {GEMMA3_GENAI_IMAGE_TOKENS} image tokens and the "
+                f"checkpoint's vision tower gives {image_text['tokens_per_image']} (mm_tokens_per_image)")
+    ids = _tokenizer_ids(out_dir)
     missing = [t for t in (GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI) if t not in ids]
     if missing:
         return (f"genai's gemma3 processor writes {', '.join(missing)} into the prompt and the checkpoint's "

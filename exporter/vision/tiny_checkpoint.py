@@ -67,6 +67,16 @@ PATCH_SEQUENCE_CONFIGS = {
         image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
         vision_end_token_id=IMAGE_TOKEN + 3)),
 }
+# qwen2_5_vl with its tokenizer and Qwen2VLImageProcessor (make_tiny_qwen_processor): what
+# tests/test_genai_vlm_qwen.py runs in onnxruntime-genai, whose processor writes <|vision_start|>, <|image_pad|>
+# and <|vision_end|> into the prompt. The tiny BPE's 300 ids (no BOS, as Qwen's), then QWEN_IMAGE_TOKENS.
+QWEN_IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_QWEN = PATCH_SEQUENCE_CONFIGS["qwen2_5_vl"][1]
+PATCH_SEQUENCE_CONFIGS["qwen2_5_vl_genai"] = ("Qwen2_5_VLConfig", dict(
+    _QWEN, text_config={**_QWEN["text_config"], "vocab_size": 304, "max_position_embeddings": 512},
+    vision_start_token_id=300, vision_end_token_id=301, image_token_id=302, video_token_id=303))
+# The image processor's pixel bounds: up to 64 x 64 pixels (8 x 8 merged tokens of 8 pixels), at least 16 x 16.
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 16 * 16, 64 * 64
 
 
 def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
@@ -91,6 +101,8 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
     model.save_pretrained(out_dir)
     if name in PROCESSOR_CONFIGS:
         make_tiny_image_text_processor(out_dir, config.vision_config.image_size, config.mm_tokens_per_image)
+    if name == "qwen2_5_vl_genai":
+        make_tiny_qwen_processor(out_dir, config.vision_config)
     return out_dir
 
 
@@ -112,4 +124,28 @@ def make_tiny_image_text_processor(out_dir: Path, image_size: int, image_seq_len
     image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
     transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                  image_seq_length=image_seq_length).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_qwen_processor(out_dir: Path, vision_config) -> Path:
+    """Write a Qwen2.5-VL processor beside a checkpoint in ``out_dir``: the tiny byte-level BPE (no BOS) with
+    QWEN_IMAGE_TOKENS after its 300 ids, and a Qwen2VLImageProcessor of the tower's patch, merge and temporal sizes
+    between QWEN_MIN_PIXELS and QWEN_MAX_PIXELS (its defaults otherwise: bicubic, 1/255, CLIP's mean and std)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    from exporter.tiny_checkpoint import make_tiny_tokenizer
+
+    out_dir = Path(out_dir)
+    base = PreTrainedTokenizerFast.from_pretrained(make_tiny_tokenizer(out_dir))
+    base.add_special_tokens({"additional_special_tokens": QWEN_IMAGE_TOKENS})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="</s>", pad_token="<pad>",
+                                        extra_special_tokens={"image_token": "<|image_pad|>",
+                                                              "video_token": "<|video_pad|>"})
+    image_processor = transformers.Qwen2VLImageProcessor(
+        min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, patch_size=vision_config.patch_size,
+        merge_size=vision_config.spatial_merge_size, temporal_patch_size=vision_config.temporal_patch_size)
+    # Qwen2_5_VLProcessor itself wants a video processor, which needs torchvision: the two parts, as a hub repo has
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
     return out_dir
