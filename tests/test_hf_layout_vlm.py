@@ -230,3 +230,13 @@ def test_gemma3_positions_from_the_mask_run_to_the_end_of_the_context(repo, laid
     want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=request["max_new_tokens"],
                           min_new_tokens=request["max_new_tokens"], do_sample=False)[0].tolist()
     assert len(js["sequences"][0]) == MAX_SEQ_LEN and js["sequences"][0] == want
+
+
+def test_qwen2_5_vl_is_refused_for_the_hf_layout_saying_why(tmp_path):
+    from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+    source = make_tiny_vlm_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"no hf layout for a qwen2_5_vl image-text export: its layout for "
+                                          r"transformers.js .* is not built and tested yet"):
+        export_model(ExportRequest(model=str(source), layout="hf"), tmp_path / "out", validate=False)
+    assert not (tmp_path / "out").exists()
