@@ -225,3 +225,11 @@ def test_qwen3_vl_is_refused_saying_why_its_deepstack_features_cannot_be_dropped
                                           r"features .* the export's decoder contract does not have yet"):
         export_model(ExportRequest(model=str(source)), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_image_text_export_is_refused_saying_why(vlm_checkpoint, tmp_path):
+    """The three sessions hand image features and embeddings to each other through numpy, which has no bfloat16
+    (found on an H200: benchmarks/results/h200/vlm_cuda.json); refused before anything is written."""
+    with pytest.raises(ExportError, match=r"a bf16 image-text export is not built yet: .* numpy has no bfloat16"):
+        export_model(ExportRequest(model=str(vlm_checkpoint("gemma3")), dtype="bf16", ep="cuda"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
