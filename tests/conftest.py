@@ -59,7 +59,8 @@ def exported(workdir, checkpoint):
         )
         return export_model(request, out, validate=False).out_dir
 
-    return make
+    # one cache entry per export, however the call spells its defaults (two entries would write one directory twice)
+    return lambda arch, variant, dtype="fp32", ckpt_kwargs=(): make(arch, variant, dtype, tuple(ckpt_kwargs))
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +73,7 @@ def reference(checkpoint):
         prompt = [int(t) for t in np.random.default_rng(len(arch) + prompt_len).integers(3, 250, size=prompt_len)]
         return reference_greedy(model, prompt, DECODE_STEPS)
 
-    return make
+    return lambda arch, prompt_len=12, ckpt_kwargs=(): make(arch, prompt_len, tuple(ckpt_kwargs))
 
 
 @pytest.fixture
