@@ -289,3 +289,37 @@ def test_a_stack_without_attention_runs_on_its_states_alone(variant, tmp_path):
     out = _exported_matches_transformers(source, tmp_path / "export", variant, seed=7, max_seq_len=128)
     inputs = [i.name for i in onnx.load(str(out / contract.MODEL_FILE), load_external_data=False).graph.input]
     assert not [name for name in inputs if "key" in name or "value" in name]
+
+
+# Qwen3.5's published rope: multimodal (interleaved sections over its rotary half), partial.
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                "mrope_interleaved": True}
+
+
+@pytest.mark.parametrize("variant", ["attn_dynamic", "gqa", "attn_static"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5"])
+def test_qwen3_5_s_text_export_takes_plain_positions_and_its_bench_runs(arch, variant, reference, tmp_path):
+    """Qwen3.5's rope is multimodal (mrope_section), but a text-only export sees text alone, whose three position
+    streams are equal: it takes plain position_ids [batch, seq] (gqa none), as onnxruntime-genai and the bench feed
+    them (a decoder that asked for M-RoPE's [3, batch, seq] here failed the bench's device binding), and matches
+    transformers."""
+    from exporter.pipeline import export_model
+    from exporter.runtime.bench import run_bench
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
+    from exporter.validation.reference import load_reference, reference_greedy
+
+    source = make_tiny_checkpoint(arch, tmp_path / "ckpt", rope_parameters=QWEN3_5_ROPE)
+    out = export_model(ExportRequest(model=str(source), ep="cpu", variant=variant, static_cache=variant == "attn_static",
+                                     max_seq_len=64), tmp_path / "export", validate=False).out_dir
+    model = onnx.load(str(out / contract.MODEL_FILE), load_external_data=False)
+    inputs = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    if variant == "gqa":
+        assert contract.POSITION_IDS not in inputs
+    else:
+        assert inputs[contract.POSITION_IDS] == ["batch_size", "sequence_length"]
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 250, size=12)]
+    ref = reference_greedy(load_reference(source), prompt, 8)
+    result = run_parity(Decoder(out), ref, near_tie_margin=0.0)
+    assert result.prefill_max_abs_error <= 1e-4 * result.logit_range and result.tokens == ref.tokens, result
+    run_bench(out, "cpu", contexts=[16], steps=2, warmup=1, prefill_lengths=[8])
+    assert json.loads((out / "benchmark.json").read_text())["decode"][0]["decode_ms_median"] > 0

@@ -328,7 +328,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "activations": activations.value,
                     **({"image_text": language.model_type} if language else {}),
                     # M-RoPE: position_ids [3, batch, seq] (docs/graph-contracts.md "M-RoPE")
-                    **({"mrope_section": list(mrope_section(cfg.rope))} if mrope_section(cfg.rope) else {}),
+                    **({"mrope_section": list(mrope_section(cfg.rope))} if language and mrope_section(cfg.rope) else {}),
                     **({"recurrent": {"kind": cfg.recurrent.kind,
                                       "ops": ["CausalConvWithState"] + (
                                           [builder.deltanet_op] if cfg.recurrent.kind == GATED_DELTANET else

@@ -147,11 +147,11 @@ def gqa_lengths(b: GraphBuilder, attention_mask: ir.Value, step: StepInputs) -> 
 
 
 def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int, variant: Variant,
-            lengths: ir.Value | None, position_ids: ir.Value | None) -> Rotary:
+            lengths: ir.Value | None, position_ids: ir.Value | None, mrope: bool = False) -> Rotary:
     """cos/sin tables of ``rope`` and this step's way into them (longrope picks its half in-graph)."""
     tables = rope_tables(cfg, table_len, rope, b.rope_cache)
     cos, sin = rope_constants(b, tables, rope.layer_type)
-    section = mrope_section(rope)
+    section = mrope_section(rope) if mrope else None
     if section is not None:  # every variant takes position_ids [3, batch, seq] and rotates per token
         if sum(section) * 2 != rope.rotary_dim or len(section) != 3 or tables.switch_at is not None or cfg.rotary_interleaved:
             raise ExportError(f"{cfg.architecture}'s mrope_section {list(section)} is exported as three sections "
@@ -203,8 +203,10 @@ def build_graph(
     inputs = [input_ids]
     step = StepInputs(rotary=None)
     lengths = position_ids = attention_mask = None
-    # M-RoPE (qwen2_5_vl's language model): position_ids [3, batch, seq] in every variant, gqa's too.
-    mrope = mrope_section(cfg.rope) is not None
+    # M-RoPE (qwen2_5_vl's language model): position_ids [3, batch, seq] in every variant, gqa's too. Only where the
+    # decoder takes images' embeddings: a text-only export of a model with M-RoPE (qwen3_5's language model) sees
+    # text alone, whose three position streams are equal, and takes plain positions (its rope the plain partial one).
+    mrope = inputs_embeds and mrope_section(cfg.rope) is not None
     if mrope and variant is Variant.ATTN_STATIC and any(cfg.window(i) or cfg.chunk(i) for i in range(cfg.num_layers)):
         raise ExportError(f"{cfg.architecture}'s sliding layers under attn_static find their window from position_ids "
                           "as cache slots, which M-RoPE's positions are not: use the attn_dynamic or gqa variant")
@@ -258,7 +260,7 @@ def build_graph(
         rope, window, chunk = (cfg.layer_rope(i) if cfg.uses_rope(i) else None), cfg.window(i), cfg.chunk(i)
         if (rope, window, chunk) not in layer_steps:
             if rope is not None and rope not in rotaries:  # (a rope per layer type: the head size of its layers)
-                rotaries[rope] = _rotary(b, cfg.for_layer(i), rope, table_len, variant, lengths, position_ids)
+                rotaries[rope] = _rotary(b, cfg.for_layer(i), rope, table_len, variant, lengths, position_ids, mrope)
             extra = {"rotary": rotaries.get(rope), "window": window}
             if chunk and variant is Variant.GQA:
                 raise ExportError(f"{cfg.architecture}'s chunked attention (attention_chunk_size {chunk}) has no "
