@@ -19,6 +19,30 @@ def genai_greedy(model, prompt: list[int], new_tokens: int, *, through_eos: bool
     return [int(t) for t in generator.get_sequence(0)][len(prompt):]
 
 
+def genai_multimodal_run(model, inputs, steps: int) -> tuple[list[int], list]:
+    """genai's greedy loop from its multimodal processor's ``inputs``: (the ``steps`` tokens, the logits that chose
+    each one)."""
+    import onnxruntime_genai as og
+
+    prompt = inputs["input_ids"].as_numpy().shape[1]
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=prompt + steps, min_length=prompt + steps)
+    generator = og.Generator(model, params)
+    generator.set_inputs(inputs)
+    logits = []
+    for _ in range(steps):
+        logits.append(generator.get_logits().reshape(-1).copy())  # the next token's (genai runs the step eagerly)
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)[prompt:]], logits
+
+
+def worst_of_range(ours: list, theirs: list) -> float:
+    """The largest |ours - theirs| of any step, as a share of that step's reference logit range."""
+    import numpy as np
+
+    return max(float(np.abs(a - b).max() / np.ptp(b)) for a, b in zip(ours, theirs, strict=True))
+
+
 def until_eos(tokens: list[int], eos: int | None) -> list[int]:
     """What a generation loop emits: the tokens up to and including the first end of sequence."""
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

@@ -19,6 +19,7 @@ from exporter.packaging.genai_image_text import GEMMA3_GENAI_IMAGE_TOKENS, genai
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+from tests.genai_greedy import genai_multimodal_run, worst_of_range
 
 og = pytest.importorskip("onnxruntime_genai")
 torch = pytest.importorskip("torch")
@@ -68,19 +69,6 @@ def pngs(tmp_path_factory):
     return paths
 
 
-def genai_run(model, inputs, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """genai's greedy loop from a processor's inputs: (tokens, the logits that chose each one)."""
-    prompt = inputs["input_ids"].as_numpy().shape[1]
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=prompt + steps, min_length=prompt + steps)
-    generator = og.Generator(model, params)
-    generator.set_inputs(inputs)
-    logits = []
-    for _ in range(steps):
-        logits.append(generator.get_logits().reshape(-1).copy())  # the next token's (genai runs the step eagerly)
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)[prompt:]], logits
-
 
 def transformers_run(model, ids: np.ndarray, pixel_values: np.ndarray | None, steps: int):
     images = {} if pixel_values is None else {"pixel_values": torch.from_numpy(pixel_values)}
@@ -90,9 +78,6 @@ def transformers_run(model, ids: np.ndarray, pixel_values: np.ndarray | None, st
                              pad_token_id=0)
     return [int(t) for t in out.sequences[0, ids.shape[1]:]], [step[0].numpy() for step in out.logits]
 
-
-def worst_of_range(ours: list[np.ndarray], theirs: list[np.ndarray]) -> float:
-    return max(float(np.abs(a - b).max() / np.ptp(b)) for a, b in zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "attn_dynamic"])
@@ -119,7 +104,7 @@ def test_genai_multimodal_generates_transformers_tokens(export, reference, check
             inputs, pixel_values = processor(TEXT_PROMPT), None
         ids = inputs["input_ids"].as_numpy()
         assert int((ids == image_token).sum()) == (GEMMA3_GENAI_IMAGE_TOKENS if pixel_values is not None else 0)
-        tokens, logits = genai_run(model, inputs, NEW_TOKENS)
+        tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
         ref_tokens, ref_logits = transformers_run(reference, ids, pixel_values, NEW_TOKENS)
         error = worst_of_range(logits, ref_logits)
         print(f"{variant} {label}: {ids.shape[1]} prompt tokens, genai {tokens}, logits max err {error:.2e} of range"

@@ -63,9 +63,10 @@ def reference_features(model, pixels: np.ndarray) -> np.ndarray:
         return out.reshape(-1, out.shape[-1]).numpy()
 
 
-def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None) -> np.ndarray:
+def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None,
+                     grid_thw: np.ndarray | None = None) -> np.ndarray:
     """The inputs_embeds transformers' model hands its language model (text and images merged), one image per
-    prompt row."""
+    prompt row; ``grid_thw``: a patch-sequence model's image_grid_thw (qwen2_5_vl)."""
     captured = {}
     language_model = getattr(model.model, "language_model", None) or model.model.text_model
 
@@ -79,6 +80,8 @@ def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None) ->
         if model.config.model_type in ("idefics3", "smolvlm"):
             pixel_values = pixel_values[:, None]  # [batch, images per row, ...]
         kwargs["pixel_values"] = pixel_values
+        if grid_thw is not None:
+            kwargs["image_grid_thw"] = torch.from_numpy(grid_thw)
     try:
         with torch.no_grad():
             model.model(**kwargs)

@@ -18,6 +18,7 @@ from exporter.vision import (
     build_vision_graph, load_vision_config,
 )
 from exporter.vision.tiny_checkpoint import IMAGE_TOKEN, make_tiny_vlm_checkpoint
+from tests.test_vision import reference_embeds, worst
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -64,37 +65,12 @@ def reference_features(model, pixels: np.ndarray, grid_thw: np.ndarray, video: b
     return torch.cat(list(per_image)).numpy()
 
 
-def worst(ours: np.ndarray, reference: np.ndarray) -> float:
-    """Max abs error as a fraction of the reference's range."""
-    assert ours.shape == reference.shape
-    return float(np.abs(ours.astype(np.float64) - reference).max() / np.ptp(reference))
-
-
 def prompt(grid_thw: np.ndarray, merge: int = 2) -> np.ndarray:
     """One prompt row per image, each with that image's tokens between vision start / end, padded with text
     tokens to one length."""
     rows = [[1, 5, VISION_START, *[IMAGE_TOKEN] * (int(np.prod(g)) // merge ** 2), VISION_END, 7] for g in grid_thw]
     width = max(map(len, rows))
     return np.array([row + [9] * (width - len(row)) for row in rows], dtype=np.int64)
-
-
-def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None, grid_thw: np.ndarray | None):
-    """The inputs_embeds transformers' model hands its language model (text and image features merged)."""
-    captured = {}
-
-    def capture(module, args, kwargs):
-        captured["embeds"] = kwargs["inputs_embeds"]
-
-    hook = model.model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
-    kwargs = {"input_ids": torch.from_numpy(input_ids)}
-    if pixels is not None:
-        kwargs.update(pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid_thw))
-    try:
-        with torch.no_grad():
-            model.model(**kwargs)
-    finally:
-        hook.remove()
-    return captured["embeds"].numpy()
 
 
 @pytest.mark.parametrize("case", GRIDS)

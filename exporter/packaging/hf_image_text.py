@@ -103,20 +103,6 @@ def _dtype_name(file: str) -> str:
     return next(name for s, name in SUFFIX.values() if s == suffix)
 
 
-def _relocate(model: onnx.ModelProto, old: str, new: str) -> None:
-    from onnx.external_data_helper import _get_all_tensors
-
-    renamed = 0
-    for tensor in _get_all_tensors(model):
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                if entry.value != old:
-                    raise ExportError(f"a graph keeps weights in {entry.value!r}, not {old!r}: not a farm export")
-                entry.value, renamed = new, renamed + 1
-    if not renamed:
-        raise ExportError(f"a graph of the export has no external weights in {old!r}: not a farm export")
-
-
 def embed_tokens_graph(embedding: onnx.ModelProto, image_token_id: int) -> onnx.ModelProto:
     """``input_ids`` [batch_size, sequence_length] -> ``inputs_embeds``: the embedding graph's table lookup
     (its table and scale initializers, unchanged) without the image features."""
@@ -228,7 +214,7 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
                             decoder_suffix: str, weights: str) -> dict:
     """Write the image-text export in ``export_dir`` into ``out_dir`` (the caller's staging folder) as
     transformers.js loads it; returns the layout's manifest."""
-    from exporter.packaging.hf_layout import CONFIG_FILE, LAYOUT, _checked_config
+    from exporter.packaging.hf_layout import CONFIG_FILE, LAYOUT, _checked_config, relocate_weights
     from exporter.packaging.source_files import checkpoint_file, side_file_names
 
     model_type = manifest["image_text"]["model_type"]
@@ -243,7 +229,7 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
             model = embed_tokens_graph(model, int(manifest["image_text"]["image_token_id"]))
         if name == contract.DECODER and model_type in ONE_BASED_POSITIONS:
             positions_from_mask(model)
-        _relocate(model, contract.data_file(source.name), data)
+        relocate_weights(model, contract.data_file(source.name), data, source)
         onnx.save(model, str(out_dir / file))
         _carry(export_dir / contract.data_file(source.name), out_dir / ONNX_DIR / data, weights)
     config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()))

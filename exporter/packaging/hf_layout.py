@@ -111,9 +111,9 @@ def _carry_weights(src: Path, dst: Path, mode: str) -> None:
         shutil.copyfile(src, dst)
 
 
-def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
-    """model.onnx with every external tensor's ``location`` renamed (the proto only; no weight is read)."""
-    model = onnx.load(str(src), load_external_data=False)
+def relocate_weights(model: onnx.ModelProto, old: str, new: str, src: Path) -> None:
+    """Every external tensor of ``model`` (read from ``src``) moved from data file ``old`` to ``new``: the proto's
+    ``location`` entries only, no weight is read. ExportError where a tensor lives elsewhere or none is external."""
     renamed = 0
     for tensor in _get_all_tensors(model):
         for entry in tensor.external_data:
@@ -124,6 +124,12 @@ def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
                 renamed += 1
     if not renamed:
         raise ExportError(f"{src} has no external weights to relocate: not a farm export")
+
+
+def _relocated_graph(src: Path, dst: Path, old: str, new: str) -> None:
+    """model.onnx with every external tensor's ``location`` renamed."""
+    model = onnx.load(str(src), load_external_data=False)
+    relocate_weights(model, old, new, src)
     onnx.save(model, str(dst))
 
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from exporter.errors import ExportError
-from exporter.graph.config import read_raw_config
+from exporter.graph.config import _transformers_config, read_raw_config
 
 # The vision towers the builder knows: a ViT with a class token and a pre-norm (CLIP) or without (SigLIP).
 CLIP, SIGLIP = "clip", "siglip"
@@ -76,16 +76,6 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-
-def _transformers_config(checkpoint_dir: Path):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(checkpoint_dir))
-    except Exception as err:  # transformers' own checks of config.json
-        raise ExportError(f"transformers refuses {checkpoint_dir}/config.json: {' '.join(str(err).split())[:600]}: "
-                          "fix config.json or use a transformers release that reads it") from None
 
 
 def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> VisionConfig:
