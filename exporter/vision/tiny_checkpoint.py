@@ -127,10 +127,11 @@ def make_tiny_image_text_processor(out_dir: Path, image_size: int, image_seq_len
     return out_dir
 
 
-def make_tiny_qwen_processor(out_dir: Path, vision_config) -> Path:
+def make_tiny_qwen_processor(out_dir: Path, vision_config, min_pixels: int = QWEN_MIN_PIXELS,
+                             max_pixels: int = QWEN_MAX_PIXELS) -> Path:
     """Write a Qwen2.5-VL processor beside a checkpoint in ``out_dir``: the tiny byte-level BPE (no BOS) with
     QWEN_IMAGE_TOKENS after its 300 ids, and a Qwen2VLImageProcessor of the tower's patch, merge and temporal sizes
-    between QWEN_MIN_PIXELS and QWEN_MAX_PIXELS (its defaults otherwise: bicubic, 1/255, CLIP's mean and std)."""
+    between ``min_pixels`` and ``max_pixels`` (its defaults otherwise: bicubic, 1/255, CLIP's mean and std)."""
     import transformers
     from transformers import PreTrainedTokenizerFast
 
@@ -143,7 +144,7 @@ def make_tiny_qwen_processor(out_dir: Path, vision_config) -> Path:
                                         extra_special_tokens={"image_token": "<|image_pad|>",
                                                               "video_token": "<|video_pad|>"})
     image_processor = transformers.Qwen2VLImageProcessor(
-        min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, patch_size=vision_config.patch_size,
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=vision_config.patch_size,
         merge_size=vision_config.spatial_merge_size, temporal_patch_size=vision_config.temporal_patch_size)
     # Qwen2_5_VLProcessor itself wants a video processor, which needs torchvision: the two parts, as a hub repo has
     tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 48's GPU measurements on the device tool's machine, one phase per call (each call: at most 10 min).
+# Staged as for issue 47 (benchmarks/gpu_issue47.sh: stage KK for each part, then extras for mobius).
+# Phases:
+#   vlm GEOMETRY LAYERS   benchmarks/vlm_speed.py at a depth-truncated real geometry (qwen2.5-vl-7b, gemma-3-12b):
+#                         ours beside the genai builder's text decoder and mobius (VLM_ARGS: more options)
+# Results go to $OUT.
+set -uo pipefail
+phase=${1:?phase}
+source "$(dirname "$0")/gpu_stage.sh" "$@"
+case "$phase" in
+  vlm)
+    MOBIUS_PATH=/tmp/mobius python3 benchmarks/vlm_speed.py --geometry "$2" --text-layers "$3" ${VLM_ARGS:-} \
+      --out "$OUT/vlm_speed_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -60 ;;
+esac
