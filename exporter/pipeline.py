@@ -90,7 +90,7 @@ def build_export(
     t0 = time.perf_counter()
     progress.stage("build")
     # exportfarm's own graph where it has the architecture (or the request says so), else transformers' trace
-    image_text = image_text_type(source.path)  # an image-text checkpoint: three graphs (graph/language_model.py)
+    image_text = image_text_type(source.path, request.layout)  # an image-text checkpoint: three graphs (graph/language_model.py)
     if image_text:
         check_image_text_request(request, source.path)
     builder = contract.BUILDER_HAND if image_text else resolve_builder(request, source.path)
@@ -182,7 +182,7 @@ def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, r
     from exporter.graph.traced import traced_sizes
     from exporter.validation.activation_range import choose_activations
 
-    if image_text_type(source.path):
+    if image_text_type(source.path, request.layout):
         # the measurement streams a text reference over the checkpoint: an image-text export computes in the
         # request's activations (a quantized cuda one in fp16 unless it names bf16)
         return request.activations, {"by": "request", "why": f"an image-text export of {request.dtype.value} on "
@@ -256,7 +256,7 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
-        if image_text_type(source.path):  # what an image-text export cannot be yet: refused before any build
+        if image_text_type(source.path, request.layout):  # what an image-text export cannot be yet: refused before any build
             check_image_text_request(request, source.path)
             if validate:
                 from exporter.validation.image_text import check_image_text_validatable

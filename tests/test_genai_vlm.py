@@ -116,6 +116,23 @@ def test_genai_multimodal_generates_transformers_tokens(export, reference, check
     assert float(np.abs(runs["one image"] - runs["text only"]).max()) > 100 * LOGIT_TOLERANCE * np.ptp(runs["text only"])
 
 
+def test_two_images_in_one_prompt_stop_in_genai_018_at_its_processor_count(export, pngs):
+    """genai 0.18's gemma3 processor counts 256 image tokens per prompt whatever its images
+    (src/models/gemma_image_processor.cpp: num_image_tokens = [image_seq_length]) and allocates the vision graph's
+    image_features by that count, so a prompt with two images stops at the vision run (two images make 512 rows).
+    Pinned here as genai's behaviour, not ours: two-image prompts of this export run in the farm's own runtime and
+    its validation (exporter/validation/image_text.py); when genai counts per image this test fails and the
+    two-image case moves to the test above."""
+    model = og.Model(str(export("gqa").out_dir))
+    processor = model.create_multimodal_processor()
+    inputs = processor("first <start_of_image> then <start_of_image> compare them",
+                       images=og.Images.open(str(pngs["native"]), str(pngs["resized"])))
+    assert inputs["pixel_values"].as_numpy().shape == (2, 3, 64, 64)
+    assert inputs["num_image_tokens"].as_numpy().tolist() == [GEMMA3_GENAI_IMAGE_TOKENS]
+    with pytest.raises(RuntimeError, match=r"image_features.*\{256,64\}.*\{512,64\}"):
+        genai_multimodal_run(model, inputs, 1)
+
+
 def test_resized_image_pixels_equal_transformers(export, checkpoint, pngs):
     """An image the processor resizes (100 x 80 to 64 x 64, bilinear as the checkpoint's resample 2 says): genai's
     onnxruntime-extensions transforms give transformers' (PIL) pixel_values."""

@@ -132,6 +132,33 @@ def test_genai_multimodal_generates_transformers_tokens(export, reference, hf_pr
     assert difference > 100 * LOGIT_TOLERANCE * np.ptp(runs["text only"])
 
 
+def test_two_images_in_one_prompt_generate_transformers_tokens(export, reference, hf_processor, tmp_path):
+    """Two images of different sizes in one prompt: genai's processor makes both images' patches (each image's
+    block padded with zero rows to the largest one's, which genai drops before the vision graph), a grid of two rows,
+    and expands each vision block to its own image's tokens; genai places each on M-RoPE's streams. transformers,
+    driven with the ids, the grids and the patches genai made (its padding rows taken out), gives the same greedy
+    tokens."""
+    model = og.Model(str(export("gqa").out_dir))
+    processor = model.create_multimodal_processor()
+    prompt = "first " + IMAGE_PROMPT.removeprefix("hello ") + " then <|vision_start|><|image_pad|><|vision_end|> end"
+    images = [png(tmp_path, 48, 64, seed=1), png(tmp_path, 32, 24, seed=2)]
+    inputs = processor(prompt, images=og.Images.open(*(str(p) for p in images)))
+    ids, pixel_values = inputs["input_ids"].as_numpy(), inputs["pixel_values"].as_numpy()
+    grid = inputs["image_grid_thw"].as_numpy()
+    assert grid.tolist() == [[1, 12, 16], [1, 8, 6]]
+    assert int((ids == IMAGE_TOKEN).sum()) == 48 + 12
+    block = pixel_values.shape[0] // len(grid)  # the largest image's patches
+    counts = [int(np.prod(g)) for g in grid]
+    assert block == max(counts) and not pixel_values[block + counts[1]:].any()
+    patches = np.concatenate([pixel_values[i * block: i * block + n] for i, n in enumerate(counts)])
+    tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
+    ref_tokens, ref_logits = transformers_run(reference, ids, patches, grid, NEW_TOKENS)
+    error = worst_of_range(logits, ref_logits)
+    print(f"two images: {ids.shape[1]} prompt tokens, grids {grid.tolist()}, genai {tokens}, logits max err "
+          f"{error:.2e} of range")
+    assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
+
+
 @pytest.mark.parametrize("height, width, grid", [(100, 80, [1, 16, 14]), (9, 9, [1, 4, 4]), (30, 90, [1, 8, 22])],
                          ids=["shrunk-to-max-pixels", "grown-to-min-pixels", "rounded-to-8"])
 def test_resized_patches_equal_transformers(export, hf_processor, tmp_path, height, width, grid):

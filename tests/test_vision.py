@@ -66,7 +66,7 @@ def reference_features(model, pixels: np.ndarray) -> np.ndarray:
 def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None,
                      grid_thw: np.ndarray | None = None) -> np.ndarray:
     """The inputs_embeds transformers' model hands its language model (text and images merged), one image per
-    prompt row; ``grid_thw``: a patch-sequence model's image_grid_thw (qwen2_5_vl)."""
+    prompt row; ``grid_thw``: a patch-sequence model's image_grid_thw (qwen2_5_vl, qwen3_5)."""
     captured = {}
     language_model = getattr(model.model, "language_model", None) or model.model.text_model
 
@@ -82,6 +82,8 @@ def reference_embeds(model, input_ids: np.ndarray, pixels: np.ndarray | None,
         kwargs["pixel_values"] = pixel_values
         if grid_thw is not None:
             kwargs["image_grid_thw"] = torch.from_numpy(grid_thw)
+            # the processor's token types (image 1, text 0), which qwen3_5 wants beside a grid for its M-RoPE positions
+            kwargs["mm_token_type_ids"] = torch.from_numpy((input_ids == model.config.image_token_id).astype(np.int32))
     try:
         with torch.no_grad():
             model.model(**kwargs)

@@ -3,7 +3,7 @@
 //   node image_text_generate.mjs MODEL_DIR DTYPE REQUEST.json [REQUEST.json ...]
 // A request: {"prompt": "...", "image": "/path.png" or null (text only), "max_new_tokens": N}.
 // Prints per request, one line each, {"input_ids": [[...]], "pixel_values": {"dims", "data"} or null,
-// "sequences": [[...]]}: what the processor computed (so the caller can drive transformers with the same
+// "image_grid_thw": [[t, h, w], ...] or null (Qwen's processors), "sequences": [[...]]}: what the processor computed (so the caller can drive transformers with the same
 // inputs) and what generate gave, from one loaded model.
 import { readFileSync } from "node:fs";
 import path from "node:path";
@@ -21,7 +21,7 @@ for (const requestPath of requestPaths) {
   let inputs;
   if (request.image) {
     const image = await RawImage.read(request.image);
-    // LlavaProcessor takes (images, text); Gemma3Processor (text, images)
+    // LlavaProcessor takes (images, text); Gemma3Processor and Qwen3VLProcessor (text, images)
     inputs = processor.constructor.name === "LlavaProcessor"
       ? await processor(image, request.prompt)
       : await processor(request.prompt, image);
@@ -40,6 +40,7 @@ for (const requestPath of requestPaths) {
   console.log(JSON.stringify({
     input_ids: inputs.input_ids.tolist().map((row) => row.map(Number)),
     pixel_values: pixels ? { dims: pixels.dims, data: Array.from(pixels.data) } : null,
+    image_grid_thw: inputs.image_grid_thw ? inputs.image_grid_thw.tolist().map((row) => row.map(Number)) : null,
     sequences: Array.from({ length: rows }, (_, r) => flat.slice(r * length, (r + 1) * length)),
   }));
 }

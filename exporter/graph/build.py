@@ -288,7 +288,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     ``activations``: what the graph computes in (the pipeline's choice; default what the request says)."""
     variant = request.resolved_variant()
     # An image-text checkpoint: the decoder is its language model, taking inputs_embeds (graph/language_model.py)
-    language = language_model(source.path) if image_text_type(source.path) else None
+    language = language_model(source.path) if image_text_type(source.path, request.layout) else None
     cfg = language.config if language else load_model_config(source.path, ARCHITECTURES)
     activations = activations or request.activations
     check_request_against_config(request, variant, cfg, activations)

@@ -32,12 +32,22 @@ class LanguageModel:
     architecture: Architecture  # the text architecture, its weights under the checkpoint's prefix
 
 
-def image_text_type(checkpoint_dir: Path) -> str | None:
+# Image-text checkpoints whose language model is exported alone (LANGUAGE_MODEL_OF) except for transformers.js's
+# layout: its Qwen3.5 classes (Qwen3_5ForConditionalGeneration, and Qwen3_5ForCausalLM on such a checkpoint) run
+# embed_tokens + decoder_model_merged on inputs_embeds with M-RoPE positions [3, batch, seq] from its own
+# get_rope_index, text prompts included, so the hf layout of one is the image-text export (vision, embedding, decoder).
+IMAGE_TEXT_FOR_HF = ("qwen3_5", "qwen3_5_moe")
+
+
+def image_text_type(checkpoint_dir: Path, layout: str | None = None) -> str | None:
     """The model_type of an image-text checkpoint (config.json has a vision_config), None for a text one.
-    qwen3_5's image-text checkpoints are not: the exporter takes their language model alone (LANGUAGE_MODEL_OF)."""
+    qwen3_5's and gemma4's image-text checkpoints are not: the exporter takes their language model alone
+    (LANGUAGE_MODEL_OF), qwen3_5's but for ``layout`` hf (IMAGE_TEXT_FOR_HF)."""
     raw = read_raw_config(Path(checkpoint_dir))
     model_type = raw.get("model_type")
-    if isinstance(raw.get("vision_config"), dict) and model_type not in LANGUAGE_MODEL_OF:
+    if not isinstance(raw.get("vision_config"), dict):
+        return None
+    if model_type not in LANGUAGE_MODEL_OF or (layout == "hf" and model_type in IMAGE_TEXT_FOR_HF):
         return model_type
     return None
 
@@ -61,7 +71,7 @@ def check_image_text_request(request, checkpoint_dir: Path) -> None:
     target, a traced graph."""
     from exporter.vision import FAMILIES, load_vision_config
 
-    model_type = image_text_type(checkpoint_dir)
+    model_type = image_text_type(checkpoint_dir, request.layout)
     if model_type in DEEPSTACK_TYPES:
         raise ExportError(DEEPSTACK_REFUSAL.format(model_type=model_type))
     if request.activations.value == "bf16":

@@ -17,7 +17,9 @@ from exporter.graph.components.decoder import decoder_layer, end_layer, norm
 from exporter.graph.components.per_layer_input import per_layer_inputs
 from exporter.graph.components.gated_deltanet import LINEAR_ATTENTION
 from exporter.graph.components.graph import GraphBuilder, linear
-from exporter.graph.components.rotary import Rotary, longrope_row_offset, mrope_rotary, mrope_section, rope_constants
+from exporter.graph.components.rotary import (
+    MROPE_INTERLEAVED, Rotary, longrope_row_offset, mrope_rotary, mrope_section, rope_constants,
+)
 from exporter.graph.config import GATED_DELTANET, MAMBA2, ModelConfig, RopeConfig
 from exporter.errors import ExportError
 from exporter.request import Variant
@@ -157,7 +159,8 @@ def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int,
             raise ExportError(f"{cfg.architecture}'s mrope_section {list(section)} is exported as three sections "
                               f"filling half the rotary dims ({rope.rotary_dim // 2}) of a rope without longrope: fix "
                               "config.json's rope_parameters")
-        return mrope_rotary(b, cos, sin, position_ids, section, rope.rotary_dim, cfg.head_dim)
+        return mrope_rotary(b, cos, sin, position_ids, section, rope.rotary_dim, cfg.head_dim,
+                            interleaved=cfg.architecture in MROPE_INTERLEAVED)
     rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim, interleaved=cfg.rotary_interleaved)
     if variant is Variant.GQA:
         if tables.switch_at is not None:

@@ -63,6 +63,9 @@ REFUSED_FAMILIES = {family: _PIXEL_SHUFFLE.format(family=family) for family in (
 REFUSED_FAMILIES["qwen2_5_vl"] = ("its layout for transformers.js (patch sequence, image_grid_thw, M-RoPE positions "
                                   "from transformers.js's own get_rope_index) is not built and tested yet; "
                                   "onnxruntime-genai runs the farm layout")
+# Families whose transformers processor is built only with its video processor (torchvision), of which transformers.js
+# reads the image half: its processor class (transformers.js's name) over the checkpoint's image processor settings.
+IMAGE_ONLY_PROCESSORS = {"qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
 # Positions from 1 in transformers.js (models/modeling_utils.js decoder_forward), from 0 in transformers.
 ONE_BASED_POSITIONS = ("gemma3",)
 
@@ -187,6 +190,8 @@ def _processor_files(checkpoint_dir: Path, config: dict) -> dict[str, dict | str
 
     for name in (PROCESSOR_FILE, PREPROCESSOR_FILE, CHAT_TEMPLATE_FILE, "chat_template.json"):
         checkpoint_file(checkpoint_dir, name, required=False)  # refused where one leads outside the checkpoint
+    if config.get("model_type") in IMAGE_ONLY_PROCESSORS:
+        return _image_only_processor_files(checkpoint_dir, IMAGE_ONLY_PROCESSORS[config["model_type"]])
     processor = transformers.AutoProcessor.from_pretrained(str(checkpoint_dir))
     image = processor.image_processor.to_dict()
     image.pop("processor_class", None)
@@ -232,7 +237,7 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         relocate_weights(model, contract.data_file(source.name), data, source)
         onnx.save(model, str(out_dir / file))
         _carry(export_dir / contract.data_file(source.name), out_dir / ONNX_DIR / data, weights)
-    config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()))
+    config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()), image_text=True)
     js_config = dict(config.get("transformers.js_config") or {})
     js_config["use_external_data_format"] = {
         **(js_config.get("use_external_data_format") or {}), **{Path(f).name: 1 for f in files.values()}}
@@ -273,3 +278,17 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         else file_entry(out_dir / name) for name in names}
     (out_dir / contract.MANIFEST_FILE).write_text(json.dumps(layout_manifest, indent=2) + "\n")
     return layout_manifest
+
+
+def _image_only_processor_files(checkpoint_dir: Path, processor_class: str) -> dict[str, dict | str]:
+    """preprocessor_config.json and processor_config.json of a family in IMAGE_ONLY_PROCESSORS: the checkpoint's image
+    processor (transformers' name without its backend suffix: transformers.js knows Qwen2VLImageProcessor, not
+    Qwen2VLImageProcessorPil) under ``processor_class``."""
+    import transformers
+
+    image = transformers.AutoImageProcessor.from_pretrained(str(checkpoint_dir)).to_dict()
+    image.pop("processor_class", None)
+    image["image_processor_type"] = image["image_processor_type"].removesuffix("Pil").removesuffix("Fast")
+    image.setdefault("do_normalize", bool(image.get("image_mean") is not None))
+    return {PREPROCESSOR_FILE: {**image, "processor_class": processor_class},
+            PROCESSOR_FILE: {"processor_class": processor_class}}

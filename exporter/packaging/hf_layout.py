@@ -176,11 +176,16 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, we
 # Families transformers.js 4.3 cannot drive as a text decoder (model.onnx alone): its Qwen3.5 classes
 # compute M-RoPE position ids [3, batch, seq] from config.vision_config for every prompt (a text graph
 # takes [batch, seq], and a text checkpoint has no vision_config: "Cannot read properties of undefined
-# (reading 'spatial_merge_size')"), and it has no qwen3_5_moe_text model type at all.
+# (reading 'spatial_merge_size')"), and it has no qwen3_5_moe_text model type at all. A qwen3_5 image-text
+# checkpoint exported with layout hf is built as its image-text classes load it (graph/language_model.py
+# IMAGE_TEXT_FOR_HF); what stays refused is a text decoder of it (a farm export laid out afterwards).
 TRANSFORMERSJS_REFUSES = {
     t: "transformers.js 4.3 drives Qwen3.5 only through its image-text classes (M-RoPE position ids from "
        "config.vision_config, embed_tokens + decoder_model_merged files), not a text decoder's model.onnx"
-    for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
+    for t in ("qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
+TRANSFORMERSJS_REFUSES["qwen3_5"] = (
+    TRANSFORMERSJS_REFUSES["qwen3_5_text"] + " (export the checkpoint with layout hf: the vision, embedding and "
+    "M-RoPE decoder graphs those classes load are built then)")
 TRANSFORMERSJS_REFUSES["granitemoehybrid"] = (
     "transformers.js 4.3 names Granite 4.0-H's states from the legacy layer types (mamba / attention), which "
     "transformers 5 rewrites to linear_attention / full_attention, so it feeds none of them")
@@ -212,19 +217,23 @@ def check_family(checkpoint_dir: Path) -> None:
     """ExportError when transformers.js cannot drive the checkpoint's family (TRANSFORMERSJS_REFUSES)."""
     path = checkpoint_file(checkpoint_dir, CONFIG_FILE, required=False)
     if path is not None:
-        _checked_config(json.loads(path.read_text()))
         from exporter.graph.language_model import image_text_type
 
-        model_type = image_text_type(checkpoint_dir)
+        model_type = image_text_type(checkpoint_dir, LAYOUT)
+        _checked_config(json.loads(path.read_text()), image_text=bool(model_type))
         if model_type:  # an image-text checkpoint: its family and its processor (hf_image_text.py)
             from exporter.packaging.hf_image_text import check_image_text_checkpoint
 
             check_image_text_checkpoint(checkpoint_dir, model_type)
 
 
-def _checked_config(config: dict) -> dict:
+def _checked_config(config: dict, image_text: bool = False) -> dict:
+    """``config`` where transformers.js drives its family, else ExportError; ``image_text``: for an image-text export
+    (its vision, embedding and decoder graphs), which a qwen3_5 checkpoint's layout is."""
+    from exporter.graph.language_model import IMAGE_TEXT_FOR_HF
+
     reason = TRANSFORMERSJS_REFUSES.get(config.get("model_type"))
-    if reason:
+    if reason and not (image_text and config.get("model_type") in IMAGE_TEXT_FOR_HF):
         raise ExportError(f"no hf layout for a {config['model_type']} model: {reason}; use the farm layout (onnxruntime-"
                           "genai runs it)")
     return config

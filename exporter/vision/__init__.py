@@ -4,7 +4,9 @@ config.json and the lazy checkpoint weights, equal to transformers' on the same 
 Families (``FAMILIES``, keyed by config.json's model_type): gemma3 (SigLIP + pooled, soft-normed
 projection), llava (CLIP or SigLIP tower, vision_feature_layer(s), vision_feature_select_strategy,
 the MLP projector), idefics3 and smolvlm (SigLIP + pixel shuffle + projection), qwen2_5_vl (dynamic
-resolution: Conv3d patches, 2-D rotary, window attention, the PatchMerger; exporter.vision.qwen2_5_vl).
+resolution: Conv3d patches, 2-D rotary, window attention, the PatchMerger; exporter.vision.qwen2_5_vl), qwen3_5
+(the same patches and rotary, a learned position table resampled to each grid, full attention per frame, its
+merger; exporter.vision.qwen3_5).
 Anything else (qwen2_vl, qwen3_vl and its deepstack features, mistral3, ...), or a setting these graphs do
 not compute, is refused with an ExportError naming it.
 
@@ -21,8 +23,8 @@ vision graph (``build_vision_graph``)
         scale_factor^2). 2-D for every family: onnxruntime-genai preallocates it so, transformers.js
         flattens any rank.
 
-qwen2_5_vl's vision graph takes any image size the processor makes (one graph, no Loop, the layout
-computed from image_grid_thw: exporter.vision.patch_grid):
+qwen2_5_vl's and qwen3_5's vision graphs take any image size the processor makes (one graph, no Loop, the
+layout computed from image_grid_thw: exporter.vision.patch_grid):
     in  ``pixel_values``    float32 [num_patches, channels * temporal_patch_size * patch_size^2]: the
         processor's flattened patches, image after image.
     in  ``image_grid_thw``  int64 [num_images, 3]: the processor's (frames, patch rows, patch columns).
@@ -36,14 +38,15 @@ computed from image_grid_thw: exporter.vision.patch_grid):
 embedding graph (``build_embedding_graph``)
     in  ``input_ids``       int64 [batch_size, sequence_length]
     in  ``image_features``  dtype [num_image_tokens, text hidden_size], the vision graph's rows (0 rows: text
-        only, a decode step); qwen2_5_vl: video tokens (video_token_id) are not merged: they keep their table row
+        only, a decode step); qwen2_5_vl, qwen3_5: video tokens (video_token_id) are not merged: they keep their
+        table row
     out ``inputs_embeds``   dtype [batch_size, sequence_length, text hidden_size]: the token embedding
         (gemma3 scaled by sqrt(hidden_size)) with image feature rows, in order, at the image-token
         positions, as transformers' masked_scatter merges them. The prompt must hold exactly
         num_images * tokens_per_image image tokens (more index past the features: onnxruntime errors).
 
 Both models carry metadata ``exportfarm.vision.tokens_per_image``, ``.image_token_id`` and ``.image_size``
-(qwen2_5_vl: tokens_per_image and image_size 0, as both follow image_grid_thw; its vision graph also carries
+(qwen2_5_vl, qwen3_5: tokens_per_image and image_size 0, as both follow image_grid_thw; their vision graphs also carry
 ``exportfarm.vision.spatial_merge_size``, which places an image's tokens on M-RoPE's streams).
 """
 

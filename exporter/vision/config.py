@@ -16,8 +16,9 @@ from exporter.graph.config import _transformers_config, read_raw_config
 
 # The vision towers the builder knows: a ViT with a class token and a pre-norm (CLIP) or without (SigLIP).
 CLIP, SIGLIP = "clip", "siglip"
-# A dynamic-resolution tower: flattened patches of any grid in, 2-D rotary, window attention (Qwen2.5-VL).
-QWEN2_5_VL = "qwen2_5_vl"
+# Dynamic-resolution towers: flattened patches of any grid in, 2-D rotary; window attention (Qwen2.5-VL), or full
+# attention per frame after a learned position table resampled to each grid (Qwen3.5).
+QWEN2_5_VL, QWEN3_5 = "qwen2_5_vl", "qwen3_5"
 _TOWERS = {"clip_vision_model": CLIP, "siglip_vision_model": SIGLIP, "idefics3_vision": SIGLIP,
            "smolvlm_vision": SIGLIP}
 # Activations as transformers names them -> how the MLPs compute them (encoder.activation).
@@ -54,14 +55,17 @@ class VisionConfig:
     tokens_per_image: int = 0  # image_features rows per image
     pool_kernel: int = 1  # gemma3's average pool
     scale_factor: int = 1  # idefics3's pixel shuffle
-    # Dynamic-resolution towers (QWEN2_5_VL; image_size and tokens_per_image 0: they follow image_grid_thw):
-    # a patch spans temporal_patch_size frames, spatial_merge_size^2 neighbouring patches become one token,
-    # attention stays within windows of ``window`` x ``window`` merged tokens except on full_attention_layers.
+    # Dynamic-resolution towers (QWEN2_5_VL, QWEN3_5; image_size and tokens_per_image 0: they follow
+    # image_grid_thw): a patch spans temporal_patch_size frames, spatial_merge_size^2 neighbouring patches become
+    # one token, attention stays within windows of ``window`` x ``window`` merged tokens except on
+    # full_attention_layers (window 0: no windows, every block attends within each frame).
     temporal_patch_size: int = 1
     spatial_merge_size: int = 1
     window: int = 0
     full_attention_layers: tuple[int, ...] = ()
     rope_theta: int = 0  # the 2-D rotary's base (an integer, cast to fp32 in the graph)
+    # QWEN3_5: rows of the learned square position table, resampled (bilinear) to each frame's patch grid.
+    num_position_embeddings: int = 0
 
     @property
     def patch_dim(self) -> int:
@@ -77,6 +81,11 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def position_side(self) -> int:
+        """Rows (and columns) of the square position table (QWEN3_5), as transformers sizes it."""
+        return math.isqrt(self.num_position_embeddings)
+
 
 def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> VisionConfig:
     """config.json -> VisionConfig, refusing (ExportError) a model_type outside ``supported`` and any
@@ -90,6 +99,8 @@ def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> Visi
     vision, text = hf.vision_config, hf.get_text_config()
     if model_type == "qwen2_5_vl":
         return _qwen2_5_vl(hf, vision, text)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):  # one tower (Qwen3_5MoeVisionModel is Qwen3_5VisionModel)
+        return _qwen3_5(model_type, hf, vision, text)
     tower = _TOWERS.get(vision.model_type)
     if tower is None:
         raise ExportError(f"{model_type}'s vision tower is {vision.model_type!r}, which the vision builder does not "
@@ -157,6 +168,37 @@ def _llava(hf, common: dict, grid: int) -> VisionConfig:
                         projector_act=hf.projector_hidden_act, tokens_per_image=tokens)
 
 
+def _patch_sequence(model_type: str, hf, vision, text) -> dict:
+    """What the patch-sequence towers' configs (Qwen2.5-VL's, Qwen3.5's) share, as VisionConfig fields, refusing
+    what their graphs do not compute: a head_dim the 2-D rotary cannot split, a rope other than an axial one of a
+    whole-number theta, patch sizes other than one integer, a merger that does not give the text width."""
+    heads, hidden = vision.num_heads, vision.hidden_size
+    if hidden % heads or (hidden // heads) % 4:
+        raise ExportError(f"{model_type}'s vision hidden_size {hidden} over num_heads {heads} must give a head_dim "
+                          "that is a multiple of 4 (its rotary splits each half between rows and columns): "
+                          "fix config.json")
+    rope = dict(vision.rope_parameters or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
+        raise ExportError(f"{model_type}'s vision rope_parameters {rope} are not what the vision builder computes: "
+                          "an axial rope whose rope_theta is a whole number")
+    sizes = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+             "spatial_merge_size": vision.spatial_merge_size}
+    if not all(isinstance(size, int) and size >= 1 for size in sizes.values()):
+        raise ExportError(f"{model_type}'s vision {sizes} must each be one positive integer (the processor's square "
+                          "patches and merge blocks): fix config.json")
+    if vision.out_hidden_size != text.hidden_size:
+        raise ExportError(f"{model_type}'s merger gives {vision.out_hidden_size} channels (vision out_hidden_size) "
+                          f"but the text hidden_size is {text.hidden_size}: fix config.json")
+    return dict(
+        model_type=model_type, hidden_size=hidden, num_heads=heads, intermediate_size=vision.intermediate_size,
+        num_layers=vision.depth, image_size=0, patch_size=vision.patch_size, num_channels=vision.in_channels,
+        layer_norm_eps=1e-6, feature_layers=None, drop_class_token=False, text_hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size, image_token_id=hf.image_token_id, embed_scale=None,
+        temporal_patch_size=vision.temporal_patch_size, spatial_merge_size=vision.spatial_merge_size,
+        rope_theta=int(theta))
+
+
 def _qwen2_5_vl(hf, vision, text) -> VisionConfig:
     """Qwen2_5_VisionTransformerPretrainedModel + its PatchMerger: RMSNorm (eps 1e-6, fixed in transformers),
     a gated MLP, 2-D axial rotary, windows of ``window_size // spatial_merge_size // patch_size`` merged tokens."""
@@ -164,16 +206,7 @@ def _qwen2_5_vl(hf, vision, text) -> VisionConfig:
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ExportError(f"qwen2_5_vl's vision_config.hidden_act {act!r} is not one the vision builder computes "
                           "for its gated MLP (silu, gelu_pytorch_tanh)")
-    heads, hidden = vision.num_heads, vision.hidden_size
-    if hidden % heads or (hidden // heads) % 4:
-        raise ExportError(f"qwen2_5_vl's vision hidden_size {hidden} over num_heads {heads} must give a head_dim "
-                          "that is a multiple of 4 (its rotary splits each half between rows and columns): "
-                          "fix config.json")
-    rope = dict(vision.rope_parameters or {})
-    theta = rope.get("rope_theta", 10000.0)
-    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
-        raise ExportError(f"qwen2_5_vl's vision rope_parameters {rope} are not what the vision builder computes: an "
-                          "axial rope whose rope_theta is a whole number")
+    common = _patch_sequence("qwen2_5_vl", hf, vision, text)
     merge = vision.spatial_merge_size
     window = vision.window_size // merge // vision.patch_size
     if window < 1:
@@ -183,13 +216,33 @@ def _qwen2_5_vl(hf, vision, text) -> VisionConfig:
     if any(not 0 <= i < vision.depth for i in full):
         raise ExportError(f"qwen2_5_vl's fullatt_block_indexes {list(vision.fullatt_block_indexes)} name blocks "
                           f"outside its depth {vision.depth}: fix config.json")
-    if vision.out_hidden_size != text.hidden_size:
-        raise ExportError(f"qwen2_5_vl's merger gives {vision.out_hidden_size} channels (vision out_hidden_size) "
-                          f"but the text hidden_size is {text.hidden_size}: fix config.json")
-    return VisionConfig(
-        model_type="qwen2_5_vl", tower=QWEN2_5_VL, hidden_size=hidden, num_heads=heads,
-        intermediate_size=vision.intermediate_size, num_layers=vision.depth, image_size=0,
-        patch_size=vision.patch_size, num_channels=vision.in_channels, layer_norm_eps=1e-6, hidden_act=act,
-        feature_layers=None, drop_class_token=False, text_hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-        image_token_id=hf.image_token_id, embed_scale=None, temporal_patch_size=vision.temporal_patch_size,
-        spatial_merge_size=merge, window=window, full_attention_layers=full, rope_theta=int(theta))
+    return VisionConfig(**common, tower=QWEN2_5_VL, hidden_act=act, window=window, full_attention_layers=full)
+
+
+def _qwen3_5(model_type: str, hf, vision, text) -> VisionConfig:
+    """Qwen3_5VisionModel + its Qwen3_5VisionPatchMerger(use_postshuffle_norm=False): LayerNorms with biases (eps
+    1e-6, fixed in transformers), a plain MLP, 2-D axial rotary, full attention within each frame in every block, a
+    learned position table that transformers resamples (bilinear, align_corners, fixed in the class) to each grid.
+    Qwen3-VL's deepstack mergers are not in this class: a config that names deepstack layers is refused."""
+    deepstack = list(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deepstack:
+        raise ExportError(f"{model_type}'s vision_config names deepstack_visual_indexes {deepstack}, but Qwen3.5's tower "
+                          "(transformers' Qwen3_5VisionModel) has no deepstack features: they are Qwen3-VL's, whose "
+                          "decoder adds them after its first layers, which the export does not take; a Qwen3.5 "
+                          "config.json has none (empty or absent): is this config.json from this checkpoint?")
+    act = vision.hidden_act
+    if act not in ACTIVATIONS:
+        raise ExportError(f"{model_type}'s vision_config.hidden_act {act!r} is not one the vision builder computes "
+                          f"({', '.join(ACTIVATIONS)})")
+    common = _patch_sequence(model_type, hf, vision, text)
+    head_dim = getattr(vision, "head_dim", None)
+    if head_dim is not None and head_dim != common["hidden_size"] // common["num_heads"]:
+        raise ExportError(f"{model_type}'s vision_config.head_dim {head_dim} is not hidden_size / num_heads "
+                          f"({common['hidden_size']} / {common['num_heads']}), which its attention splits heads by: "
+                          "the rotary would not fit the heads; fix config.json")
+    positions = vision.num_position_embeddings
+    if not isinstance(positions, int) or positions < 1:
+        raise ExportError(f"{model_type}'s vision num_position_embeddings {positions!r} is not a positive number of "
+                          "position table rows: fix config.json")
+    return VisionConfig(**common, tower=QWEN3_5, hidden_act=act, full_attention_layers=tuple(range(vision.depth)),
+                        num_position_embeddings=positions)

@@ -30,7 +30,7 @@ def layer_norm(b: GraphBuilder, x: ir.Value, prefix: str, eps: float) -> ir.Valu
     return rms_norm(b, x, b.weight(f"{prefix}.weight"), eps, bias=b.weight(f"{prefix}.bias"))
 
 
-def _skip_norm(b: GraphBuilder, residual: ir.Value, update: ir.Value, prefix: str, eps: float):
+def skip_layer_norm(b: GraphBuilder, residual: ir.Value, update: ir.Value, prefix: str, eps: float):
     """(LayerNorm(residual + update), residual + update) in one SkipLayerNormalization."""
     return residual_rms_norm(b, residual, update, b.weight(f"{prefix}.weight"), eps, bias=b.weight(f"{prefix}.bias"))
 
@@ -90,17 +90,17 @@ def vision_tower(b: GraphBuilder, pixels: ir.Value, cfg: VisionConfig, tower: st
     layer = lambda i: f"{tower}encoder.layers.{i}"  # noqa: E731
     h = layer_norm(b, x, f"{layer(0)}.layer_norm1", eps) if cfg.num_layers else None
     for i in range(cfg.num_layers):
-        h, x = _skip_norm(b, x, _attention(b, h, cfg, layer(i)), f"{layer(i)}.layer_norm2", eps)
+        h, x = skip_layer_norm(b, x, _attention(b, h, cfg, layer(i)), f"{layer(i)}.layer_norm2", eps)
         update = _mlp(b, h, cfg, layer(i))
         last = i + 1 == cfg.num_layers
         if last and cfg.feature_layers is None:  # last_hidden_state: the post-layernorm of the residual stream
-            h, x = _skip_norm(b, x, update, f"{tower}post_layernorm", eps)
+            h, x = skip_layer_norm(b, x, update, f"{tower}post_layernorm", eps)
             return [h]
         if last or (cfg.feature_layers and i + 1 in cfg.feature_layers):
             x = b.op("Add", [x, update])  # a hidden state read before the next layer's norm
             h = None if last else layer_norm(b, x, f"{layer(i + 1)}.layer_norm1", eps)
         else:
-            h, x = _skip_norm(b, x, update, f"{layer(i + 1)}.layer_norm1", eps)
+            h, x = skip_layer_norm(b, x, update, f"{layer(i + 1)}.layer_norm1", eps)
         states.append(x)
     if cfg.feature_layers is None:  # a tower of no layers: the embeddings, post-normed
         return [layer_norm(b, x, f"{tower}post_layernorm", eps)]

@@ -12,9 +12,9 @@ import onnx_ir as ir
 from exporter.errors import ExportError
 from exporter.graph.components.graph import GraphBuilder
 from exporter.packaging.checkpoint import Checkpoint
+from exporter.vision import qwen2_5_vl, qwen3_5
 from exporter.vision.config import VisionConfig
 from exporter.vision.projectors import gemma3_projector, llava_projector, pixel_shuffle_projector
-from exporter.vision.qwen2_5_vl import patch_merger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,10 @@ class VisionFamily:
     # Rows of the position table each patch reads, where they are not 0..n-1 (None: they are).
     position_ids: Callable[[VisionConfig], np.ndarray | None] = lambda cfg: None
     patch_embedding: str = "embeddings.patch_embedding.weight"  # the tower's weight whose prefix names the tower
+    # A dynamic-resolution family's tower and merger as one graph: (builder, pixels [patches, patch_dim],
+    # image_grid_thw, cfg, tower prefix, merger prefix) -> the merged tokens. None: a ViT (encoder.vision_tower)
+    # of one image size, then ``projector``.
+    patch_sequence_tower: Callable[[GraphBuilder, ir.Value, ir.Value, VisionConfig, str, str], ir.Value] | None = None
 
     def module_names(self, checkpoint: Checkpoint) -> ModuleNames:
         names = checkpoint.names()
@@ -80,7 +84,10 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("llava", llava_projector, "multi_modal_projector"),
         VisionFamily("idefics3", pixel_shuffle_projector, "connector", idefics3_position_ids),
         VisionFamily("smolvlm", pixel_shuffle_projector, "connector", idefics3_position_ids),
-        # The tower and merger are one graph (qwen2_5_vl.qwen2_5_vl_tower); the merger is inside the tower module.
-        VisionFamily("qwen2_5_vl", patch_merger, "merger", patch_embedding="patch_embed.proj.weight"),
+        # The tower and merger are one graph (patch_sequence_tower); the merger is inside the tower module.
+        VisionFamily("qwen2_5_vl", qwen2_5_vl.patch_merger, "merger", patch_embedding="patch_embed.proj.weight",
+                     patch_sequence_tower=qwen2_5_vl.qwen2_5_vl_tower),
+        *(VisionFamily(model_type, qwen3_5.patch_merger, "merger", patch_embedding="patch_embed.proj.weight",
+                       patch_sequence_tower=qwen3_5.qwen3_5_tower) for model_type in ("qwen3_5", "qwen3_5_moe")),
     )
 }

@@ -18,12 +18,11 @@ from exporter.contract import (
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.target import CURRENT
 from exporter.packaging.checkpoint import Checkpoint
-from exporter.vision.config import QWEN2_5_VL, VisionConfig, read_vision_config
+from exporter.vision.config import VisionConfig, read_vision_config
 from exporter.vision.encoder import vision_tower
 from exporter.vision.families import FAMILIES, VisionFamily
-from exporter.vision.qwen2_5_vl import qwen2_5_vl_tower
 
-# Dynamic-resolution towers (qwen2_5_vl): the processor's grid beside its flattened patches, and the
+# Dynamic-resolution towers (qwen2_5_vl, qwen3_5): the processor's grid beside its flattened patches, and the
 # symbolic dims of both. (To move into exporter.contract beside PIXEL_VALUES.)
 from exporter.contract import IMAGE_GRID_THW  # noqa: E402  vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
 NUM_PATCHES, NUM_IMAGE_TOKENS = "num_patches", "num_image_tokens"
@@ -70,8 +69,8 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
-    if cfg.tower == QWEN2_5_VL:
-        return _patch_sequence_vision_graph(b, cfg, names.tower, names.projector)
+    if family.patch_sequence_tower is not None:
+        return _patch_sequence_vision_graph(b, cfg, family, names.tower, names.projector)
     pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_IMAGES, cfg.num_channels, cfg.image_size, cfg.image_size])
     # Image processors give fp32; the tower computes in the model dtype, as transformers casts to it.
     x = pixels if dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": dtype})
@@ -84,14 +83,15 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     return _model(b, [pixels], [out], f"{cfg.model_type}_vision", cfg)
 
 
-def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, tower: str, merger: str) -> ir.Model:
-    """qwen2_5_vl: ``pixel_values`` fp32 [num_patches, patch_dim] + ``image_grid_thw`` int64 [num_images, 3]
+def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, family: VisionFamily, tower: str,
+                                 merger: str) -> ir.Model:
+    """qwen2_5_vl, qwen3_5: ``pixel_values`` fp32 [num_patches, patch_dim] + ``image_grid_thw`` int64 [num_images, 3]
     -> ``image_features`` [num_image_tokens, text hidden], the images' merged tokens one after another
     (transformers' get_image_features, its per-image tuple concatenated)."""
     pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_PATCHES, cfg.patch_dim])
     grid = _input(IMAGE_GRID_THW, ir.DataType.INT64, [NUM_IMAGES, 3])
     x = pixels if b.dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": b.dtype})
-    features = qwen2_5_vl_tower(b, x, grid, cfg, tower, merger)
+    features = family.patch_sequence_tower(b, x, grid, cfg, tower, merger)
     out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
     model = _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
     # what a runtime places an image's tokens on M-RoPE's height / width streams by (exporter.runtime.image_text)

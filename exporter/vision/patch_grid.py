@@ -44,8 +44,12 @@ class Segments:
 class PatchGrid:
     rows: ir.Value  # [patches] int64: the patch's row in its frame (the rotary's first axis)
     cols: ir.Value  # [patches] int64: its column
+    heights: ir.Value  # [patches] int64: patch rows of the patch's frame (what a position table is resampled to)
+    widths: ir.Value  # [patches] int64: patch columns of its frame
     frames: Segments  # one segment per frame of each image: full attention
-    windows: Segments  # one per window of window x window merged tokens (edge windows smaller): window attention
+    # One per window of window x window merged tokens (edge windows smaller): window attention; None for window 0
+    # (a tower with full attention in every block).
+    windows: Segments | None
 
 
 def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int, window: int) -> PatchGrid:
@@ -54,7 +58,7 @@ def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int
 
     Windows are those of transformers' get_vision_window_index: per frame, ceil(rows / merge / window) x
     ceil(cols / merge / window) windows in row-major order, merged tokens row-major inside each; the
-    empty windows its padding makes are not made here (they hold no patch either way)."""
+    empty windows its padding makes are not made here (they hold no patch either way). ``window`` 0: no windows."""
     op = b.op
 
     def col(k: int) -> ir.Value:
@@ -103,6 +107,9 @@ def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int
     frame_base = per_patch(op("CumSum", [t, b.scalar_i64(0)], {"exclusive": 1}))
     frames = _segments(b, n, add(frame_base, frame), q, op("ReduceSum", [t, b.ints(0)], {"keepdims": 1}),
                        op("ReduceMax", [frame_size, b.ints(0)], {"keepdims": 1}))
+    grid = dict(rows=rows, cols=cols, heights=per_patch(h), widths=per_patch(w), frames=frames)
+    if not window:
+        return PatchGrid(**grid, windows=None)
 
     # Windows: window (row, col) of the merged token; its window's width (the last column's is what is left).
     def ceil_div(x: ir.Value) -> ir.Value:
@@ -119,7 +126,7 @@ def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int
     position = add(mul(inner, merge * merge), offset)
     total = op("ReduceSum", [mul(t, per_frame), b.ints(0)], {"keepdims": 1})
     windows = _segments(b, n, segment, position, total, b.ints(window * window * merge * merge))
-    return PatchGrid(rows=rows, cols=cols, frames=frames, windows=windows)
+    return PatchGrid(**grid, windows=windows)
 
 
 def _segments(b: GraphBuilder, n: ir.Value, segment: ir.Value, position: ir.Value, count: ir.Value,

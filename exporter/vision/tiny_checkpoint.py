@@ -67,6 +67,22 @@ PATCH_SEQUENCE_CONFIGS = {
         image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
         vision_end_token_id=IMAGE_TOKEN + 3)),
 }
+# qwen3_5: a hybrid language model of one Gated DeltaNet and one gated-attention layer (heads of 64, a quarter of them
+# rotated as Qwen3.5 rotates them: 16 rotary dims, 8 pairs in interleaved M-RoPE sections 3 / 3 / 2, what
+# GroupQueryAttention's fused rotary takes); a tower of 3 blocks over 4-pixel patches of 2 frames, 2 x 2 merged, whose
+# position table is 4 x 4 (num_position_embeddings 16): grids of more and of fewer than 4 patches a side are resampled.
+PATCH_SEQUENCE_CONFIGS["qwen3_5"] = ("Qwen3_5Config", dict(
+    text_config={**TEXT, "model_type": "qwen3_5_text", "num_hidden_layers": 2, "bos_token_id": 1, "eos_token_id": 2,
+                 "layer_types": ["linear_attention", "full_attention"], "head_dim": 64, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+                 "linear_conv_kernel_dim": 4,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [3, 3, 2], "mrope_interleaved": True}},
+    vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+                       spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=TEXT["hidden_size"],
+                       hidden_act="gelu_pytorch_tanh"),
+    image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+    vision_end_token_id=IMAGE_TOKEN + 3))
 # qwen2_5_vl with its tokenizer and Qwen2VLImageProcessor (make_tiny_qwen_processor): what
 # tests/test_genai_vlm_qwen.py runs in onnxruntime-genai, whose processor writes <|vision_start|>, <|image_pad|>
 # and <|vision_end|> into the prompt. The tiny BPE's 300 ids (no BOS, as Qwen's), then QWEN_IMAGE_TOKENS.
@@ -75,6 +91,19 @@ _QWEN = PATCH_SEQUENCE_CONFIGS["qwen2_5_vl"][1]
 PATCH_SEQUENCE_CONFIGS["qwen2_5_vl_genai"] = ("Qwen2_5_VLConfig", dict(
     _QWEN, text_config={**_QWEN["text_config"], "vocab_size": 304, "max_position_embeddings": 512},
     vision_start_token_id=300, vision_end_token_id=301, image_token_id=302, video_token_id=303))
+# qwen3_5 likewise; its image processor (transformers' AutoImageProcessor for qwen3_5 is Qwen2VLImageProcessor, as
+# Qwen3.5's hub repositories name it) normalizes with mean and std 0.5.
+_QWEN3_5 = PATCH_SEQUENCE_CONFIGS["qwen3_5"][1]
+PATCH_SEQUENCE_CONFIGS["qwen3_5_genai"] = ("Qwen3_5Config", dict(
+    _QWEN3_5, text_config={**_QWEN3_5["text_config"], "vocab_size": 304, "max_position_embeddings": 512},
+    vision_start_token_id=300, vision_end_token_id=301, image_token_id=302, video_token_id=303))
+# qwen3_5_moe: the same tower and layers, 4 experts of width 32 (2 a token) and a shared expert in each.
+PATCH_SEQUENCE_CONFIGS["qwen3_5_moe_genai"] = ("Qwen3_5MoeConfig", dict(
+    PATCH_SEQUENCE_CONFIGS["qwen3_5_genai"][1],
+    text_config={**PATCH_SEQUENCE_CONFIGS["qwen3_5_genai"][1]["text_config"], "model_type": "qwen3_5_moe_text",
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 32}))
+QWEN3_5_IMAGE_NORM = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
 # The image processor's pixel bounds: up to 64 x 64 pixels (8 x 8 merged tokens of 8 pixels), at least 16 x 16.
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 16 * 16, 64 * 64
 
@@ -103,6 +132,8 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
         make_tiny_image_text_processor(out_dir, config.vision_config.image_size, config.mm_tokens_per_image)
     if name == "qwen2_5_vl_genai":
         make_tiny_qwen_processor(out_dir, config.vision_config)
+    if name in ("qwen3_5_genai", "qwen3_5_moe_genai"):
+        make_tiny_qwen_processor(out_dir, config.vision_config, **QWEN3_5_IMAGE_NORM)
     return out_dir
 
 
@@ -128,10 +159,11 @@ def make_tiny_image_text_processor(out_dir: Path, image_size: int, image_seq_len
 
 
 def make_tiny_qwen_processor(out_dir: Path, vision_config, min_pixels: int = QWEN_MIN_PIXELS,
-                             max_pixels: int = QWEN_MAX_PIXELS) -> Path:
-    """Write a Qwen2.5-VL processor beside a checkpoint in ``out_dir``: the tiny byte-level BPE (no BOS) with
-    QWEN_IMAGE_TOKENS after its 300 ids, and a Qwen2VLImageProcessor of the tower's patch, merge and temporal sizes
-    between ``min_pixels`` and ``max_pixels`` (its defaults otherwise: bicubic, 1/255, CLIP's mean and std)."""
+                             max_pixels: int = QWEN_MAX_PIXELS, **normalization) -> Path:
+    """Write a Qwen2.5-VL (or Qwen3.5) processor beside a checkpoint in ``out_dir``: the tiny byte-level BPE (no BOS)
+    with QWEN_IMAGE_TOKENS after its 300 ids, and a Qwen2VLImageProcessor of the tower's patch, merge and temporal
+    sizes between ``min_pixels`` and ``max_pixels`` (its defaults otherwise: bicubic, 1/255, CLIP's mean and std,
+    or ``normalization``'s image_mean and image_std)."""
     import transformers
     from transformers import PreTrainedTokenizerFast
 
@@ -145,7 +177,8 @@ def make_tiny_qwen_processor(out_dir: Path, vision_config, min_pixels: int = QWE
                                                               "video_token": "<|video_pad|>"})
     image_processor = transformers.Qwen2VLImageProcessor(
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=vision_config.patch_size,
-        merge_size=vision_config.spatial_merge_size, temporal_patch_size=vision_config.temporal_patch_size)
+        merge_size=vision_config.spatial_merge_size, temporal_patch_size=vision_config.temporal_patch_size,
+        **normalization)
     # Qwen2_5_VLProcessor itself wants a video processor, which needs torchvision: the two parts, as a hub repo has
     tokenizer.save_pretrained(out_dir)
     image_processor.save_pretrained(out_dir)

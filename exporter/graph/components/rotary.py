@@ -53,21 +53,39 @@ def mrope_section(rope) -> tuple[int, ...] | None:
     return tuple(int(s) for s in section) if section else None
 
 
+# Language models whose M-RoPE interleaves the three streams' columns (transformers' Qwen3.5 / Qwen3-VL text rotary,
+# recomposition_frequencies: column j of the half from height where j % 3 == 1 and j < 3 * section[1], from width where
+# j % 3 == 2 and j < 3 * section[2], else temporal) rather than laying them out in three runs (Qwen2.5-VL's).
+MROPE_INTERLEAVED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+
+
+def mrope_streams(section: tuple[int, ...], interleaved: bool) -> list[int]:
+    """Which position stream (0 temporal, 1 height, 2 width) each column of the rotary half takes."""
+    if not interleaved:
+        return [stream for stream, width in enumerate(section) for _ in range(width)]
+    streams = [0] * sum(section)
+    for stream in (1, 2):
+        for j in range(stream, 3 * section[stream], 3):
+            streams[j] = stream
+    return streams
+
+
 def mrope_rotary(b: GraphBuilder, cos: ir.Value, sin: ir.Value, position_ids: ir.Value, section: tuple[int, ...],
-                 rotary_dim: int, head_dim: int) -> Rotary:
+                 rotary_dim: int, head_dim: int, interleaved: bool = False) -> Rotary:
     """M-RoPE: the tables' rows gathered once per step for each of ``position_ids``' three streams ([3, batch, seq]:
-    temporal, height, width), then the first section[0] columns of the half taken from the temporal rows, the next
-    section[1] from the height rows and the last section[2] from the width rows, as transformers' Qwen2.5-VL rotary
-    recomposes its frequencies; every layer's RotaryEmbedding takes the result per token. (onnxruntime's
-    com.microsoft MRotaryEmbedding does the same per layer, gathering again in every call: 2.3x slower on the CPU at
-    a 512-token prefill of Qwen2.5-VL-7B's 28 layers, docs/graph-contracts.md.)"""
+    temporal, height, width), then each column of the half taken from its stream's rows (mrope_streams: three runs of
+    section[0], section[1], section[2] columns as transformers' Qwen2.5-VL rotary recomposes its frequencies, or
+    ``interleaved`` as Qwen3.5's); every layer's RotaryEmbedding takes the result per token. (onnxruntime's
+    com.microsoft MRotaryEmbedding does the sectioned one per layer, gathering again in every call: 2.3x slower on the
+    CPU at a 512-token prefill of Qwen2.5-VL-7B's 28 layers, docs/graph-contracts.md.)"""
+    half = sum(section)
+    # column j of the result = column (stream(j) * half + j) of the three streams' rows side by side
+    columns = b.ints(*[stream * half + j for j, stream in enumerate(mrope_streams(section, interleaved))])
     tables = []
-    starts = [sum(section[:i]) for i in range(len(section) + 1)]
     for table in (cos, sin):
         rows = b.op("Gather", [table, position_ids], {"axis": 0})  # [3, batch, seq, rotary_dim / 2]
-        parts = [b.op("Slice", [rows, b.ints(i, starts[i]), b.ints(i + 1, starts[i + 1]), b.ints(0, 3)])
-                 for i in range(len(section))]
-        tables.append(b.op("Squeeze", [b.op("Concat", parts, {"axis": 3}), b.ints(0)]))
+        side_by_side = b.op("Reshape", [b.op("Transpose", [rows], {"perm": [1, 2, 0, 3]}), b.ints(0, 0, -1)])
+        tables.append(b.op("Gather", [side_by_side, columns], {"axis": -1}))
     return Rotary(tables[0], tables[1], rotary_dim, head_dim, per_token=True)
 
 
