@@ -151,7 +151,8 @@ def build_export(
         manifest.data["quantization"] = {
             "method": request.quant.method,
             "algorithm": METHOD_DESCRIPTIONS[request.quant.method]
-                         + ("; experts through QMoE, round to nearest (int8: one scale per row)" if built.config.moe else ""),
+                         + ("; experts through QMoE, round to nearest (int8: one scale per row)"
+                            if any(node.op_type == "QMoE" for node in built.model.graph) else ""),
             "dtype": request.dtype.value, "activations": built.activations.value, "activations_chosen": chosen,
             **request.quant.to_dict(),
             "weights": folded.quantization,

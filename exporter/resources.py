@@ -193,7 +193,8 @@ def layer_matmuls(config: ModelConfig, i: int) -> list[tuple[int, int, str]]:
     elif moe.shared_expert_intermediate:
         shared = moe.shared_expert_intermediate
         mlp += [(h, 2 * shared, "matmul"), (shared, h, "matmul"), (h, 1, "router")]
-    if config.architecture == "granitemoehybrid":  # its shared MLP beside the experts (intermediate_size's width)
+    # a dense MLP beside the experts: granitemoehybrid's shared one (intermediate_size's width), gemma4's own
+    if config.architecture == "granitemoehybrid" or moe.beside_dense_mlp:
         mlp += dense
     return attention + mlp
 

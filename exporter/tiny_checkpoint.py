@@ -283,6 +283,8 @@ def make_tiny_checkpoint(
                 param.normal_(0.0, 0.1)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # apertus's xIELU: off its init, per layer
                 param.uniform_(-0.5, 0.5)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # gemma4's experts (ones at init)
+                param.uniform_(0.5, 1.5)
         for name, buffer in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # lfm2_moe's selection bias (zeros at init): large enough to pick
                 buffer.normal_(0.0, 0.5)

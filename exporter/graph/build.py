@@ -133,7 +133,10 @@ def check_shapes(cfg: ModelConfig, arch: Architecture, checkpoint: Checkpoint) -
             _check_attention(own, arch, i, expect, own.q_size, own.kv_size)
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             _check_experts(cfg, arch, checkpoint, i, expect)
-            continue
+            if not cfg.moe.beside_dense_mlp:  # gemma4: the dense MLP below runs beside the experts
+                continue
+            for name in arch.router_scales:  # gemma4's router.scale [hidden], router.per_expert_scale [experts]
+                expect(arch.moe_name(i, name), (cfg.hidden_size,) if name.endswith(".scale") else (cfg.moe.num_experts,))
         if cfg.single_mixer:  # nemotron_h: a block is its one mixer; an MLP block's is ungated
             if cfg.is_feed_forward(i):
                 expect(arch.gate_up_parts(i)[0].name, (cfg.intermediate_size, cfg.hidden_size))

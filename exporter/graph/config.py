@@ -145,6 +145,10 @@ class MoeConfig:
     # deepseek_v2: softmax scores, the top k picked (with ``groups`` > 1 within the best ``topk_group`` groups, ranked
     # by their best score: group_limited_greedy), the picked scores unnormalized, scaled by routed_scaling_factor.
     scaled_softmax: bool = False
+    # gemma4 (enable_moe_block): experts beside the dense MLP on every layer, each branch through norms of its own,
+    # routed from the residual stream (a weightless RMSNorm times a learned scale, softmax, the top k renormalized, each
+    # times a learned per-expert scale); GEGLU experts (components/moe.py experts_beside_mlp).
+    beside_dense_mlp: bool = False
 
     @property
     def op_normalize(self) -> bool:
@@ -245,7 +249,27 @@ def _deepseek_v2_moe(hf, experts: int, top_k: int, num_layers: int) -> MoeConfig
                      topk_group=topk_group, scaled_softmax=True)
 
 
+def _gemma4_moe(hf, num_layers: int) -> MoeConfig | None:
+    """Gemma 4's experts (transformers' Gemma4TextRouter / Gemma4TextExperts, as in Gemma 4 26B-A4B): on every layer
+    beside the dense MLP when enable_moe_block is set, top_k_experts of num_experts GEGLU experts of
+    moe_intermediate_size."""
+    if not hf.enable_moe_block:
+        return None
+    experts, top_k, width = hf.num_experts, hf.top_k_experts, hf.moe_intermediate_size
+    if not experts or not top_k or not width or top_k > experts:
+        raise ExportError(f"gemma4_text with enable_moe_block needs num_experts, top_k_experts and "
+                          f"moe_intermediate_size, top_k_experts at most num_experts; config.json gives {experts}, "
+                          f"{top_k} and {width}")
+    if hf.hidden_activation != "gelu_pytorch_tanh":
+        raise ExportError(f"gemma4_text experts with hidden_activation {hf.hidden_activation!r} are not exported: they "
+                          "are built as GEGLU (gelu_pytorch_tanh, every Gemma 4 checkpoint's), which is what "
+                          "onnxruntime's CUDA MoE op computes")
+    return MoeConfig(int(experts), int(top_k), int(width), True, (True,) * num_layers, beside_dense_mlp=True)
+
+
 def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
+    if TEXT_FAMILY_OF.get(model_type, model_type) == "gemma4_text":
+        return _gemma4_moe(hf, num_layers)
     if model_type not in MOE_TYPES:
         return None
     if model_type == "granitemoehybrid" and not getattr(hf, "num_local_experts", 0):
@@ -542,7 +566,7 @@ _BOUNDS = {
     "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
     "head_dim": (1, 2048), "max_position_embeddings": (1, 1 << 27), "sliding_window": (0, 1 << 27),  # 0: none (qwen2_moe)
     "num_experts": (1, 4096), "num_local_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
-    "moe_intermediate_size": (1, 1 << 20), "shared_expert_intermediate_size": (1, 1 << 20),
+    "top_k_experts": (1, 4096), "moe_intermediate_size": (1, 1 << 20), "shared_expert_intermediate_size": (1, 1 << 20),
     "decoder_sparse_step": (1, 1024),
 }
 
@@ -835,9 +859,6 @@ def _gemma4_fields(hf, layer_types: tuple[str, ...]) -> dict:
     whose values are the keys), the last num_kv_shared_layers reading the K/V of the last earlier layer of their type
     (with use_double_wide_mlp, an MLP twice as wide), values through a weightless RMSNorm, and the per-layer inputs;
     refused by name where the exporter does not build what config.json switches on."""
-    if hf.enable_moe_block:
-        raise ExportError("gemma4_text with enable_moe_block (experts beside the dense MLP, as in Gemma 4 26B-A4B) is not "
-                          "exported yet: its router and GELU experts have no fused form here; export a dense Gemma 4")
     if getattr(hf, "use_bidirectional_attention", None) == "all":
         raise ExportError("gemma4_text with use_bidirectional_attention \"all\" attends both ways, which a causal "
                           "decoder with a KV cache cannot: export a checkpoint whose text attention is causal")

@@ -30,7 +30,7 @@ class Architecture:
     norm_layout: str = PRE_NORM
     norm_offset: float = 0.0  # gemma's RMSNorm scales by (1 + weight): folded into the weight
     # Mixture of experts (config.json says how many and how they route: ModelConfig.moe).
-    moe_block: str = "mlp"  # the layer's submodule holding router and experts
+    moe_block: str = "mlp"  # the layer's submodule holding router and experts ("": the layer itself, gemma4)
     router: str = "gate.weight"  # [experts, hidden], under moe_block
     # Per-expert tensors (gate, up, down), ``{e}`` the expert index, under moe_block; or
     expert_tensors: tuple[str, str, str] = ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight",
@@ -43,6 +43,8 @@ class Architecture:
     experts_transposed: bool = False
     expert_biases: tuple[str, str] | None = None  # [experts, 2I] (interleaved like the rows), [experts, hidden]
     router_bias: str | None = None
+    # gemma4: the router's input scale [hidden] and its per-expert scale [experts], under moe_block.
+    router_scales: tuple[str, str] | None = None
     attention_sinks: str | None = None  # under self_attn: [num_heads]
     layer_norm: bool = False  # LayerNorm with a bias (phimoe) where llama has RMSNorm
     layer_norm_bias: bool = True  # False: the LayerNorm has a weight only (cohere2)
@@ -88,6 +90,11 @@ class Architecture:
             "per_layer_projection": f"{p}.per_layer_projection.weight",
             "post_per_layer_norm": f"{p}.post_per_layer_input_norm.weight",
             "layer_scalar": f"{p}.layer_scalar",
+            # gemma4's experts beside the dense MLP (enable_moe_block): the dense branch's output norm, the experts'
+            # input and output norms.
+            "post_feedforward_norm_1": f"{p}.post_feedforward_layernorm_1.weight",
+            "pre_feedforward_norm_2": f"{p}.pre_feedforward_layernorm_2.weight",
+            "post_feedforward_norm_2": f"{p}.post_feedforward_layernorm_2.weight",
         }
 
     def recurrent_name(self, i: int, tensor: str) -> str:
@@ -116,7 +123,8 @@ class Architecture:
 
     def moe_name(self, i: int, tensor: str) -> str:
         """``tensor`` under layer ``i``'s mixture-of-experts block."""
-        return f"{self.layer_prefix(i)}.{self.moe_block}.{tensor}"
+        block = f".{self.moe_block}" if self.moe_block else ""
+        return f"{self.layer_prefix(i)}{block}.{tensor}"
 
     def router_name(self, i: int) -> str:
         return self.moe_name(i, self.router)

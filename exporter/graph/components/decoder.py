@@ -25,7 +25,7 @@ from exporter.graph.components.graph import GraphBuilder, linear, packed
 from exporter.graph.components.latent_attention import LatentWeights, latent_attention
 from exporter.graph.components.mamba2 import Mamba2Weights, mamba2
 from exporter.graph.components.mlp import gated_mlp, relu2_mlp, xielu
-from exporter.graph.components.moe import moe_mlp
+from exporter.graph.components.moe import experts_beside_mlp, moe_mlp
 from exporter.graph.components.norm import residual_rms_norm, rms_norm
 from exporter.graph.components.per_layer_input import per_layer_update
 from exporter.graph.components.short_conv import ShortConvWeights, short_conv
@@ -304,7 +304,8 @@ def decoder_layer(
         x = b.op("Add", [x, attn_out])
     else:
         h, x = residual_norm(b, arch, x, _scaled(b, attn_out, cfg.residual_scale), names["post_attention_norm"], eps)
-    if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+    experts_beside = cfg.moe is not None and cfg.moe.sparse_layers[i] and cfg.moe.beside_dense_mlp
+    if cfg.moe is not None and cfg.moe.sparse_layers[i] and not experts_beside:
         mlp_out = moe_mlp(b, h, arch, cfg, i)
         if arch.shared_mlp:  # granitemoehybrid: a dense MLP beside the experts, added
             mlp_out = b.op("Add", [mlp_out, gated_mlp(b, h, _packed_weight(b, arch.gate_up_parts(i)),
@@ -319,6 +320,10 @@ def decoder_layer(
             cfg.intermediate_size, gate_up_bias, down_bias, cfg.hidden_act, cfg.multipliers.get("mlp_gate"),
         )
         mlp_out = _scaled(b, mlp_out, cfg.multipliers.get("mlp_down"))
+    if experts_beside:  # gemma4: the experts on the residual stream beside the dense MLP, each branch normed, summed
+        experts = experts_beside_mlp(b, norm(b, arch, x, names["pre_feedforward_norm_2"], eps), x, arch, cfg, i)
+        mlp_out = b.op("Add", [norm(b, arch, mlp_out, names["post_feedforward_norm_1"], eps),
+                               norm(b, arch, experts, names["post_feedforward_norm_2"], eps)])
     if arch.norm_layout in (SANDWICH, POST_NORM):
         mlp_out = norm(b, arch, mlp_out, names["post_feedforward_norm"], eps)
     return _scaled(b, mlp_out, cfg.residual_scale), x, cache_out

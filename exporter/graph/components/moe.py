@@ -24,29 +24,59 @@ token's top k experts and runs only those (docs/moe-design.md has the layouts an
   form was measured right on both (benchmarks/hybrid_cuda.py relu2_experts_known_answer); its cost is an
   fc1 twice the model's. Grouped sigmoid routing on MoEGroupRouter, then the latent projections and a
   relu^2 shared expert.
+- gemma4 (enable_moe_block): experts beside the dense MLP, routed from the residual stream, each picked expert weighted
+  by its renormalized softmax score times a learned per-expert scale, GEGLU experts (experts_beside_mlp). onnxruntime's
+  MoE computes GEGLU on CUDA only (its CPU kernels refuse it), so the op serves ep cuda and the CPU export computes
+  every expert on the tokens routed to it in standard ops.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import onnx_ir as ir
 
+from exporter.errors import ExportError
 from exporter.graph.architectures.base import Architecture
 from exporter.graph.components.graph import GraphBuilder, linear, packed
 from exporter.graph.components.mlp import gated_mlp, relu2_mlp
+from exporter.graph.components.norm import rms_norm
 from exporter.graph.config import ModelConfig, MoeConfig
+from exporter.packaging.checkpoint import WeightPart
 
 MS_DOMAIN = "com.microsoft"
 # nemotron_h's relu^2 experts (above): the SwiGLU alpha that makes the gate a step function.
 RELU2_ALPHA = 1e6
+# gemma4's experts: GELU-tanh(gate) * up, the op's "geglu" (CUDA kernels only), over fc1 rows [gate | up] as the
+# checkpoint stores them (swiglu_fusion 2). The model metadata's moe.activation names it (the expert gate reads it).
+GEGLU = "geglu"
+
+
+@functools.cache
+def cuda_geglu() -> bool:
+    """Whether this onnxruntime's MoE has the CUDA GEGLU kernel: its schema names "geglu" from 1.32 on; onnxruntime-gpu
+    1.31.1, the newest on PyPI, has none (a session with it fails). Where it has none, a cuda export takes the
+    standard-op form every other EP takes (experts_beside_mlp), and the re-export an onnxruntime upgrade brings picks
+    the fused one up."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    schema = next((s for s in ort_state.get_all_operator_schema() if s.name == "MoE" and s.domain == "com.microsoft"),
+                  None)
+    attribute = schema.attributes.get("activation_type") if schema is not None else None
+    return attribute is not None and GEGLU in attribute.description
 
 
 def expert_attributes(top_k: int, normalize: bool, alpha: float | None = None, limit: float | None = None,
-                      relu2: bool = False) -> dict:
+                      relu2: bool = False, geglu: bool = False) -> dict:
     """The MoE op's attributes for this routing, every one stated (the op's defaults are relu,
     k = 1, no fusion). gpt-oss's clamped SwiGLU is ``alpha`` with beta 1 (its up + 1) and ``limit``;
-    ``relu2`` (nemotron_h): relu^2 as a SwiGLU of gate = up (module docstring)."""
+    ``relu2`` (nemotron_h): relu^2 as a SwiGLU of gate = up (module docstring); ``geglu`` (gemma4): GELU-tanh(gate)
+    * up over [gate | up] rows."""
     attrs = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "normalize_routing_weights": int(normalize)}
-    if relu2:
+    if geglu:
+        attrs.update(activation_type=GEGLU, swiglu_fusion=2)
+    elif relu2:
         attrs.update(activation_alpha=RELU2_ALPHA, activation_beta=0.0)
     elif alpha is not None:
         attrs.update(activation_alpha=float(alpha), activation_beta=1.0)
@@ -79,15 +109,16 @@ def moe_metadata(moe: MoeConfig, fused_mixer: bool) -> dict:
     """The routing the export's expert op is given, as model metadata (the expert gate probes it)."""
     if fused_mixer:
         return {"experts": moe.num_experts, "top_k": 2, "normalize": False, "routing": ROUTING_CUDA_SPARSE_MIXER}
-    return {"experts": moe.num_experts, "top_k": moe.top_k, "normalize": moe.op_normalize}
+    return {"experts": moe.num_experts, "top_k": moe.top_k, "normalize": moe.op_normalize,
+            **({"activation": GEGLU} if moe.beside_dense_mlp else {})}
 
 
 def experts_op(b: GraphBuilder, x: ir.Value, logits: ir.Value, fc1: ir.Value, fc2: ir.Value, top_k: int,
                normalize: bool, fc1_bias: ir.Value | None = None, fc2_bias: ir.Value | None = None,
                alpha: float | None = None, limit: float | None = None, sparse_mixer: bool = False,
-               relu2: bool = False) -> ir.Value:
+               relu2: bool = False, geglu: bool = False) -> ir.Value:
     """The fused op on [tokens or batch x seq, hidden] and the router's raw logits [tokens, experts]."""
-    attrs = expert_attributes(top_k, normalize, alpha, limit, relu2)
+    attrs = expert_attributes(top_k, normalize, alpha, limit, relu2, geglu)
     if sparse_mixer:
         attrs["use_sparse_mixer"] = 1
     return b.op("MoE", [x, logits, fc1, fc1_bias, fc2, fc2_bias], attrs, domain=MS_DOMAIN)
@@ -175,6 +206,104 @@ def _ungated_shared_expert(b: GraphBuilder, x: ir.Value, arch: Architecture, moe
         return relu2_mlp(b, x, b.weight(names["up"]), b.weight(names["down"]))
     return gated_mlp(b, x, packed(b, [b.weight(names["gate"]), b.weight(names["up"])]), b.weight(names["down"]),
                      moe.shared_expert_intermediate)
+
+
+def experts_beside_mlp(b: GraphBuilder, x: ir.Value, residual: ir.Value, arch: Architecture, cfg: ModelConfig,
+                       i: int) -> ir.Value:
+    """gemma4's experts (enable_moe_block) of layer ``i`` on ``x``, its residual stream through the experts' own input
+    norm [batch, seq, hidden], routed from ``residual`` itself (scaled_top_k_router) -> [batch, seq, hidden], before
+    their output norm.
+
+    For ep cuda, where this onnxruntime has its kernel (cuda_geglu), the fused MoE op with GEGLU: it renormalizes what it picks, so it is handed log(p * s) at the picked
+    experts (p the softmax score, s the per-expert scale; -inf elsewhere), which it turns into p s / sum(p s), and its
+    output is scaled back by sum(p s) / sum(p): transformers' p / sum(p) * s. A log needs s > 0, which every expert of
+    such an export must have (refused otherwise). Elsewhere (the CPU MoE kernels have no GEGLU) every expert runs on
+    the tokens routed to it (_experts_on_their_tokens)."""
+    moe, hidden = cfg.moe, cfg.hidden_size
+    gate_up, down = (arch.moe_name(i, t) for t in arch.stacked_experts)
+    tokens = b.op("Reshape", [x, b.ints(-1, hidden)])
+    probs, picked, scaled, total = scaled_top_k_router(b, residual, arch, cfg, i)
+    f32 = ir.DataType.FLOAT
+    if b.ep == "cuda" and cuda_geglu():
+        _require_positive_scales(b, arch.moe_name(i, arch.router_scales[1]))
+        stem, experts = arch.moe_name(i, "experts"), moe.num_experts
+        fc1 = b.stacked_weight(f"{stem}.fc1_gate_up", [WeightPart(gate_up, expert=e) for e in range(experts)],
+                               experts=experts)  # [experts, 2I, hidden], [gate | up] rows as stored: swiglu_fusion 2
+        fc2 = b.stacked_weight(f"{stem}.fc2_down", [WeightPart(down, expert=e) for e in range(experts)],
+                               experts=experts)
+        y = experts_op(b, tokens, _log_weights_at(b, probs, picked, scaled), fc1, fc2, moe.top_k, True, geglu=True)
+        back = b.op("Div", [b.op("ReduceSum", [scaled, b.ints(-1)], {"keepdims": 1}), total])
+        y = b.op("Mul", [y, b.op("Cast", [back], {"to": b.dtype}) if b.dtype != f32 else back])
+    else:
+        weights = b.op("Div", [scaled, total])
+        y = _experts_on_their_tokens(b, tokens, picked, b.op("Cast", [weights], {"to": b.dtype}) if b.dtype != f32
+                                     else weights, gate_up, down, moe, cfg.hidden_act)
+    return b.op("Reshape", [y, b.op("Shape", [x])])
+
+
+def scaled_top_k_router(b: GraphBuilder, residual: ir.Value, arch: Architecture, cfg: ModelConfig, i: int
+                        ) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    """gemma4's router (transformers' Gemma4TextRouter), in fp32 from its logits on: logits = proj(rms_norm(residual)
+    * scale / sqrt(hidden)) (a weightless RMSNorm), p = softmax(logits), the top k of p picked. Returns (p [tokens,
+    experts], the picked experts [tokens, k], each picked p times its expert's per_expert_scale [tokens, k], the picked
+    p's sum [tokens, 1]): a picked expert's weight is the third over the fourth."""
+    moe, f32 = cfg.moe, ir.DataType.FLOAT
+    scale, expert_scale = (b.weight(arch.moe_name(i, t)) for t in arch.router_scales)
+    normed = rms_norm(b, residual, b.op("Mul", [scale, b.scalar(cfg.hidden_size ** -0.5)]), cfg.rms_norm_eps)
+    logits = b.op("Reshape", [linear(b, normed, b.weight(arch.router_name(i))), b.ints(-1, moe.num_experts)])
+    wide = b.op("Cast", [logits], {"to": f32}) if b.dtype != f32 else logits
+    probs = b.op("Softmax", [wide], {"axis": -1})
+    picked, picked_probs = _pick(b, probs, probs, moe.top_k)
+    scales = b.op("Cast", [expert_scale], {"to": f32}) if b.dtype != f32 else expert_scale
+    scaled = b.op("Mul", [picked_probs, b.op("Gather", [scales, picked], {"axis": 0})])
+    return probs, picked, scaled, b.op("ReduceSum", [picked_probs, b.ints(-1)], {"keepdims": 1})
+
+
+def _require_positive_scales(b: GraphBuilder, name: str) -> None:
+    """The fused op weighs experts through a softmax of log weights: every per-expert scale must be positive."""
+    scales = np.asarray(b.checkpoint.array(name), dtype=np.float32)
+    if not (scales > 0).all():
+        raise ExportError(f"{name} holds {int((scales <= 0).sum())} scales <= 0 (smallest {float(scales.min()):.4g}): "
+                          "the fused MoE op of an ep cuda export weighs experts through a softmax, which takes "
+                          "positive weights only; export it for ep cpu, whose experts are computed in standard ops")
+
+
+def _experts_on_their_tokens(b: GraphBuilder, tokens: ir.Value, picked: ir.Value, weights: ir.Value, gate_up: str,
+                             down: str, moe: MoeConfig, act: str) -> ir.Value:
+    """Each expert's gated MLP on the tokens routed to it, mixed by ``weights`` [tokens, k] (in the model dtype) ->
+    [tokens, hidden]: exact, in standard ops, with no control flow.
+
+    The tokens are gathered expert by expert (NonZero of the routing, expert-major) and split into one run of rows per
+    expert, each through its own MatMuls, so the work and the weights read are the picked experts' only: k / experts
+    of a dense form's (every expert on every token, the unpicked weighted by 0), and a decode step reads k experts'
+    weights. The price is five nodes an expert, run on no rows by an expert no token picked (128 experts: about 2 ms
+    of kernel launches a layer on 2 CPU cores, measured on tiny widths), and at prefill the routed rows twice
+    ([tokens * k, hidden], before and after the experts) and their gather back per token ([tokens, k, hidden]) rather
+    than any [tokens, experts, ...] tensor. The experts' weights stay 2-D MatMul weights, one pair per expert, which
+    the int4 / int8 pass quantizes as it quantizes every linear (MatMulNBits)."""
+    experts, width = moe.num_experts, moe.expert_intermediate
+    # [tokens, experts]: 1 where a token picked the expert
+    none = b.op("Expand", [b.scalar_i64(0), b.op("Concat", [b.op("Shape", [picked], {"end": 1}), b.ints(experts)],
+                                                 {"axis": 0})])
+    chosen = b.op("ScatterElements", [none, picked, b.op("Expand", [b.scalar_i64(1), b.op("Shape", [picked])])],
+                  {"axis": -1})
+    # (expert, token) pairs, expert-major and each expert's tokens in order: the rows every expert runs on
+    pairs = b.op("NonZero", [b.op("Transpose", [chosen], {"perm": [1, 0]})])
+    routed = b.op("Gather", [tokens, b.op("Gather", [pairs, b.scalar_i64(1)], {"axis": 0})], {"axis": 0})
+    counts = b.op("ReduceSum", [chosen, b.ints(0)], {"keepdims": 0})  # [experts]: the tokens each expert runs on
+    outputs = []
+    for e, own in enumerate(b.op_multi("Split", [routed, counts], {"axis": 0}, num_outputs=experts)):
+        fc1 = b.weight(f"{gate_up}.{e}", WeightPart(gate_up, expert=e))  # [2I, hidden]: [gate | up]
+        fc2 = b.weight(f"{down}.{e}", WeightPart(down, expert=e))  # [hidden, I]
+        outputs.append(gated_mlp(b, own, fc1, fc2, width, act=act))
+    # The row of (token, expert) among the outputs: the tokens of the experts before it, plus the token's rank among
+    # its expert's tokens.
+    before = b.op("CumSum", [counts, b.scalar_i64(0)], {"exclusive": 1})
+    rank = b.op("Sub", [b.op("CumSum", [chosen, b.scalar_i64(0)]), b.scalar_i64(1)])
+    rows = b.op("GatherElements", [b.op("Add", [rank, before]), picked], {"axis": -1})  # [tokens, k]
+    mixed = b.op("Gather", [b.op("Concat", outputs, {"axis": 0}), rows], {"axis": 0})  # [tokens, k, hidden]
+    return b.op("ReduceSum", [b.op("Mul", [mixed, b.op("Unsqueeze", [weights, b.ints(-1)])]), b.ints(1)],
+                {"keepdims": 0})
 
 
 def sigmoid_router(b: GraphBuilder, logits: ir.Value, expert_bias: ir.Value, top_k: int, groups: int = 1,

@@ -415,8 +415,9 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         return self.bits, None
 
     def _feeds_router(self, node: ir.Node, weight: ir.Value) -> bool:
-        """A mixture of experts' router (its logits reach a MoE / QMoE op's routing inputs) or a
-        shared expert's gate: few rows that decide where every token goes, kept in float."""
+        """A mixture of experts' router (its logits reach a MoE / QMoE op's routing inputs, or the TopK that
+        picks experts where the graph runs them itself: gemma4 on the CPU) or a shared expert's gate: few rows that
+        decide where every token goes, kept in float."""
         if weight.name and "shared_expert_gate" in weight.name:
             return True
         # Forward through the routing arithmetic (a bias, a reshape, phimoe's sparsemixer), never
@@ -425,7 +426,8 @@ class QuantizeMatMulPass(ir.passes.InPlacePass):
         frontier, seen = [node.outputs[0]], set()
         for _ in range(24):
             users = [(user, index) for v in frontier for user, index in v.uses()]
-            if any(user.op_type in ("MoE", "QMoE") and index in (1, 14) for user, index in users):
+            if any(user.op_type in ("MoE", "QMoE") and index in (1, 14) or user.op_type == "TopK"
+                   for user, index in users):
                 return True
             frontier = [out for user, _ in users if user.op_type not in stops and id(user) not in seen
                         for out in user.outputs]

@@ -32,6 +32,9 @@ STEPS, WARMUP = 4, 2
 REPLAY_TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2, "fp32": 1e-4}
 # The tiny checkpoints' expert widths raised to 64: CUDA's QMoE takes widths in multiples of 64.
 MOE_WIDTHS = {"intermediate_size": 64, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
+# gemma4's tiny checkpoints are dense: an export with experts rehearses a twin with some (enable_moe_block).
+GEMMA4_TYPES = ("gemma4_text", "gemma4")
+GEMMA4_EXPERTS = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64}
 
 
 def rehearse(export_dir: str, ep: str) -> dict:
@@ -87,6 +90,8 @@ def rehearsal_gate(manifest: dict, config: dict, activations: str, ep: str, runn
     with tempfile.TemporaryDirectory(prefix="rehearsal-") as work:
         overrides = {k: v for k, v in MOE_WIDTHS.items() if k in ARCH_CONFIGS[arch][1] or
                      (k == "intermediate_size" and arch in MOE_ARCHITECTURES)}
+        if config.get("moe") and arch in GEMMA4_TYPES:  # gemma4's experts, switched on by config.json (dense twin else)
+            overrides.update(GEMMA4_EXPERTS)
         checkpoint = make_tiny_checkpoint(arch, Path(work) / "checkpoint", **overrides)
         tiny = ExportRequest(**{**request, "model": str(checkpoint), "max_seq_len":
                                 (max(CONTEXTS) + WARMUP + STEPS) * 2 if request.get("static_cache") else None,

@@ -196,9 +196,13 @@ def sparse_mixer_weights(logits, eps: float) -> tuple[list[int], list[float]]:
     return chosen, weights
 
 
-def expert_answer(top_k: int, normalize: bool, sparse_mixer: bool = False) -> float:
+def expert_answer(top_k: int, normalize: bool, sparse_mixer: bool = False, geglu: bool = False) -> float:
+    """The known answer; ``geglu`` (gemma4's experts): GELU-tanh(gate) * up in place of SwiGLU."""
     gates = MIXER_GATES if sparse_mixer else EXPERT_GATES
-    act = np.array([g / (1 + np.exp(-g)) for g in gates])
+    if geglu:
+        act = np.array([0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) for g in gates])
+    else:
+        act = np.array([g / (1 + np.exp(-g)) for g in gates])
     if sparse_mixer:
         chosen, w = sparse_mixer_weights(MIXER_LOGITS, MIXER_EPS)
         return float((np.asarray(w) * act[chosen]).sum())
@@ -209,9 +213,10 @@ def expert_answer(top_k: int, normalize: bool, sparse_mixer: bool = False) -> fl
 
 
 def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool, workdir,
-                       sparse_mixer: bool = False) -> tuple[ir.Model, dict]:
+                       sparse_mixer: bool = False, geglu: bool = False) -> tuple[ir.Model, dict]:
     """The export's expert op (MoE, or QMoE through the export's own quantize pass) on a checkpoint
-    of the known-answer experts written to ``workdir`` (``sparse_mixer``: CUDA's own routing)."""
+    of the known-answer experts written to ``workdir`` (``sparse_mixer``: CUDA's own routing; ``geglu``: gemma4's
+    GEGLU over [gate | up] rows)."""
     from pathlib import Path
 
     from safetensors.numpy import save_file
@@ -231,10 +236,10 @@ def expert_probe_graph(dtype: str, bits: int | None, top_k: int, normalize: bool
     b = GraphBuilder(Checkpoint(Path(workdir)), entry.ir)
     experts = len(gates)
     fc1 = b.stacked_weight("fc1", [WeightPart(f"e{e}.{t}") for e in range(experts) for t in ("gate", "up")],
-                           experts=experts, interleave=2)
+                           experts=experts, interleave=1 if geglu else 2)
     fc2 = b.stacked_weight("fc2", [WeightPart(f"e{e}.down") for e in range(experts)], experts=experts)
     x, logits = _input("x", entry.ir, [1, n]), _input("logits", entry.ir, [1, experts])
-    y = experts_op(b, x, logits, fc1, fc2, top_k, normalize, sparse_mixer=sparse_mixer)
+    y = experts_op(b, x, logits, fc1, fc2, top_k, normalize, sparse_mixer=sparse_mixer, geglu=geglu)
     y.name, y.type, y.shape = "y", ir.TensorType(entry.ir), ir.Shape([1, n])
     graph = ir.Graph([x, logits], [y], nodes=b.tape.nodes, initializers=b.tape.initializers,
                      opset_imports={"": 24, "com.microsoft": 1}, name="probe_experts")
@@ -252,20 +257,24 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
     import onnxruntime as ort
 
     bits = {"int4": 4, "int8": 8}.get(dtype)
-    from exporter.graph.components.moe import ROUTING_CUDA_SPARSE_MIXER
+    from exporter.graph.components.moe import GEGLU, ROUTING_CUDA_SPARSE_MIXER, cuda_geglu
 
-    mixer = moe.get("routing") == ROUTING_CUDA_SPARSE_MIXER
-    op = (f"QMoE int{bits}" if bits else "MoE") + (" (its sparse mixer)" if mixer else "")
+    mixer, geglu = moe.get("routing") == ROUTING_CUDA_SPARSE_MIXER, moe.get("activation") == GEGLU
+    op = (f"QMoE int{bits}" if bits else "MoE") + (" (its sparse mixer)" if mixer else " (GEGLU)" if geglu else "")
     check = f"{op} experts known answer on {ep} ({activations})"
+    if geglu and not (ep == "cuda" and cuda_geglu()):  # gemma4's experts in standard ops, which parity checks
+        return GateResult("runtime", check, True, "not run", ProbeOutcome.SUPPORTED.value,
+                          f"a {ep} export of this onnxruntime ({ort.__version__}) computes GEGLU experts in standard "
+                          f"ops, not through the expert op (whose {ep} kernels here have no GEGLU)", informational=True)
     top_k, normalize = min(2, moe["top_k"]), moe["normalize"]
-    want = expert_answer(top_k, normalize, mixer)
+    want = expert_answer(top_k, normalize, mixer, geglu)
     provider = PROVIDER_NAMES[ep]
     if provider not in ort.get_available_providers():
         return GateResult("runtime", check, False, ProbeOutcome.MISSING.value, ProbeOutcome.SUPPORTED.value,
                           f"{provider} is not in this onnxruntime ({ort.__version__}) build")
     try:
         with tempfile.TemporaryDirectory(prefix="expert-probe-") as workdir:
-            model, feeds = expert_probe_graph(activations, bits, top_k, normalize, workdir, mixer)
+            model, feeds = expert_probe_graph(activations, bits, top_k, normalize, workdir, mixer, geglu)
             proto = ir.to_proto(model).SerializeToString()
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -283,5 +292,6 @@ def expert_gate(ep: str, activations: str, dtype: str, moe: dict) -> GateResult:
     return GateResult("runtime", check, ok, (ProbeOutcome.SUPPORTED if ok else ProbeOutcome.WRONG_RESULT).value,
                       ProbeOutcome.SUPPORTED.value,
                       ("phimoe's sparsemixer over 8 experts (threshold 0.01): " if mixer else
-                       f"top-{top_k} of 4 experts {'renormalized' if normalize else 'as the softmax gives them'}: ") +
+                       f"top-{top_k} of 4 {'GEGLU ' if geglu else ''}experts "
+                       f"{'renormalized' if normalize else 'as the softmax gives them'}: ") +
                       f"expected {want:.4f}, got {float(got.flat[0]):.4f}")
