@@ -167,6 +167,13 @@ META_IMAGE_SIZE = f"{META_PREFIX}vision.image_size"
 # tokens on M-RoPE's height / width streams (image_grid_thw's rows and columns / this).
 META_SPATIAL_MERGE_SIZE = f"{META_PREFIX}vision.spatial_merge_size"
 IMAGE_GRID_THW = "image_grid_thw"  # qwen2_5_vl's vision in: int64 [num_images, 3] (frames, patch rows, patch columns)
+# mistral3's (Pixtral's) vision in beside pixel_values padded to the batch's largest image: int64 [num_images, 2], each
+# image's (height, width) in pixels. Optional (an overridable initializer whose default [[0, 0]] reads each image as the
+# whole of pixel_values, what onnxruntime-genai's per-image runs and transformers.js's one image feed).
+IMAGE_SIZES = "image_sizes"
+# mistral3's vision graph: pixels per patch side, which with spatial_merge_size gives an image's token grid
+# (height // (patch_size * spatial_merge_size) rows of width // (patch_size * spatial_merge_size) tokens).
+META_PATCH_SIZE = f"{META_PREFIX}vision.patch_size"
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")

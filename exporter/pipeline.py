@@ -264,7 +264,7 @@ def export_model(
                 from exporter.validation.validate import PARITY_STEPS
                 from exporter.vision import load_vision_config
 
-                check_image_text_validatable(request.max_seq_len, load_vision_config(source.path).tokens_per_image,
+                check_image_text_validatable(request.max_seq_len, load_vision_config(source.path),
                                              PARITY_STEPS)
         if request.layout == hf_layout.LAYOUT:  # a family transformers.js cannot drive: refused before any build
             hf_layout.check_family(source.path)

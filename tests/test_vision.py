@@ -200,8 +200,8 @@ def test_graph_contract_and_fused_ops(vlm):
 
 
 def test_unsupported_family_is_refused_by_name(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3"}))
-    with pytest.raises(ExportError, match=r"no vision graph for model_type 'mistral3'.*gemma3, llava, idefics3, smolvlm"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    with pytest.raises(ExportError, match=r"no vision graph for model_type 'paligemma'.*gemma3, llava, idefics3, smolvlm"):
         build_vision_graph(tmp_path)
 
 

@@ -196,14 +196,14 @@ def test_what_cannot_be_done_yet_is_refused_and_nothing_is_written(vlm_checkpoin
 
 def test_image_text_family_without_vision_graphs_is_refused_by_name(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Mistral3Config(text_config={"model_type": "mistral", "hidden_size": 64,
-                                                      "num_hidden_layers": 1, "num_attention_heads": 4,
-                                                      "num_key_value_heads": 2, "intermediate_size": 128,
-                                                      "vocab_size": 256},
-                                         vision_config={"model_type": "pixtral", "hidden_size": 32})
+    config = transformers.PaliGemmaConfig(text_config={"model_type": "gemma", "hidden_size": 64,
+                                                       "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                       "num_key_value_heads": 2, "intermediate_size": 128,
+                                                       "vocab_size": 256},
+                                          vision_config={"model_type": "siglip_vision_model", "hidden_size": 32})
     (tmp_path / "ckpt").mkdir()
     config.save_pretrained(tmp_path / "ckpt")
-    with pytest.raises(ExportError, match=r"model_type 'mistral3' are not exported yet: the vision and embedding "
+    with pytest.raises(ExportError, match=r"model_type 'paligemma' are not exported yet: the vision and embedding "
                                           r"graphs are built for gemma3, llava, idefics3, smolvlm"):
         export_model(ExportRequest(model=str(tmp_path / "ckpt")), tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -21,8 +21,8 @@ for (const requestPath of requestPaths) {
   let inputs;
   if (request.image) {
     const image = await RawImage.read(request.image);
-    // LlavaProcessor takes (images, text); Gemma3Processor and Qwen3VLProcessor (text, images)
-    inputs = processor.constructor.name === "LlavaProcessor"
+    // LlavaProcessor and PixtralProcessor take (images, text); Gemma3Processor and Qwen3VLProcessor (text, images)
+    inputs = ["LlavaProcessor", "PixtralProcessor"].includes(processor.constructor.name)
       ? await processor(image, request.prompt)
       : await processor(request.prompt, image);
   } else {

@@ -1,8 +1,8 @@
 """The language model of an image-text checkpoint, as the decoder of an image-text export (issue 48).
 
-An image-text checkpoint (gemma3, llava, idefics3, smolvlm: the families exporter.vision builds) holds a
-text model the exporter already builds (gemma3_text, llama, mistral, qwen2, ...) under a prefix of its own
-(``language_model.model.``, ``model.language_model.``, ``model.text_model.``). Its config is the
+An image-text checkpoint (gemma3, llava, idefics3, smolvlm, qwen2_5_vl, mistral3: the families exporter.vision
+builds) holds a text model the exporter already builds (gemma3_text, llama, mistral, ministral3, qwen2, ...) under a
+prefix of its own (``language_model.model.``, ``model.language_model.``, ``model.text_model.``). Its config is the
 checkpoint's text_config read as that text model's; its architecture is the text architecture with the
 weight names moved under the prefix. What an image-text export cannot be yet is refused here, in one
 preflight, before anything is written.
@@ -124,6 +124,10 @@ def language_model(checkpoint_dir: Path) -> LanguageModel:
     embed = FAMILIES[model_type].module_names(checkpoint).embed_tokens
     prefix = embed.removesuffix("embed_tokens.weight")
     heads = [n for n in checkpoint.names() if n.endswith("lm_head.weight")]
+    if not heads and not config.tie_word_embeddings and _transformers_config(checkpoint_dir).tie_word_embeddings:
+        # transformers ties the ForConditionalGeneration model's head by the top-level setting (mistral3's text_config
+        # says False where Mistral3Config's default True ties it), and save_pretrained then stores no head
+        config = dataclasses.replace(config, tie_word_embeddings=True)
     if len(heads) > 1 or (not heads and not config.tie_word_embeddings):
         raise ExportError(f"the checkpoint holds {len(heads) or 'no'} LM head weights ({', '.join(heads) or 'none'}) "
                           "where its text_config describes one: is config.json from this checkpoint?")

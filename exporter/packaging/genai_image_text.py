@@ -14,8 +14,11 @@ Only model types genai has a processor for get a package. Of the families export
 onnxruntime-extensions transforms smart-resize the image and cut it into the flattened patches and
 image_grid_thw the vision graph takes, and which expands each ``<|vision_start|>`` to t x h x w / merge^2
 ``<|image_pad|>``; genai computes the decoder's M-RoPE position_ids [3, batch, seq] itself, as transformers'
-get_rope_index); llava, idefics3 and smolvlm have no genai VLM type in 0.18 and are refused with the reason
-in the manifest.
+get_rope_index), and mistral3 (genai's ``mistral3``: Mistral3ImageProcessor, whose onnxruntime-extensions
+transforms resize, normalize and report each image's size (PixtralImageSizes), and which expands each ``[IMG]`` of a
+prompt to the image's rows of ``[IMG]`` ending in ``[IMG_BREAK]``, the last in ``[IMG_END]``; its vision state runs the
+vision graph once per image on that image's pixels alone, which the graph's optional image_sizes lets it do); llava,
+idefics3 and smolvlm have no genai VLM type in 0.18 and are refused with the reason in the manifest.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from exporter.packaging.genai import (
 from exporter.request import ExportRequest, Variant
 
 # Hugging Face model_type -> genai model.type of the image-text types whose processor genai 0.18 has.
-GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl"}
+GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl", "mistral3": "mistral3"}
 # genai 0.18's gemma3 processor: the prompt's marker, what it expands it to, and how many image tokens (constant).
 GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 GEMMA3_GENAI_IMAGE_TOKENS = 256
 # genai 0.18's qwen2_5_vl processor: it expands each vision start .. end of a prompt to the image's pad tokens.
 QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# genai 0.18's mistral3 processor: the tokens it writes for an image (looked up by these names in the tokenizer).
+PIXTRAL_IMAGE, PIXTRAL_BREAK, PIXTRAL_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 # transformers' (PIL's) resample codes -> onnxruntime-extensions Resize interpolation.
 INTERPOLATION = {0: "NEAREST", 2: "LINEAR", 3: "CUBIC"}
 _RESAMPLE_NAMES = {"nearest": 0, "bilinear": 2, "linear": 2, "bicubic": 3, "cubic": 3}
@@ -74,6 +79,8 @@ def write_genai_image_text_package(
     model["type"] = GENAI_IMAGE_TEXT_TYPES[model_type]
     model["image_token_id"] = image_text["image_token_id"]
     vision_keys = {}
+    if model_type == "mistral3":  # what genai's processor and per-image vision runs count each image's tokens by
+        vision_keys = _pixtral_settings(source_dir)
     if model_type == "qwen2_5_vl":  # what genai's M-RoPE positions and its processor's prompt expansion read
         qwen = _qwen_settings(source_dir)
         model["vision_start_token_id"] = qwen["vision_start_token_id"]
@@ -99,7 +106,7 @@ def write_genai_image_text_package(
 
 
 def genai_image_text_reason(model_type: str) -> str | None:
-    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl)."""
+    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl, mistral3)."""
     if model_type in GENAI_IMAGE_TEXT_TYPES:
         return None
     return (f"onnxruntime-genai 0.18 has no image-text model type for {model_type!r} (its image processors are "
@@ -120,6 +127,9 @@ def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | No
                       "preprocessor_config.json): genai's image processor config is written from them")
     if image_text.get("model_type") == "qwen2_5_vl":
         return qwen_image_processor(settings, _qwen_settings(source_dir))
+    if image_text.get("model_type") == "mistral3":
+        return pixtral_image_processor(settings, _pixtral_settings(source_dir),
+                                       _read_checkpoint_json(source_dir, "processor_config.json"))
     size, want = settings.get("size") or {}, image_text["image_size"]
     if settings.get("do_resize", True) is False or (size.get("height"), size.get("width")) != (want, want):
         return None, (f"the image processor resizes to {size} (do_resize {settings.get('do_resize', True)}) where the "
@@ -188,6 +198,62 @@ def qwen_image_processor(settings: dict, qwen: dict) -> tuple[dict | None, str |
         {"operation": {"name": name, "type": kind, "attrs": attrs}} for name, kind, attrs in transforms]}}, None
 
 
+def pixtral_image_processor(settings: dict, pixtral: dict, processor: dict) -> tuple[dict | None, str | None]:
+    """onnxruntime-extensions' transforms for genai's mistral3 processor from a PixtralImageProcessor's ``settings``
+    (``pixtral``: the tower's patch and merge sizes, _pixtral_settings; ``processor``: processor_config.json's
+    PixtralProcessor settings): Resize with smart_resize to multiples of patch x merge between one token and a square
+    of the longest edge, rescale, normalize, channels first, then PixtralImageSizes (each image's height and width,
+    which genai slices the padded batch by). (the JSON, None), or (None, why genai's would differ).
+
+    onnxruntime-extensions has no Pixtral resize: smart_resize rounds each side to the nearest multiple of patch x
+    merge and bounds the area, where PixtralImageProcessor scales the image down to fit the longest edge (floor) and
+    rounds each side up. An image whose sides are already multiples of patch x merge within the longest edge is left
+    as it is by both; others may differ in size by a token (tests/test_genai_vlm_mistral3.py pins one)."""
+    size = settings.get("size") or {}
+    longest = size.get("longest_edge")
+    if settings.get("do_resize", True) is False or not isinstance(longest, int):
+        return None, (f"the image processor does not bound its longest edge (do_resize {settings.get('do_resize', True)},"
+                      f" size {size}): genai's mistral3 processor resizes to multiples of patch x merge within a bound")
+    patch, merge = pixtral["patch_size"], pixtral["spatial_merge_size"]
+    for key, ours in (("patch_size", patch), ("spatial_merge_size", merge)):
+        if processor.get(key, ours) != ours:
+            return None, (f"processor_config.json's {key} {processor[key]} is not the vision tower's {ours}: its prompts "
+                          "would not hold the tokens the vision graph gives")
+    tokens = {k: processor.get(f"{k}_token", v) for k, v in (("image", PIXTRAL_IMAGE), ("image_break", PIXTRAL_BREAK),
+                                                               ("image_end", PIXTRAL_END))}
+    if tokens != {"image": PIXTRAL_IMAGE, "image_break": PIXTRAL_BREAK, "image_end": PIXTRAL_END}:
+        return None, (f"the processor names its image tokens {tokens}: genai's mistral3 processor writes "
+                      f"{PIXTRAL_IMAGE}, {PIXTRAL_BREAK} and {PIXTRAL_END}")
+    resample = settings.get("resample", 3)
+    resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
+    if resample not in INTERPOLATION:
+        return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
+                      f"resizes nearest, bilinear or bicubic only")
+    factor = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else 1.0
+    transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
+                  ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "smart_resize": 1,
+                                        "min_pixels": (patch * merge) ** 2, "max_pixels": longest * longest,
+                                        "patch_size": patch, "merge_size": merge}),
+                  ("rescale", "Rescale", {"rescale_factor": factor})]
+    if settings.get("do_normalize", True):
+        mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073])
+        std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711])
+        transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean],
+                                                      "std": [float(s) for s in std]}))
+    transforms += [("to_channel_first", "Permute3D", {"dims": [2, 0, 1]}), ("image_sizes", "PixtralImageSizes", {})]
+    return {"processor": {"name": "pixtral_image_processor", "transforms": [
+        {"operation": {"name": name, "type": kind, **({"attrs": attrs} if attrs else {})}}
+        for name, kind, attrs in transforms]}}, None
+
+
+def _pixtral_settings(source_dir: Path) -> dict:
+    """What genai's mistral3 type reads from config.json's tower: its patch and merge sizes."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(source_dir))
+    return {"patch_size": config.vision_config.patch_size, "spatial_merge_size": config.spatial_merge_size}
+
+
 def _qwen_settings(source_dir: Path) -> dict:
     """What genai's qwen2_5_vl type reads from config.json: the vision tower's patch, merge and temporal sizes,
     window_size and tokens_per_second (transformers' defaults where config.json leaves them out), and the
@@ -213,6 +279,16 @@ def _tokenizer_ids(out_dir: Path) -> dict[str, int]:
 
 def _tokenizer_reason(out_dir: Path, source_dir: Path, image_text: dict) -> str | None:
     """Why genai's processor cannot tokenize an image prompt with the tokenizer copied to ``out_dir``, or None."""
+    if image_text["model_type"] == "mistral3":
+        ids = _tokenizer_ids(out_dir)
+        missing = [t for t in (PIXTRAL_IMAGE, PIXTRAL_BREAK, PIXTRAL_END) if t not in ids]
+        if missing:
+            return (f"genai's mistral3 processor writes {', '.join(missing)} into the prompt and the checkpoint's "
+                    "tokenizer.json does not hold them")
+        if ids[PIXTRAL_IMAGE] != image_text["image_token_id"]:
+            return (f"the tokenizer gives {PIXTRAL_IMAGE} id {ids[PIXTRAL_IMAGE]} and the model's image token is "
+                    f"{image_text['image_token_id']}")
+        return None
     if image_text["model_type"] == "qwen2_5_vl":
         ids, qwen = _tokenizer_ids(out_dir), _qwen_settings(source_dir)
         missing = [t for t in (QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END) if t not in ids]

@@ -66,6 +66,9 @@ REFUSED_FAMILIES["qwen2_5_vl"] = ("its layout for transformers.js (patch sequenc
 # Families whose transformers processor is built only with its video processor (torchvision), of which transformers.js
 # reads the image half: its processor class (transformers.js's name) over the checkpoint's image processor settings.
 IMAGE_ONLY_PROCESSORS = {"qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+# Families whose transformers processor class wants torchvision (PixtralProcessor), whose settings transformers.js reads
+# from preprocessor_config.json: written from the image processor and processor_config.json's own settings.
+PIXTRAL_PROCESSORS = ("mistral3",)
 # Positions from 1 in transformers.js (models/modeling_utils.js decoder_forward), from 0 in transformers.
 ONE_BASED_POSITIONS = ("gemma3",)
 
@@ -82,6 +85,15 @@ def check_image_text_checkpoint(checkpoint_dir: Path, model_type: str) -> None:
         raise ExportError(f"{checkpoint_dir} has no {PROCESSOR_FILE} or {PREPROCESSOR_FILE}: transformers.js's "
                           "AutoProcessor needs the checkpoint's processor (image processor, image token) for the "
                           "hf layout; pass a checkpoint saved with its processor, or export with layout farm")
+    if model_type in PIXTRAL_PROCESSORS:  # the processor's token geometry must be the tower's
+        from exporter.vision import load_vision_config
+
+        own, cfg = _pixtral_settings(checkpoint_dir), load_vision_config(checkpoint_dir)
+        for key, ours in (("patch_size", cfg.patch_size), ("spatial_merge_size", cfg.spatial_merge_size)):
+            if own[key] != ours:
+                raise ExportError(f"{checkpoint_dir}'s {PROCESSOR_FILE} gives {key} {own[key]} where the vision tower's "
+                                  f"is {ours}: transformers.js's PixtralProcessor would write other image token counts "
+                                  "than the vision graph gives; fix processor_config.json")
 
 
 def session_files(manifest: dict, decoder_suffix: str) -> dict[str, str]:
@@ -192,6 +204,8 @@ def _processor_files(checkpoint_dir: Path, config: dict) -> dict[str, dict | str
         checkpoint_file(checkpoint_dir, name, required=False)  # refused where one leads outside the checkpoint
     if config.get("model_type") in IMAGE_ONLY_PROCESSORS:
         return _image_only_processor_files(checkpoint_dir, IMAGE_ONLY_PROCESSORS[config["model_type"]])
+    if config.get("model_type") in PIXTRAL_PROCESSORS:
+        return _pixtral_processor_files(checkpoint_dir)
     processor = transformers.AutoProcessor.from_pretrained(str(checkpoint_dir))
     image = processor.image_processor.to_dict()
     image.pop("processor_class", None)
@@ -292,3 +306,39 @@ def _image_only_processor_files(checkpoint_dir: Path, processor_class: str) -> d
     image.setdefault("do_normalize", bool(image.get("image_mean") is not None))
     return {PREPROCESSOR_FILE: {**image, "processor_class": processor_class},
             PROCESSOR_FILE: {"processor_class": processor_class}}
+
+
+def _pixtral_processor_files(checkpoint_dir: Path) -> dict[str, dict | str]:
+    """preprocessor_config.json and processor_config.json of a mistral3 checkpoint for transformers.js 4.3's
+    PixtralProcessor: its PixtralImageProcessor reads the tower's patch_size (an int) and spatial_merge_size from
+    preprocessor_config.json and resizes to multiples of their product within the longest edge, as transformers'
+    PixtralProcessor has its image processor do; the processor reads the image tokens, patch_size and
+    spatial_merge_size from processor_config.json (the checkpoint's, flat)."""
+    import transformers
+
+    own = _pixtral_settings(checkpoint_dir)
+    image = transformers.AutoImageProcessor.from_pretrained(str(checkpoint_dir)).to_dict()
+    image.pop("processor_class", None)
+    image["image_processor_type"] = "PixtralImageProcessor"  # (transformers.js has no Pil / Fast suffixed names)
+    image.setdefault("do_normalize", bool(image.get("image_mean") is not None))
+    preprocessor = {**image, "patch_size": own["patch_size"], "spatial_merge_size": own["spatial_merge_size"],
+                    "processor_class": "PixtralProcessor"}
+    return {PREPROCESSOR_FILE: preprocessor, PROCESSOR_FILE: own}
+
+
+def _pixtral_settings(checkpoint_dir: Path) -> dict:
+    """processor_config.json's PixtralProcessor settings, flat (the image tokens defaulted as transformers defaults
+    them), or ExportError where it does not give the tower's patch_size and spatial_merge_size, which transformers.js's
+    PixtralProcessor counts an image's tokens by."""
+    from exporter.packaging.source_files import checkpoint_file
+
+    own_file = checkpoint_file(checkpoint_dir, PROCESSOR_FILE, required=False)
+    own = json.loads(own_file.read_text()) if own_file else {}
+    own = {k: v for k, v in own.items() if k not in ("image_processor", "tokenizer", "chat_template")}
+    missing = [k for k in ("patch_size", "spatial_merge_size") if not isinstance(own.get(k), int)]
+    if missing:
+        raise ExportError(f"{checkpoint_dir} has no {PROCESSOR_FILE} naming {' and '.join(missing)} (PixtralProcessor's "
+                          "settings), which transformers.js's PixtralProcessor counts an image's tokens by: pass the "
+                          "checkpoint with its processor, or export with layout farm")
+    return {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", **own,
+            "processor_class": "PixtralProcessor"}

@@ -52,15 +52,17 @@ def write_image_text_graphs(out_dir: Path, checkpoint_dir: Path, decoder: ir.Mod
 
 
 def _unread_tower_tensors(checkpoint_dir: Path, cfg) -> list[str]:
-    """The tower's tensors no image feature depends on (llava's vision_feature_layer short of the last layer)."""
+    """The tower's tensors no image feature depends on (llava's and mistral3's vision_feature_layer short of the last
+    layer)."""
     import re
 
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.vision import FAMILIES
 
     checkpoint = Checkpoint(checkpoint_dir)
-    tower = FAMILIES[cfg.model_type].module_names(checkpoint).tower
-    layer = re.compile(re.escape(f"{tower}encoder.layers.") + r"(\d+)\.")
+    family = FAMILIES[cfg.model_type]
+    tower = family.module_names(checkpoint).tower
+    layer = re.compile(re.escape(f"{tower}{family.tower_layers}") + r"(\d+)\.")
     unread = []
     for name in checkpoint.names():
         if not name.startswith(tower):

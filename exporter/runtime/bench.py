@@ -98,8 +98,9 @@ def image_figures(model, repeats: int = 5, text_tokens: int = 8) -> dict:
     one image and ``text_tokens`` text tokens: vision, embedding and the decoder's prefill on fresh caches (median)."""
     import time
 
-    if not model.tokens_per_image:  # its token count follows each image's grid (qwen2_5_vl): no fixed image to time
-        return {"skipped": "the vision graph's input follows each image's grid (image_grid_thw); not timed here"}
+    if not model.tokens_per_image:  # its token count follows each image's grid or size: no fixed image to time
+        return {"skipped": "the vision graph's input follows each image's grid (image_grid_thw) or size (image_sizes); "
+                           "not timed here"}
     pixels = np.zeros((1, 3, model.image_size, model.image_size), np.float32)
     model.image_features(pixels)
     encode = []

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from exporter.contract import (
-    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
-    META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
+    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, IMAGE_SIZES, INPUT_IDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
+    META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
 )
 from exporter.runtime.session import Decoder
 
@@ -83,14 +83,18 @@ class ImageTextModel:
 
 
 def image_text_decode(model: ImageTextModel, prompt: list[int], pixel_values: np.ndarray | None, steps: int,
-                      feed: list[int] | None = None, image_grid_thw: np.ndarray | None = None):
+                      feed: list[int] | None = None, image_grid_thw: np.ndarray | None = None,
+                      image_sizes: np.ndarray | None = None):
     """``parity.export_decode`` of an image prompt: the images encoded, the prompt prefilled through the
     embedding graph, then ``steps`` greedy steps (teacher-forced on ``feed``), each token embedded with
-    no images. ``image_grid_thw``: a patch-sequence export's grids (PatchSequenceModel)."""
+    no images. ``image_grid_thw``: a patch-sequence export's grids (PatchSequenceModel); ``image_sizes``: a padded
+    images export's sizes (PaddedImagesModel)."""
     from exporter.validation.parity import export_decode
 
     model.clear()
-    model.encode(pixel_values) if image_grid_thw is None else model.encode(pixel_values, image_grid_thw)
+    extra = {name: value for name, value in (("image_grid_thw", image_grid_thw), ("image_sizes", image_sizes))
+             if value is not None}
+    model.encode(pixel_values, **extra)
     try:
         return export_decode(model.decoder, prompt, steps, feed)
     finally:
@@ -137,16 +141,10 @@ class PatchSequenceModel(ImageTextModel):
 
     def _embed_queued(self, input_ids: np.ndarray) -> np.ndarray:
         count = int(np.count_nonzero(np.asarray(input_ids) == self.image_token_id))
-        images, rows = 0, 0
-        while count and images < len(self._grids) and rows < count:
-            rows += self.image_tokens(self._grids[images])
-            images += 1
-        if count and rows == count:
-            features, self._queued, self._grids = self._queued[:rows], self._queued[rows:], self._grids[images:]
+        images = whole_images(count, [self.image_tokens(g) for g in self._grids])
+        if images:
+            features, self._queued, self._grids = self._queued[:count], self._queued[count:], self._grids[images:]
             return self.embed(input_ids, features)
-        if count and self._grids:
-            raise ValueError(f"{count} image tokens are not whole images of the {len(self._grids)} queued (their "
-                             f"tokens: {[self.image_tokens(g) for g in self._grids]}): feed each image's tokens in one call")
         return self.embed(input_ids)
 
     def _positions(self, input_ids: np.ndarray, positions: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
@@ -188,6 +186,81 @@ class PatchSequenceModel(ImageTextModel):
         self._grids, self._deltas, self._prefilled = [], [], False
 
 
+def whole_images(count: int, queued: list[int]) -> int:
+    """How many of the queued images (``queued``: each one's token count, in order) ``count`` image tokens of one call
+    are: 0 where there are no image tokens or none queued (tokens the model generated, embedded without features);
+    a ValueError where they split an image."""
+    images, rows = 0, 0
+    while count and images < len(queued) and rows < count:
+        rows += queued[images]
+        images += 1
+    if count and rows == count:
+        return images
+    if count and queued:
+        raise ValueError(f"{count} image tokens are not whole images of the {len(queued)} queued (their tokens: "
+                         f"{queued}): feed each image's tokens in one call")
+    return 0
+
+
+class PaddedImagesModel(ImageTextModel):
+    """mistral3's export: the vision graph takes pixel_values of images of their own sizes padded to the largest, with
+    ``image_sizes`` (each image's height and width in pixels), and gives each image (height // (patch x merge)) x
+    (width // (patch x merge)) feature rows: its [IMG] tokens, which a prompt interleaves with [IMG_BREAK] at each row's
+    end and [IMG_END] (ordinary tokens, embedded as text). The decoder is a text decoder's."""
+
+    def __init__(self, export_dir: Path, ep: str = "cpu", **decoder_options):
+        super().__init__(export_dir, ep, **decoder_options)
+        meta = self.vision.get_modelmeta().custom_metadata_map
+        self.token_pixels = int(meta[META_PATCH_SIZE]) * int(meta[META_SPATIAL_MERGE_SIZE])  # pixels per token side
+        self._tokens: list[int] = []  # image tokens of each queued image, in order
+
+    def no_images(self) -> np.ndarray:
+        return np.zeros((0, self.hidden), self.features_dtype)
+
+    def token_grid(self, size) -> tuple[int, int]:
+        """(rows, columns) of image tokens of an image of ``size`` (height, width) pixels."""
+        height, width = (int(v) for v in size)
+        return height // self.token_pixels, width // self.token_pixels
+
+    def image_tokens(self, size) -> int:
+        rows, cols = self.token_grid(size)
+        return rows * cols
+
+    def image_features(self, pixel_values: np.ndarray, image_sizes: np.ndarray | None = None) -> np.ndarray:
+        """The vision graph: pixel_values [images, channels, H, W] fp32 (+ image_sizes [images, 2]; None: each image
+        is the whole array) -> [image tokens, hidden]."""
+        pixel_values = np.ascontiguousarray(pixel_values, np.float32)
+        sizes = image_sizes if image_sizes is not None else np.tile(pixel_values.shape[2:], (len(pixel_values), 1))
+        sizes = np.asarray(sizes, np.int64)
+        padded = np.array(pixel_values.shape[2:])
+        if sizes.shape != (len(pixel_values), 2) or (sizes > padded).any() or (sizes < 1).any():
+            raise ValueError(f"image_sizes {sizes.tolist()} are not one (height, width) per image within pixel_values' "
+                             f"{list(pixel_values.shape[2:])}")
+        (features,) = self.vision.run(None, {PIXEL_VALUES: pixel_values, IMAGE_SIZES: sizes})
+        return features
+
+    def encode(self, pixel_values: np.ndarray | None, image_sizes: np.ndarray | None = None) -> np.ndarray:
+        features = self.no_images()
+        if pixel_values is not None and len(pixel_values):
+            features = self.image_features(pixel_values, image_sizes)
+            sizes = image_sizes if image_sizes is not None else [pixel_values.shape[2:]] * len(pixel_values)
+            self._tokens += [self.image_tokens(size) for size in sizes]
+        self._queued = np.concatenate([self._queued, features])
+        return features
+
+    def _embed_queued(self, input_ids: np.ndarray) -> np.ndarray:
+        count = int(np.count_nonzero(np.asarray(input_ids) == self.image_token_id))
+        images = whole_images(count, self._tokens)
+        if images:
+            features, self._queued, self._tokens = self._queued[:count], self._queued[count:], self._tokens[images:]
+            return self.embed(input_ids, features)
+        return self.embed(input_ids)
+
+    def clear(self) -> None:
+        super().clear()
+        self._tokens = []
+
+
 def rope_index(ids: np.ndarray, grids, image_token_id: int, merge: int, start: int = 0) -> np.ndarray:
     """transformers' Qwen2.5-VL ``get_rope_index`` for one row's real tokens ``ids`` (numpy): [3, len(ids)] positions
     from ``start``. A run of text tokens counts up on all three streams; a run of image tokens takes the next grid
@@ -218,9 +291,11 @@ def rope_index(ids: np.ndarray, grids, image_token_id: int, merge: int, start: i
 
 def open_image_text(export_dir: Path, ep: str = "cpu", **decoder_options) -> ImageTextModel:
     """The runtime of an image-text export: PatchSequenceModel where its vision graph takes image_grid_thw
-    (qwen2_5_vl), else ImageTextModel."""
+    (qwen2_5_vl, qwen3_5), PaddedImagesModel where it takes image_sizes (mistral3), else ImageTextModel."""
     import onnx
 
     vision = onnx.load(str(Path(export_dir) / VISION_FILE), load_external_data=False)
-    patches = any(i.name == IMAGE_GRID_THW for i in vision.graph.input)
-    return (PatchSequenceModel if patches else ImageTextModel)(export_dir, ep, **decoder_options)
+    inputs = {i.name for i in vision.graph.input}
+    kind = (PatchSequenceModel if IMAGE_GRID_THW in inputs else PaddedImagesModel if IMAGE_SIZES in inputs
+            else ImageTextModel)
+    return kind(export_dir, ep, **decoder_options)

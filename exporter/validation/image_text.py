@@ -28,21 +28,30 @@ PER_ROW_IMAGES = ("idefics3", "smolvlm")
 TEXT_TOKENS = 12  # text tokens of each validation prompt, around its images
 
 
-def check_image_text_validatable(max_seq_len: int | None, tokens_per_image: int, steps: int) -> None:
-    """Refuse an export too short for validation's two-image prompt and its decode steps."""
+def check_image_text_validatable(max_seq_len: int | None, cfg, steps: int) -> None:
+    """Refuse an export too short for validation's two-image prompt and its decode steps (``cfg``: the checkpoint's
+    exporter.vision.VisionConfig)."""
     from exporter.errors import ExportError
+    from exporter.vision.config import PIXTRAL
 
-    # (tokens_per_image 0: a patch-sequence tower, whose validation images are VALIDATION_GRIDS' sizes)
+    tokens_per_image = cfg.tokens_per_image
+    # (tokens_per_image 0: a patch-sequence or padded-images tower, whose validation images are VALIDATION_GRIDS' sizes)
     image_tokens = f"2 x {tokens_per_image}" if tokens_per_image else str(_grid_tokens(VALIDATION_GRIDS[2]))
+    parts = [f"{image_tokens} image tokens"]
     needed = (2 * tokens_per_image or _grid_tokens(VALIDATION_GRIDS[2])) + TEXT_TOKENS + steps
+    if cfg.tower == PIXTRAL:  # each row of an image's tokens ends in a break token, its last in an end token
+        rows = sum(h for _, h, _ in VALIDATION_GRIDS[2])
+        parts.append(f"{rows} row-end tokens")
+        needed += rows
     if max_seq_len is not None and max_seq_len < needed:
         raise ExportError(f"max_seq_len {max_seq_len} is shorter than validation's two-image prompt needs ("
-                          f"{image_tokens} image tokens + {TEXT_TOKENS} text tokens + {steps} decode steps = "
+                          f"{' + '.join(parts)} + {TEXT_TOKENS} text tokens + {steps} decode steps = "
                           f"{needed}): use max_seq_len {needed} or more (CLI: or --no-validate)")
 
 
 # A patch-sequence tower's (qwen2_5_vl) validation images by count, as (frames, rows, columns) of merged tokens: one
-# image; two of different sizes and shapes. Their patch grids are these times spatial_merge_size in rows and columns.
+# image; two of different sizes and shapes. Their patch grids are these times spatial_merge_size in rows and columns
+# (a padded-images tower's, mistral3's, are these rows and columns of tokens, times patch x merge pixels, one frame).
 VALIDATION_GRIDS = {1: [(1, 4, 4)], 2: [(1, 4, 6), (1, 3, 2)]}
 
 
@@ -56,6 +65,25 @@ def validation_patches(images: int, merge: int, patch_dim: int, seed: int = 0) -
     grid_thw = np.array([(t, h * merge, w * merge) for t, h, w in VALIDATION_GRIDS[images]], np.int64)
     patches = np.random.default_rng(seed).standard_normal((int(grid_thw.prod(axis=1).sum()), patch_dim))
     return patches.astype(np.float32), grid_thw
+
+
+def validation_padded_images(images: int, token_pixels: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random normalized images of VALIDATION_GRIDS[images] tokens (rows and columns times ``token_pixels``: patch x
+    merge) zero-padded to the largest, as PixtralImageProcessor batches them ([images, 3, H, W] fp32), and their
+    image_sizes [images, 2] in pixels."""
+    sizes = np.array([(h * token_pixels, w * token_pixels) for _, h, w in VALIDATION_GRIDS[images]], np.int64)
+    rng = np.random.default_rng(seed)
+    pixels = np.zeros((images, 3, *sizes.max(axis=0)), np.float32)
+    for i, (height, width) in enumerate(sizes):
+        pixels[i, :, :height, :width] = rng.standard_normal((3, height, width))
+    return pixels, sizes
+
+
+def pixtral_image_run(rows: int, cols: int, image_token_id: int, break_token_id: int, end_token_id: int) -> list[int]:
+    """One image's tokens as PixtralProcessor writes them: ``cols`` image tokens and a break token per row, the last
+    row's break an end token."""
+    run = ([image_token_id] * cols + [break_token_id]) * rows
+    return run[:-1] + [end_token_id]
 
 
 def load_image_text_reference(checkpoint: Path):
@@ -73,16 +101,18 @@ def random_images(count: int, size: int, channels: int = 3, seed: int = 0) -> np
 
 
 def image_prompt(images: int, tokens_per_image: int | list[int], image_token_id: int, vocab: int,
-                 text_tokens: int = TEXT_TOKENS, seed: int = 0) -> list[int]:
+                 text_tokens: int = TEXT_TOKENS, seed: int = 0, image_runs: list[list[int]] | None = None) -> list[int]:
     """A prompt of random text tokens around ``images`` images' tokens (each image's tokens in one run;
-    ``tokens_per_image`` a list: each image's own count)."""
+    ``tokens_per_image`` a list: each image's own count; ``image_runs``: each image's own token sequence, in place of
+    its image tokens)."""
     rng = np.random.default_rng(seed)
     text = [int(t) for t in rng.integers(3, vocab, size=text_tokens) if t != image_token_id]
     cut = np.linspace(0, len(text), images + 2).astype(int)[1:-1]  # where the images go between text
     counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * images
+    runs = image_runs or [[image_token_id] * tokens for tokens in counts]
     prompt, start = [], 0
-    for c, tokens in zip(cut, counts):
-        prompt += text[start:c] + [image_token_id] * tokens
+    for c, run in zip(cut, runs):
+        prompt += text[start:c] + list(run)
         start = c
     return prompt + text[start:]
 
@@ -96,14 +126,17 @@ def _pixels_for(model, pixels: np.ndarray | None):
     return pixel_values[None] if model.config.model_type in PER_ROW_IMAGES else pixel_values
 
 
-def reference_features(model, pixels: np.ndarray, image_grid_thw: np.ndarray | None = None) -> np.ndarray:
+def reference_features(model, pixels: np.ndarray, image_grid_thw: np.ndarray | None = None,
+                       image_sizes: np.ndarray | None = None) -> np.ndarray:
     """transformers' ``get_image_features``, per image: [images, tokens, text hidden] (``image_grid_thw``: a
-    patch-sequence tower's, its per-image tuple concatenated, [image tokens, text hidden])."""
+    patch-sequence tower's, ``image_sizes``: a padded-images tower's; their per-image tuple concatenated, [image
+    tokens, text hidden])."""
     import torch
 
     with torch.no_grad():
-        if image_grid_thw is not None:
-            out = model.model.get_image_features(torch.from_numpy(pixels), torch.from_numpy(image_grid_thw))
+        sized = image_grid_thw if image_grid_thw is not None else image_sizes
+        if sized is not None:  # the second argument of either's get_image_features
+            out = model.model.get_image_features(torch.from_numpy(pixels), torch.from_numpy(sized))
             return torch.cat(list(out.pooler_output)).numpy()
         out = model.model.get_image_features(_pixels_for(model, pixels)).pooler_output
     if model.config.model_type in PER_ROW_IMAGES:  # one flat row of features per batch row
@@ -112,11 +145,15 @@ def reference_features(model, pixels: np.ndarray, image_grid_thw: np.ndarray | N
     return (torch.stack(list(out)) if isinstance(out, (list, tuple)) else out).numpy()
 
 
-def _grid_kwargs(prompt: list[int], image_grid_thw: np.ndarray | None, image_token_id: int | None) -> dict:
+def _grid_kwargs(prompt: list[int], image_grid_thw: np.ndarray | None, image_token_id: int | None,
+                 image_sizes: np.ndarray | None = None) -> dict:
     """A patch-sequence model's image arguments beside pixel_values: the grids, and mm_token_type_ids (1 at image
-    tokens), from which its get_rope_index places the images on M-RoPE's streams, as its processor gives them."""
+    tokens), from which its get_rope_index places the images on M-RoPE's streams, as its processor gives them; a
+    padded-images model's: image_sizes."""
     import torch
 
+    if image_sizes is not None:
+        return {"image_sizes": torch.from_numpy(image_sizes)}
     if image_grid_thw is None:
         return {}
     return {"image_grid_thw": torch.from_numpy(image_grid_thw),
@@ -124,7 +161,7 @@ def _grid_kwargs(prompt: list[int], image_grid_thw: np.ndarray | None, image_tok
 
 
 def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
-                     image_grid_thw: np.ndarray | None = None) -> np.ndarray:
+                     image_grid_thw: np.ndarray | None = None, image_sizes: np.ndarray | None = None) -> np.ndarray:
     """The inputs_embeds transformers' model hands its language model for one prompt row."""
     import torch
 
@@ -132,7 +169,7 @@ def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
     language_model = getattr(model.model, "language_model", None) or model.model.text_model
     hook = language_model.register_forward_pre_hook(
         lambda module, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
-    grids = _grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None))
+    grids = _grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None), image_sizes)
     try:
         with torch.no_grad():
             model.model(input_ids=torch.tensor([prompt]), pixel_values=_pixels_for(model, pixels), **grids)
@@ -142,14 +179,15 @@ def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
 
 
 def reference_generate(model, prompt: list[int], pixels: np.ndarray | None, steps: int,
-                       image_grid_thw: np.ndarray | None = None) -> ReferenceRun:
+                       image_grid_thw: np.ndarray | None = None, image_sizes: np.ndarray | None = None) -> ReferenceRun:
     """transformers' own greedy ``generate`` (``steps`` tokens, no stop at end-of-sequence) and the raw
     logits that chose each token."""
     import torch
 
     pixel_values = _pixels_for(model, pixels)  # (passed as None, generate would encode it all the same)
     images = {} if pixel_values is None else {
-        "pixel_values": pixel_values, **_grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None))}
+        "pixel_values": pixel_values,
+        **_grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None), image_sizes)}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), **images, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              eos_token_id=None, pad_token_id=0)
@@ -179,7 +217,7 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
     (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
     A quantized export's end-to-end figures inform (its weights are not the checkpoint's); its vision and
     embedding graphs, which are not quantized, are judged."""
-    from exporter.runtime.image_text import PatchSequenceModel, image_text_decode, open_image_text
+    from exporter.runtime.image_text import PaddedImagesModel, PatchSequenceModel, image_text_decode, open_image_text
     from exporter.validation.gates.parity import parity_gates
 
     quantized = dtype in ("int4", "int8")
@@ -188,38 +226,50 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
     runtime = open_image_text(export_dir, ep, prepack=False, spin=False)
     tpi, image_token, vocab = runtime.tokens_per_image, runtime.image_token_id, runtime.decoder.vocab
     patch_sequence = isinstance(runtime, PatchSequenceModel)  # qwen2_5_vl: patches + image_grid_thw, M-RoPE
+    padded = isinstance(runtime, PaddedImagesModel)  # mistral3: images of their own sizes padded, image_sizes
     gates: list[GateResult] = []
     sections: dict = {"vision": [], "embedding": [], "end_to_end": []}
     for images, label in zip((1, 2, 0), PROMPTS):
         pixels = random_images(images, runtime.image_size, seed=images) if images else None
-        grid, tokens = None, tpi
+        grid, sizes, tokens, runs = None, None, tpi, None
         if patch_sequence and images:
             patch_dim = runtime.vision.get_inputs()[0].shape[1]
             pixels, grid = validation_patches(images, runtime.spatial_merge_size, patch_dim, seed=images)
             tokens = [runtime.image_tokens(g) for g in grid]
-        prompt = image_prompt(images, tokens, image_token, vocab, seed=images)
+        if padded and images:
+            pixels, sizes = validation_padded_images(images, runtime.token_pixels, seed=images)
+            tokens = [runtime.image_tokens(size) for size in sizes]
+            # [IMG_BREAK] / [IMG_END] are ordinary tokens the config does not name: two text ids stand in for them
+            drawn = np.random.default_rng(100 + images).integers(3, vocab, size=4)
+            breaks = [int(t) for t in drawn if t != image_token]
+            runs = [pixtral_image_run(*runtime.token_grid(size), image_token, breaks[0], breaks[1]) for size in sizes]
+        prompt = image_prompt(images, tokens, image_token, vocab, seed=images, image_runs=runs)
+        extra = {"image_grid_thw": grid, "image_sizes": sizes}
         suffix = f", {label}"
         if images:
-            features = runtime.image_features(pixels) if grid is None else runtime.image_features(pixels, grid)
-            error = relative_error(features, reference_features(model, pixels, grid))
+            features = (runtime.image_features(pixels) if grid is None and sizes is None else
+                        runtime.image_features(pixels, grid if grid is not None else sizes))
+            error = relative_error(features, reference_features(model, pixels, **extra))
             gates.append(_component_gate("vision", f"image features max abs error / range{suffix}", error, tolerance,
                                          "image features"))
             sections["vision"].append({"prompt": label, "images": images, "shape": list(features.shape),
-                                       "max_abs_error_of_range": error, "tolerance": tolerance})
+                                       "max_abs_error_of_range": error, "tolerance": tolerance,
+                                       **({"image_sizes": sizes.tolist()} if sizes is not None else {})})
         else:
             features = None
         embeds = runtime.embed(np.array([prompt], np.int64), features)
-        error = relative_error(embeds, reference_embeds(model, prompt, pixels, grid))
+        error = relative_error(embeds, reference_embeds(model, prompt, pixels, **extra))
         gates.append(_component_gate("embedding", f"merged inputs_embeds max abs error / range{suffix}", error,
                                      tolerance, "merged embeddings"))
         sections["embedding"].append({"prompt": label, "images": images, "tokens": len(prompt),
                                       "image_tokens": prompt.count(image_token), "max_abs_error_of_range": error,
                                       "tolerance": tolerance})
-        ref = reference_generate(model, prompt, pixels, steps, grid)
-        run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens, grid)  # teacher-forced on transformers' tokens
+        ref = reference_generate(model, prompt, pixels, steps, **extra)
+        # teacher-forced on transformers' tokens
+        run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens, **extra)
         judged, result = parity_gates(run, ref, activations if quantized else dtype, prompt=label, ep=ep)
         worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
-        own = image_text_decode(runtime, prompt, pixels, steps, image_grid_thw=grid)  # and free-running, as a runtime generates
+        own = image_text_decode(runtime, prompt, pixels, steps, **extra)  # and free-running, as a runtime generates
         for gate in judged:
             if quantized:
                 gate.informational = True

@@ -6,8 +6,9 @@ projection), llava (CLIP or SigLIP tower, vision_feature_layer(s), vision_featur
 the MLP projector), idefics3 and smolvlm (SigLIP + pixel shuffle + projection), qwen2_5_vl (dynamic
 resolution: Conv3d patches, 2-D rotary, window attention, the PatchMerger; exporter.vision.qwen2_5_vl), qwen3_5
 (the same patches and rotary, a learned position table resampled to each grid, full attention per frame, its
-merger; exporter.vision.qwen3_5).
-Anything else (qwen2_vl, qwen3_vl and its deepstack features, mistral3, ...), or a setting these graphs do
+merger; exporter.vision.qwen3_5), mistral3 (Pixtral over images of their own sizes padded into one batch, 2-D rotary,
+attention per image, the Mistral3 projector and patch merger; exporter.vision.pixtral).
+Anything else (qwen2_vl, qwen3_vl and its deepstack features, paligemma, ...), or a setting these graphs do
 not compute, is refused with an ExportError naming it.
 
 Contract (names in exporter.vision.graphs; opset 24 + com.microsoft, IR 11):
@@ -35,6 +36,18 @@ layout computed from image_grid_thw: exporter.vision.patch_grid):
         feeds ``grid_thw``: its layout would rename the input). A grid of several frames gives
         ``get_video_features``' result (tested), though no embedding graph takes it.
 
+mistral3's vision graph takes images of their own sizes (one graph, no Loop, everything per image computed from
+image_sizes: exporter.vision.pixtral):
+    in  ``pixel_values``    float32 [num_images, channels, height, width]: each image top-left, zero-padded to the
+        batch's largest height and width (PixtralImageProcessor's batch).
+    in  ``image_sizes``     int64 [num_images, 2], optional: each image's (height, width) in pixels. An overridable
+        initializer of default [[0, 0]] (0: the image is the whole of pixel_values), which onnxruntime leaves out of a
+        session's inputs: onnxruntime-genai (one image a run, at its own size) and transformers.js (one image) feed
+        pixel_values alone.
+    out ``image_features``  dtype [num_image_tokens, text hidden_size]: per image (height // (patch * merge)) x
+        (width // (patch * merge)) rows, row-major, image after image (get_image_features' tuple concatenated): the
+        [IMG] tokens' rows; [IMG_BREAK] and [IMG_END] are ordinary tokens.
+
 embedding graph (``build_embedding_graph``)
     in  ``input_ids``       int64 [batch_size, sequence_length]
     in  ``image_features``  dtype [num_image_tokens, text hidden_size], the vision graph's rows (0 rows: text
@@ -47,7 +60,8 @@ embedding graph (``build_embedding_graph``)
 
 Both models carry metadata ``exportfarm.vision.tokens_per_image``, ``.image_token_id`` and ``.image_size``
 (qwen2_5_vl, qwen3_5: tokens_per_image and image_size 0, as both follow image_grid_thw; their vision graphs also carry
-``exportfarm.vision.spatial_merge_size``, which places an image's tokens on M-RoPE's streams).
+``exportfarm.vision.spatial_merge_size``, which places an image's tokens on M-RoPE's streams; mistral3: 0 as well, its
+vision graph carrying ``.patch_size`` and ``.spatial_merge_size``, which give an image's token grid from its size).
 """
 
 from exporter.vision.config import VisionConfig
@@ -55,6 +69,7 @@ from exporter.vision.families import FAMILIES, VisionFamily
 from exporter.vision.graphs import (
     IMAGE_FEATURES,
     IMAGE_GRID_THW,
+    IMAGE_SIZES,
     INPUT_IDS,
     INPUTS_EMBEDS,
     PIXEL_VALUES,
@@ -64,7 +79,7 @@ from exporter.vision.graphs import (
 )
 
 __all__ = [
-    "FAMILIES", "IMAGE_FEATURES", "IMAGE_GRID_THW", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES", "VisionConfig",
-    "VisionFamily",
+    "FAMILIES", "IMAGE_FEATURES", "IMAGE_GRID_THW", "IMAGE_SIZES", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES",
+    "VisionConfig", "VisionFamily",
     "build_embedding_graph", "build_vision_graph", "load_vision_config",
 ]

@@ -19,6 +19,9 @@ CLIP, SIGLIP = "clip", "siglip"
 # Dynamic-resolution towers: flattened patches of any grid in, 2-D rotary; window attention (Qwen2.5-VL), or full
 # attention per frame after a learned position table resampled to each grid (Qwen3.5).
 QWEN2_5_VL, QWEN3_5 = "qwen2_5_vl", "qwen3_5"
+# Pixtral (mistral3's tower): images of their own sizes padded into one batch, 2-D rotary on each patch's (row, column),
+# attention within each image, RMSNorms and a gated MLP; its projector merges merge x merge patches into one token.
+PIXTRAL = "pixtral"
 _TOWERS = {"clip_vision_model": CLIP, "siglip_vision_model": SIGLIP, "idefics3_vision": SIGLIP,
            "smolvlm_vision": SIGLIP}
 # Activations as transformers names them -> how the MLPs compute them (encoder.activation).
@@ -66,6 +69,7 @@ class VisionConfig:
     rope_theta: int = 0  # the 2-D rotary's base (an integer, cast to fp32 in the graph)
     # QWEN3_5: rows of the learned square position table, resampled (bilinear) to each frame's patch grid.
     num_position_embeddings: int = 0
+    projector_norm_eps: float = 0.0  # PIXTRAL: the projector's RMSNorm (transformers gives it the text rms_norm_eps)
 
     @property
     def patch_dim(self) -> int:
@@ -101,6 +105,8 @@ def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> Visi
         return _qwen2_5_vl(hf, vision, text)
     if model_type in ("qwen3_5", "qwen3_5_moe"):  # one tower (Qwen3_5MoeVisionModel is Qwen3_5VisionModel)
         return _qwen3_5(model_type, hf, vision, text)
+    if model_type == "mistral3":
+        return _mistral3(hf, vision, text)
     tower = _TOWERS.get(vision.model_type)
     if tower is None:
         raise ExportError(f"{model_type}'s vision tower is {vision.model_type!r}, which the vision builder does not "
@@ -246,3 +252,56 @@ def _qwen3_5(model_type: str, hf, vision, text) -> VisionConfig:
                           "position table rows: fix config.json")
     return VisionConfig(**common, tower=QWEN3_5, hidden_act=act, full_attention_layers=tuple(range(vision.depth)),
                         num_position_embeddings=positions)
+
+
+# Pixtral's MLP is gated: down(act(gate(x)) * up(x)), act one of these.
+PIXTRAL_ACTIVATIONS = ("silu", *ACTIVATIONS)
+
+
+def _mistral3(hf, vision, text) -> VisionConfig:
+    """Mistral3's Pixtral tower (transformers' PixtralVisionModel: a bias-free patch Conv, ln_pre, RMSNorms of eps 1e-5
+    fixed in the class, a gated MLP, 2-D rotary over each image's patch grid, attention within each image) and its
+    Mistral3MultiModalProjector (RMSNorm of the text rms_norm_eps, the patch merger over spatial_merge_size^2 patches,
+    linear_1 -> projector_hidden_act -> linear_2), reading transformers' ``hidden_states[vision_feature_layer]``."""
+    if vision.model_type != "pixtral":
+        raise ExportError(f"mistral3's vision tower is {vision.model_type!r}, which the vision builder does not build "
+                          "for it: it takes a Pixtral tower (vision_config.model_type 'pixtral')")
+    layer = hf.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ExportError(f"mistral3's vision_feature_layer {layer} names several layers, whose features side by "
+                          "side transformers' own Mistral3MultiModalProjector cannot normalize (its RMSNorm is one "
+                          "layer wide): use one layer (an int) in config.json")
+    total = vision.num_hidden_layers + 1  # transformers' hidden_states: ln_pre's output, then each layer's
+    if not -total <= layer < total:
+        raise ExportError(f"mistral3's vision_feature_layer {layer} is outside the tower's {total} hidden states "
+                          f"(-{total}..{total - 1}): fix config.json")
+    heads, hidden = vision.num_attention_heads, vision.hidden_size
+    if hidden % heads or (hidden // heads) % 4:
+        raise ExportError(f"mistral3's vision hidden_size {hidden} over num_attention_heads {heads} must give a "
+                          "head_dim that is a multiple of 4 (Pixtral's rotary gives rows the even frequencies and "
+                          "columns the odd ones of each half): fix config.json")
+    rope = dict(vision.rope_parameters or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
+        raise ExportError(f"mistral3's vision rope_parameters {rope} are not what the vision builder computes: an "
+                          "axial rope whose rope_theta is a whole number")
+    sizes = {"patch_size": vision.patch_size, "spatial_merge_size": hf.spatial_merge_size}
+    if not all(isinstance(size, int) and size >= 1 for size in sizes.values()):
+        raise ExportError(f"mistral3's {sizes} must each be one positive integer (square patches and merge blocks, as "
+                          "PixtralImageProcessor sizes images): fix config.json")
+    if vision.hidden_act not in PIXTRAL_ACTIVATIONS:
+        raise ExportError(f"mistral3's vision_config.hidden_act {vision.hidden_act!r} is not one the vision builder "
+                          f"computes for Pixtral's gated MLP ({', '.join(PIXTRAL_ACTIVATIONS)})")
+    if hf.projector_hidden_act not in ACTIVATIONS:
+        raise ExportError(f"mistral3's projector_hidden_act {hf.projector_hidden_act!r} is not one the vision builder "
+                          f"computes ({', '.join(ACTIVATIONS)})")
+    if not isinstance(hf.image_token_id, int):
+        raise ExportError("mistral3's config.json names no image token (image_token_index): fix config.json")
+    return VisionConfig(
+        model_type="mistral3", tower=PIXTRAL, hidden_size=hidden, num_heads=heads,
+        intermediate_size=vision.intermediate_size, num_layers=layer % total, image_size=0,
+        patch_size=vision.patch_size, num_channels=vision.num_channels, layer_norm_eps=1e-5,
+        hidden_act=vision.hidden_act, feature_layers=(layer % total,), drop_class_token=False,
+        text_hidden_size=text.hidden_size, vocab_size=text.vocab_size, image_token_id=hf.image_token_id,
+        embed_scale=None, projector_act=hf.projector_hidden_act, spatial_merge_size=hf.spatial_merge_size,
+        rope_theta=int(theta), projector_norm_eps=float(text.rms_norm_eps))

@@ -12,7 +12,7 @@ import onnx_ir as ir
 from exporter.errors import ExportError
 from exporter.graph.components.graph import GraphBuilder
 from exporter.packaging.checkpoint import Checkpoint
-from exporter.vision import qwen2_5_vl, qwen3_5
+from exporter.vision import pixtral, qwen2_5_vl, qwen3_5
 from exporter.vision.config import VisionConfig
 from exporter.vision.projectors import gemma3_projector, llava_projector, pixel_shuffle_projector
 
@@ -40,6 +40,11 @@ class VisionFamily:
     # image_grid_thw, cfg, tower prefix, merger prefix) -> the merged tokens. None: a ViT (encoder.vision_tower)
     # of one image size, then ``projector``.
     patch_sequence_tower: Callable[[GraphBuilder, ir.Value, ir.Value, VisionConfig, str, str], ir.Value] | None = None
+    # A tower over images of their own sizes padded into one batch, with its projector, as one graph: (builder,
+    # pixel_values [images, channels, H, W], image_sizes [images, 2], cfg, tower prefix, projector prefix) -> the
+    # images' tokens (mistral3's Pixtral). None: not such a tower.
+    padded_images_tower: Callable[[GraphBuilder, ir.Value, ir.Value, VisionConfig, str, str], ir.Value] | None = None
+    tower_layers: str = "encoder.layers."  # the tower's layer i is ``{tower}{tower_layers}{i}.`` (its unread ones listed)
 
     def module_names(self, checkpoint: Checkpoint) -> ModuleNames:
         names = checkpoint.names()
@@ -89,5 +94,8 @@ FAMILIES: dict[str, VisionFamily] = {
                      patch_sequence_tower=qwen2_5_vl.qwen2_5_vl_tower),
         *(VisionFamily(model_type, qwen3_5.patch_merger, "merger", patch_embedding="patch_embed.proj.weight",
                        patch_sequence_tower=qwen3_5.qwen3_5_tower) for model_type in ("qwen3_5", "qwen3_5_moe")),
+        # Pixtral and its projector as one graph (padded_images_tower), on pixel_values and image_sizes.
+        VisionFamily("mistral3", None, "multi_modal_projector", patch_embedding="patch_conv.weight",
+                     padded_images_tower=pixtral.pixtral_tower, tower_layers="transformer.layers."),
     )
 }

@@ -12,8 +12,8 @@ import onnx_ir as ir
 
 from exporter import __version__
 from exporter.contract import (
-    BATCH, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_SPATIAL_MERGE_SIZE,
-    META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
+    BATCH, IMAGE_FEATURES, IMAGE_SIZES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_PATCH_SIZE,
+    META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
 )
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.target import CURRENT
@@ -71,6 +71,8 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     b = GraphBuilder(checkpoint, dtype)
     if family.patch_sequence_tower is not None:
         return _patch_sequence_vision_graph(b, cfg, family, names.tower, names.projector)
+    if family.padded_images_tower is not None:
+        return _padded_images_vision_graph(b, cfg, family, names.tower, names.projector)
     pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_IMAGES, cfg.num_channels, cfg.image_size, cfg.image_size])
     # Image processors give fp32; the tower computes in the model dtype, as transformers casts to it.
     x = pixels if dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": dtype})
@@ -96,6 +98,35 @@ def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, family: Vis
     model = _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
     # what a runtime places an image's tokens on M-RoPE's height / width streams by (exporter.runtime.image_text)
     model.metadata_props[META_SPATIAL_MERGE_SIZE] = str(cfg.spatial_merge_size)
+    return model
+
+
+# The padded images' symbolic dims (mistral3).
+HEIGHT, WIDTH = "height", "width"
+
+
+def _padded_images_vision_graph(b: GraphBuilder, cfg: VisionConfig, family: VisionFamily, tower: str,
+                                projector: str) -> ir.Model:
+    """mistral3: ``pixel_values`` fp32 [num_images, channels, height, width] (each image top-left, zero-padded to the
+    batch's largest, as PixtralImageProcessor pads) + ``image_sizes`` int64 [num_images, 2] (each image's height and
+    width in pixels) -> ``image_features`` [num_image_tokens, text hidden], each image's (height // (patch x merge)) x
+    (width // (patch x merge)) tokens row-major, image after image (get_image_features' tuple concatenated).
+
+    ``image_sizes`` is optional: an initializer of the same name, [[0, 0]], is its default (ONNX's overridable
+    initializer, which onnxruntime leaves out of a session's inputs), under which each image is the whole of
+    pixel_values. So onnxruntime-genai, which runs one image at a time at its own size, and transformers.js, which
+    feeds one image, run this graph on pixel_values alone; the farm's runtime feeds both."""
+    pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_IMAGES, cfg.num_channels, HEIGHT, WIDTH])
+    sizes = _input(IMAGE_SIZES, ir.DataType.INT64, [NUM_IMAGES, 2])
+    sizes.const_value = ir.tensor(np.zeros((1, 2), np.int64), name=IMAGE_SIZES)
+    x = pixels if b.dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": b.dtype})
+    features = family.padded_images_tower(b, x, sizes, cfg, tower, projector)
+    out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
+    model = _model(b, [pixels, sizes], [out], f"{cfg.model_type}_vision", cfg)
+    model.graph.register_initializer(sizes)
+    # what a runtime counts each image's tokens by (exporter.runtime.image_text.PaddedImagesModel)
+    model.metadata_props.update({META_SPATIAL_MERGE_SIZE: str(cfg.spatial_merge_size),
+                                 META_PATCH_SIZE: str(cfg.patch_size)})
     return model
 
 

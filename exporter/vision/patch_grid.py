@@ -105,8 +105,8 @@ def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int
 
     # Frames: segment = the frame's index over all images, position = q; as long as the largest frame.
     frame_base = per_patch(op("CumSum", [t, b.scalar_i64(0)], {"exclusive": 1}))
-    frames = _segments(b, n, add(frame_base, frame), q, op("ReduceSum", [t, b.ints(0)], {"keepdims": 1}),
-                       op("ReduceMax", [frame_size, b.ints(0)], {"keepdims": 1}))
+    frames = segment_layout(b, n, add(frame_base, frame), q, op("ReduceSum", [t, b.ints(0)], {"keepdims": 1}),
+                            op("ReduceMax", [frame_size, b.ints(0)], {"keepdims": 1}))
     grid = dict(rows=rows, cols=cols, heights=per_patch(h), widths=per_patch(w), frames=frames)
     if not window:
         return PatchGrid(**grid, windows=None)
@@ -125,13 +125,14 @@ def patch_grid(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, merge: int
                 op("Sub", [token_col, mul(window_col, window)]))
     position = add(mul(inner, merge * merge), offset)
     total = op("ReduceSum", [mul(t, per_frame), b.ints(0)], {"keepdims": 1})
-    windows = _segments(b, n, segment, position, total, b.ints(window * window * merge * merge))
+    windows = segment_layout(b, n, segment, position, total, b.ints(window * window * merge * merge))
     return PatchGrid(**grid, windows=windows)
 
 
-def _segments(b: GraphBuilder, n: ir.Value, segment: ir.Value, position: ir.Value, count: ir.Value,
-              length: ir.Value) -> Segments:
-    """The slot maps of a layout from each patch's (segment, position); ``count`` and ``length`` 1-D [1]."""
+def segment_layout(b: GraphBuilder, n: ir.Value, segment: ir.Value, position: ir.Value, count: ir.Value,
+                   length: ir.Value) -> Segments:
+    """The slot maps of a layout from each patch's (segment, position) (``n``: the patches, 0..patches-1); ``count``
+    (segments) and ``length`` (slots per segment, at least the longest segment) 1-D [1]."""
     op = b.op
     slots = op("Add", [op("Mul", [segment, length]), position])
     empty = op("ConstantOfShape", [op("Mul", [count, length])], {"value": ir.tensor(np.zeros(1, np.int64))})

@@ -108,13 +108,47 @@ QWEN3_5_IMAGE_NORM = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 16 * 16, 64 * 64
 
 
+# Pixtral towers (mistral3), apart from VLM_CONFIGS: they take images of their own sizes padded into one batch, with
+# image_sizes (tests/test_vlm_mistral3.py). A tower of 2 layers, hidden 32 in 2 heads (head_dim 16: 4 row and 4 column
+# rotary frequencies), 4-pixel patches merged 2 x 2 (8 pixels a token side), a mistral language model of hidden 64;
+# Mistral3Config's own defaults otherwise (the last layer's features, GELU projector without biases, the head tied).
+MISTRAL3_TOWER = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=64, patch_size=4, hidden_act="silu")
+PADDED_IMAGES_CONFIGS = {
+    "mistral3": ("Mistral3Config", dict(text_config={**TEXT, "model_type": "mistral", "sliding_window": None},
+                                        vision_config=MISTRAL3_TOWER, spatial_merge_size=2,
+                                        image_token_index=IMAGE_TOKEN)),
+}
+# The other settings the graph reads: an earlier layer's features (hidden_states[1] of 2: layer 2 unread), an exact
+# GELU in the tower's gated MLP, the projector's biases and a head of its own.
+PADDED_IMAGES_CONFIGS["mistral3_layer"] = ("Mistral3Config", dict(
+    PADDED_IMAGES_CONFIGS["mistral3"][1], vision_config={**MISTRAL3_TOWER, "hidden_act": "gelu"}, vision_feature_layer=-2,
+    multimodal_projector_bias=True, tie_word_embeddings=False))
+# A Ministral 3 language model (ministral3: yarn from 8 positions with Llama 4's query scale), as Ministral-3's hubs.
+PADDED_IMAGES_CONFIGS["mistral3_ministral3"] = ("Mistral3Config", dict(
+    PADDED_IMAGES_CONFIGS["mistral3"][1], text_config={**TEXT, "model_type": "ministral3", "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}))
+
+# mistral3 with its tokenizer and PixtralImageProcessor (make_tiny_pixtral_processor): what tests/test_genai_vlm_mistral3.py
+# runs in onnxruntime-genai, whose mistral3 processor expands each [IMG] of a prompt to the image's rows of [IMG] ending
+# in [IMG_BREAK], the last in [IMG_END], and inserts images without one after [INST]. The tiny BPE's 300 ids, then
+# PIXTRAL_TOKENS; images up to 64 pixels on their longest edge (8 x 8 tokens).
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
+PIXTRAL_LONGEST_EDGE = 64
+PADDED_IMAGES_CONFIGS["mistral3_genai"] = ("Mistral3Config", dict(
+    PADDED_IMAGES_CONFIGS["mistral3"][1], image_token_index=300,
+    text_config={**PADDED_IMAGES_CONFIGS["mistral3"][1]["text_config"], "vocab_size": 305, "max_position_embeddings": 512,
+                 "bos_token_id": 1, "eos_token_id": 2}))
+
+
 def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
-    """Write config.json + safetensors of a random ``VLM_CONFIGS[name]`` (or ``PATCH_SEQUENCE_CONFIGS[name]``)
-    model to ``out_dir``; returns it."""
+    """Write config.json + safetensors of a random ``VLM_CONFIGS[name]`` (or ``PATCH_SEQUENCE_CONFIGS[name]``,
+    ``PADDED_IMAGES_CONFIGS[name]``) model to ``out_dir``; returns it."""
     import torch
     import transformers
 
-    class_name, kwargs = {**VLM_CONFIGS, **PATCH_SEQUENCE_CONFIGS, **PROCESSOR_CONFIGS}[name]
+    class_name, kwargs = {**VLM_CONFIGS, **PATCH_SEQUENCE_CONFIGS, **PROCESSOR_CONFIGS, **PADDED_IMAGES_CONFIGS}[name]
     config = getattr(transformers, class_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config)
@@ -134,6 +168,36 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
         make_tiny_qwen_processor(out_dir, config.vision_config)
     if name in ("qwen3_5_genai", "qwen3_5_moe_genai"):
         make_tiny_qwen_processor(out_dir, config.vision_config, **QWEN3_5_IMAGE_NORM)
+    if name == "mistral3_genai":
+        make_tiny_pixtral_processor(out_dir, config.vision_config.patch_size, config.spatial_merge_size)
+    return out_dir
+
+
+def make_tiny_pixtral_processor(out_dir: Path, patch_size: int, spatial_merge_size: int,
+                                longest_edge: int = PIXTRAL_LONGEST_EDGE) -> Path:
+    """Write a Pixtral processor beside a checkpoint in ``out_dir`` as a mistral3 hub repository holds it: the tiny
+    byte-level BPE (BOS added, as Mistral's) with PIXTRAL_TOKENS after its 300 ids, a PixtralImageProcessor of
+    ``longest_edge`` (its defaults otherwise: bicubic, 1/255, CLIP's mean and std) and processor_config.json's
+    PixtralProcessor settings (the tower's patch_size, spatial_merge_size, the image tokens). PixtralProcessor itself
+    wants torchvision: its two parts and its settings are written, as the hub repositories have them."""
+    import json
+
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    from exporter.tiny_checkpoint import make_tiny_tokenizer
+
+    out_dir = Path(out_dir)
+    base = PreTrainedTokenizerFast.from_pretrained(make_tiny_tokenizer(out_dir, bos=True))
+    base.add_special_tokens({"additional_special_tokens": PIXTRAL_TOKENS})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    tokenizer.save_pretrained(out_dir)
+    transformers.PixtralImageProcessorPil(size={"longest_edge": longest_edge},
+                                          patch_size={"height": patch_size, "width": patch_size}).save_pretrained(out_dir)
+    (out_dir / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": patch_size, "spatial_merge_size": spatial_merge_size,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, indent=2) + "\n")
     return out_dir
 
 
