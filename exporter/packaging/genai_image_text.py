@@ -278,36 +278,28 @@ def _tokenizer_ids(out_dir: Path) -> dict[str, int]:
 
 
 def _tokenizer_reason(out_dir: Path, source_dir: Path, image_text: dict) -> str | None:
-    """Why genai's processor cannot tokenize an image prompt with the tokenizer copied to ``out_dir``, or None."""
-    if image_text["model_type"] == "mistral3":
-        ids = _tokenizer_ids(out_dir)
-        missing = [t for t in (PIXTRAL_IMAGE, PIXTRAL_BREAK, PIXTRAL_END) if t not in ids]
-        if missing:
-            return (f"genai's mistral3 processor writes {', '.join(missing)} into the prompt and the checkpoint's "
-                    "tokenizer.json does not hold them")
-        if ids[PIXTRAL_IMAGE] != image_text["image_token_id"]:
-            return (f"the tokenizer gives {PIXTRAL_IMAGE} id {ids[PIXTRAL_IMAGE]} and the model's image token is "
-                    f"{image_text['image_token_id']}")
-        return None
-    if image_text["model_type"] == "qwen2_5_vl":
-        ids, qwen = _tokenizer_ids(out_dir), _qwen_settings(source_dir)
-        missing = [t for t in (QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END) if t not in ids]
-        if missing:
-            return (f"genai's qwen2_5_vl processor writes {', '.join(missing)} into the prompt and the checkpoint's "
-                    "tokenizer.json does not hold them")
-        for token, key in ((QWEN_IMAGE_PAD, "image_token_id"), (QWEN_VISION_START, "vision_start_token_id")):
-            if ids[token] != qwen[key]:
-                return f"the tokenizer gives {token} id {ids[token]} and the model's {key} is {qwen[key]}"
-        return None
-    if image_text["tokens_per_image"] != GEMMA3_GENAI_IMAGE_TOKENS:
-        return (f"genai 0.18's gemma3 processor expands each image to {GEMMA3_GENAI_IMAGE_TOKENS} image tokens and the "
-                f"checkpoint's vision tower gives {image_text['tokens_per_image']} (mm_tokens_per_image)")
+    """Why genai's processor cannot tokenize an image prompt with the tokenizer copied to ``out_dir``, or None: the
+    tokens it writes into a prompt must be in tokenizer.json, at the ids the model reads them by."""
+    model_type = image_text["model_type"]
+    image = ("image token", image_text["image_token_id"])
+    if model_type == "mistral3":
+        written, ids_of = (PIXTRAL_IMAGE, PIXTRAL_BREAK, PIXTRAL_END), {PIXTRAL_IMAGE: image}
+    elif model_type == "qwen2_5_vl":
+        qwen = _qwen_settings(source_dir)
+        written = (QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END)
+        ids_of = {QWEN_IMAGE_PAD: ("image_token_id", qwen["image_token_id"]),
+                  QWEN_VISION_START: ("vision_start_token_id", qwen["vision_start_token_id"])}
+    else:
+        if image_text["tokens_per_image"] != GEMMA3_GENAI_IMAGE_TOKENS:
+            return (f"genai 0.18's gemma3 processor expands each image to {GEMMA3_GENAI_IMAGE_TOKENS} image tokens and "
+                    f"the checkpoint's vision tower gives {image_text['tokens_per_image']} (mm_tokens_per_image)")
+        written, ids_of = (GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI), {GEMMA3_IMAGE_TOKEN: image}
     ids = _tokenizer_ids(out_dir)
-    missing = [t for t in (GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI) if t not in ids]
+    missing = [t for t in written if t not in ids]
     if missing:
-        return (f"genai's gemma3 processor writes {', '.join(missing)} into the prompt and the checkpoint's "
+        return (f"genai's {model_type} processor writes {', '.join(missing)} into the prompt and the checkpoint's "
                 "tokenizer.json does not hold them")
-    if ids[GEMMA3_IMAGE_TOKEN] != image_text["image_token_id"]:
-        return (f"the tokenizer gives {GEMMA3_IMAGE_TOKEN} id {ids[GEMMA3_IMAGE_TOKEN]} and the model's image token "
-                f"is {image_text['image_token_id']}")
+    for token, (what, want) in ids_of.items():
+        if ids[token] != want:
+            return f"the tokenizer gives {token} id {ids[token]} and the model's {what} is {want}"
     return None

@@ -174,20 +174,27 @@ def _llava(hf, common: dict, grid: int) -> VisionConfig:
                         projector_act=hf.projector_hidden_act, tokens_per_image=tokens)
 
 
+def _axial_rope_theta(heads_what: str, hidden: int, heads: int, rope_parameters, split: str, model_type: str) -> int:
+    """The base of a tower's 2-D axial rotary, refusing (ExportError) a head_dim it cannot split between rows and
+    columns (``split`` says how it splits) and a rope other than an axial one of a whole-number theta."""
+    if hidden % heads or (hidden // heads) % 4:
+        raise ExportError(f"{heads_what} must give a head_dim that is a multiple of 4 ({split}): fix config.json")
+    rope = dict(rope_parameters or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
+        raise ExportError(f"{model_type}'s vision rope_parameters {rope} are not what the vision builder computes: an "
+                          "axial rope whose rope_theta is a whole number")
+    return int(theta)
+
+
 def _patch_sequence(model_type: str, hf, vision, text) -> dict:
     """What the patch-sequence towers' configs (Qwen2.5-VL's, Qwen3.5's) share, as VisionConfig fields, refusing
     what their graphs do not compute: a head_dim the 2-D rotary cannot split, a rope other than an axial one of a
     whole-number theta, patch sizes other than one integer, a merger that does not give the text width."""
     heads, hidden = vision.num_heads, vision.hidden_size
-    if hidden % heads or (hidden // heads) % 4:
-        raise ExportError(f"{model_type}'s vision hidden_size {hidden} over num_heads {heads} must give a head_dim "
-                          "that is a multiple of 4 (its rotary splits each half between rows and columns): "
-                          "fix config.json")
-    rope = dict(vision.rope_parameters or {})
-    theta = rope.get("rope_theta", 10000.0)
-    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
-        raise ExportError(f"{model_type}'s vision rope_parameters {rope} are not what the vision builder computes: "
-                          "an axial rope whose rope_theta is a whole number")
+    theta = _axial_rope_theta(f"{model_type}'s vision hidden_size {hidden} over num_heads {heads}", hidden, heads,
+                              vision.rope_parameters, "its rotary splits each half between rows and columns",
+                              model_type)
     sizes = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
              "spatial_merge_size": vision.spatial_merge_size}
     if not all(isinstance(size, int) and size >= 1 for size in sizes.values()):
@@ -276,15 +283,9 @@ def _mistral3(hf, vision, text) -> VisionConfig:
         raise ExportError(f"mistral3's vision_feature_layer {layer} is outside the tower's {total} hidden states "
                           f"(-{total}..{total - 1}): fix config.json")
     heads, hidden = vision.num_attention_heads, vision.hidden_size
-    if hidden % heads or (hidden // heads) % 4:
-        raise ExportError(f"mistral3's vision hidden_size {hidden} over num_attention_heads {heads} must give a "
-                          "head_dim that is a multiple of 4 (Pixtral's rotary gives rows the even frequencies and "
-                          "columns the odd ones of each half): fix config.json")
-    rope = dict(vision.rope_parameters or {})
-    theta = rope.get("rope_theta", 10000.0)
-    if rope.get("rope_type", "axial") != "axial" or float(theta) != int(theta):
-        raise ExportError(f"mistral3's vision rope_parameters {rope} are not what the vision builder computes: an "
-                          "axial rope whose rope_theta is a whole number")
+    theta = _axial_rope_theta(f"mistral3's vision hidden_size {hidden} over num_attention_heads {heads}", hidden,
+                              heads, vision.rope_parameters, "Pixtral's rotary gives rows the even frequencies and "
+                              "columns the odd ones of each half", "mistral3")
     sizes = {"patch_size": vision.patch_size, "spatial_merge_size": hf.spatial_merge_size}
     if not all(isinstance(size, int) and size >= 1 for size in sizes.values()):
         raise ExportError(f"mistral3's {sizes} must each be one positive integer (square patches and merge blocks, as "
