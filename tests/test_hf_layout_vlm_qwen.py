@@ -38,7 +38,8 @@ IMAGE_PROMPT = "hello <|vision_start|><|image_pad|><|vision_end|> the quick brow
 TEXT_PROMPT = "export the model to onnx and run it"
 
 
-FAMILIES = ["qwen3_5", "qwen3_5_moe"]  # the MoE one: experts on every layer beside a shared expert
+# the MoE one: experts on every layer beside a shared expert; qwen2_5_vl: window attention, sectioned M-RoPE, qwen2
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"]
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +107,14 @@ def hf_generate_at_transformersjs_positions(checkpoint, js: dict) -> list[int]:
     length = ids.shape[1]
     delta = (length - 1) + 1 + length
     tokens = ids[0].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
         for step in range(NEW_TOKENS):
-            token = int(out.logits[0, -1].argmax())
+            logits = out.logits[0, -1].clone()
+            logits[eos] = -torch.inf  # min_new_tokens, as both generate calls are asked for
+            token = int(logits.argmax())
             tokens.append(token)
             past = length + step
             positions = torch.full((3, 1, 1), past + delta, dtype=torch.long)
@@ -193,10 +198,14 @@ def test_the_layout_holds_what_transformersjs_loads(laid_out, family):
     assert list(inputs["embed_tokens"]) == [contract.INPUT_IDS]
     decoder = inputs["decoder_model_merged"]
     assert len(decoder[contract.POSITION_IDS]) == 3 and decoder[contract.POSITION_IDS][0] == 3
+    preprocessor = json.loads((layout / "preprocessor_config.json").read_text())
+    assert preprocessor["image_processor_type"] == "Qwen2VLImageProcessor"
+    if family == "qwen2_5_vl":
+        assert preprocessor["processor_class"] == "Qwen2_5_VLProcessor" and "past_key_values.0.key" in decoder
+        return
     assert {"past_conv.0", "past_recurrent.0", "past_key_values.1.key", "past_key_values.1.value"} <= set(decoder)
     assert "LinearAttention" in ops and "GatedDeltaNet" not in ops
     assert ("MoE" in ops) == (family == "qwen3_5_moe")
-    preprocessor = json.loads((layout / "preprocessor_config.json").read_text())
     assert preprocessor["processor_class"] == "Qwen3VLProcessor"
     assert preprocessor["image_processor_type"] == "Qwen2VLImageProcessor"
 

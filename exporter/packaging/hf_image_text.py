@@ -58,14 +58,10 @@ _PIXEL_SHUFFLE = ("transformers.js 4.3 feeds {family}'s vision encoder 5-D pixel
                   "padding crops of a batch by value before the tower; the vision graph takes whole images "
                   "[num_images, 3, H, W]")
 REFUSED_FAMILIES = {family: _PIXEL_SHUFFLE.format(family=family) for family in ("idefics3", "smolvlm")}
-# qwen2_5_vl: transformers.js 4.3 feeds its vision encoder pixel_values + image_grid_thw (as ours takes them) and its
-# decoder the 3-D positions of its own get_rope_index; that pairing has not been run here yet.
-REFUSED_FAMILIES["qwen2_5_vl"] = ("its layout for transformers.js (patch sequence, image_grid_thw, M-RoPE positions "
-                                  "from transformers.js's own get_rope_index) is not built and tested yet; "
-                                  "onnxruntime-genai runs the farm layout")
 # Families whose transformers processor is built only with its video processor (torchvision), of which transformers.js
 # reads the image half: its processor class (transformers.js's name) over the checkpoint's image processor settings.
-IMAGE_ONLY_PROCESSORS = {"qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_5": "Qwen3VLProcessor",
+                         "qwen3_5_moe": "Qwen3VLProcessor"}
 # Families whose transformers processor class wants torchvision (PixtralProcessor), whose settings transformers.js reads
 # from preprocessor_config.json: written from the image processor and processor_config.json's own settings.
 PIXTRAL_PROCESSORS = ("mistral3",)
