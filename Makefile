@@ -28,7 +28,7 @@ run-cli: install
 	@echo "files:" && ls -l $(WORK)/demo-export
 
 test: install
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(WORK) $(VENV)
