@@ -46,3 +46,20 @@ def worst_of_range(ours: list, theirs: list) -> float:
 def until_eos(tokens: list[int], eos: int | None) -> list[int]:
     """What a generation loop emits: the tokens up to and including the first end of sequence."""
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def variant_exports(checkpoint, root, max_seq_len: int):
+    """variant -> the farm export of ``checkpoint`` in that variant under ``root`` (made once, not validated): what
+    the genai image-text tests run genai on."""
+    import functools
+
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+
+    @functools.cache
+    def make(variant: str):
+        request = ExportRequest(model=str(checkpoint), variant=variant, static_cache=variant == "attn_static",
+                                max_seq_len=max_seq_len)
+        return export_model(request, root / variant, validate=False)
+
+    return make

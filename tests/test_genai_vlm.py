@@ -8,7 +8,6 @@ name in the manifest."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import numpy as np
@@ -19,7 +18,7 @@ from exporter.packaging.genai_image_text import GEMMA3_GENAI_IMAGE_TOKENS, genai
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
-from tests.genai_greedy import genai_multimodal_run, worst_of_range
+from tests.genai_greedy import genai_multimodal_run, variant_exports, worst_of_range
 
 og = pytest.importorskip("onnxruntime_genai")
 torch = pytest.importorskip("torch")
@@ -42,15 +41,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, checkpoint):
-    root = tmp_path_factory.mktemp("genai-vlm-exports")
-
-    @functools.cache
-    def make(variant: str):
-        request = ExportRequest(model=str(checkpoint), variant=variant, static_cache=variant == "attn_static",
-                                max_seq_len=MAX_SEQ_LEN)
-        return export_model(request, root / variant, validate=False)
-
-    return make
+    return variant_exports(checkpoint, tmp_path_factory.mktemp("genai-vlm-exports"), MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")

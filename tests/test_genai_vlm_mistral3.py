@@ -8,7 +8,6 @@ ids equal transformers' Pixtral processor's where both resize an image alike, an
 
 from __future__ import annotations
 
-import functools
 import json
 
 import numpy as np
@@ -19,7 +18,7 @@ from exporter.packaging.genai_image_text import pixtral_image_processor
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.vision.tiny_checkpoint import PIXTRAL_LONGEST_EDGE, make_tiny_vlm_checkpoint
-from tests.genai_greedy import genai_multimodal_run, worst_of_range
+from tests.genai_greedy import genai_multimodal_run, variant_exports, worst_of_range
 from tests.test_vlm_mistral3 import hf_prompt
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -44,15 +43,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, checkpoint):
-    root = tmp_path_factory.mktemp("genai-mistral3-exports")
-
-    @functools.cache
-    def make(variant: str):
-        request = ExportRequest(model=str(checkpoint), variant=variant, static_cache=variant == "attn_static",
-                                max_seq_len=MAX_SEQ_LEN)
-        return export_model(request, root / variant, validate=False)
-
-    return make
+    return variant_exports(checkpoint, tmp_path_factory.mktemp("genai-mistral3-exports"), MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")

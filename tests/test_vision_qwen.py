@@ -196,10 +196,10 @@ def test_fp16_build_is_close_to_fp32_transformers(either):
     assert feature_error <= FP16_TOLERANCE and embeds_error <= FP16_TOLERANCE
 
 
-def test_graph_contract_and_ops(qwen):
-    """Names, dtypes and dims as exporter.vision's docstring states them; no control flow; one
-    MultiHeadAttention and one RotaryEmbedding per block."""
-    directory, _, _ = qwen
+def test_graph_contract_and_ops(either):
+    """Names, dtypes, dims and metadata as exporter.vision's docstring states them (qwen3_5's the same as
+    qwen2_5_vl's); no control flow; one MultiHeadAttention and one RotaryEmbedding per block."""
+    directory, _, _ = either
     cfg = load_vision_config(directory)
     vision = build_vision_graph(directory)
     assert [(v.name, v.dtype, v.shape.dims) for v in vision.graph.inputs] == [
@@ -210,12 +210,15 @@ def test_graph_contract_and_ops(qwen):
     assert (features.name, features.shape.dims) == (IMAGE_FEATURES, ("num_image_tokens", cfg.text_hidden_size))
     ops = [node.op_type for node in vision.graph]
     assert not {"Loop", "If", "Scan"} & set(ops)
-    assert ops.count("MultiHeadAttention") == ops.count("RotaryEmbedding") == cfg.num_layers == 4
+    blocks = {"qwen2_5_vl": 4, "qwen3_5": 3}[cfg.model_type]
+    assert ops.count("MultiHeadAttention") == ops.count("RotaryEmbedding") == cfg.num_layers == blocks
+    assert {key: vision.metadata_props[f"exportfarm.vision.{key}"]
+            for key in ("image_token_id", "tokens_per_image", "image_size", "spatial_merge_size")} == {
+        "image_token_id": str(IMAGE_TOKEN), "tokens_per_image": "0", "image_size": "0", "spatial_merge_size": "2"}
     embedding = build_embedding_graph(directory)
     assert [(v.name, v.shape.dims) for v in embedding.graph.inputs] == [
         (INPUT_IDS, ("batch_size", "sequence_length")), (IMAGE_FEATURES, ("num_image_tokens", cfg.text_hidden_size))]
     assert [v.name for v in embedding.graph.outputs] == [INPUTS_EMBEDS]
-    assert vision.metadata_props["exportfarm.vision.image_token_id"] == str(IMAGE_TOKEN)
 
 
 def test_qwen3_vl_is_refused_by_name(tmp_path):
@@ -310,29 +313,6 @@ def test_qwen3_5_resampling_rule_matters_on_these_grids(qwen3_5):
     error = worst(features, other_rule)
     print(f"qwen3_5 features against align_corners False: max |err| / range = {error:.2e}")
     assert error > 10 * FEATURE_TOLERANCE
-
-
-def test_qwen3_5_graph_contract_and_ops(qwen3_5):
-    """The same contract as qwen2_5_vl's: names, dtypes, dims and metadata; no control flow, one MultiHeadAttention
-    and one RotaryEmbedding per block."""
-    directory, _, _ = qwen3_5
-    cfg = load_vision_config(directory)
-    vision = build_vision_graph(directory)
-    assert [(v.name, v.dtype, v.shape.dims) for v in vision.graph.inputs] == [
-        (PIXEL_VALUES, ir.DataType.FLOAT, ("num_patches", 3 * 2 * 4 * 4)),
-        (IMAGE_GRID_THW, ir.DataType.INT64, ("num_images", 3)),
-    ]
-    (features,) = vision.graph.outputs
-    assert (features.name, features.shape.dims) == (IMAGE_FEATURES, ("num_image_tokens", cfg.text_hidden_size))
-    ops = [node.op_type for node in vision.graph]
-    assert not {"Loop", "If", "Scan"} & set(ops)
-    assert ops.count("MultiHeadAttention") == ops.count("RotaryEmbedding") == cfg.num_layers == 3
-    assert {key: vision.metadata_props[f"exportfarm.vision.{key}"]
-            for key in ("image_token_id", "tokens_per_image", "image_size", "spatial_merge_size")} == {
-        "image_token_id": str(IMAGE_TOKEN), "tokens_per_image": "0", "image_size": "0", "spatial_merge_size": "2"}
-    embedding = build_embedding_graph(directory)
-    assert [(v.name, v.shape.dims) for v in embedding.graph.inputs] == [
-        (INPUT_IDS, ("batch_size", "sequence_length")), (IMAGE_FEATURES, ("num_image_tokens", cfg.text_hidden_size))]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -13,7 +13,6 @@ sizes and text only. What the builder does not compute is refused by name, befor
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import onnx
@@ -30,6 +29,7 @@ from exporter.vision import IMAGE_FEATURES, INPUT_IDS, PIXEL_VALUES, build_embed
 from exporter.vision.tiny_checkpoint import IMAGE_TOKEN, PADDED_IMAGES_CONFIGS, make_tiny_vlm_checkpoint
 from tests.conftest import VARIANTS
 from tests.test_vision import worst
+from tests.test_vlm import report_of, summary
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -208,19 +208,6 @@ def mistral3_export(tmp_path_factory):
         return export_model(request, root / f"{name}-{variant}-{dtype}", validate=True)
 
     return make
-
-
-def report_of(result) -> dict:
-    return json.loads((result.out_dir / contract.REPORT_JSON).read_text())
-
-
-def summary(report: dict) -> str:
-    sections = report["components"]
-    e2e = sections["end_to_end"]
-    return (f"vision {max(s['max_abs_error_of_range'] for s in sections['vision']):.2e}, embeds "
-            f"{max(s['max_abs_error_of_range'] for s in sections['embedding']):.2e}, prefill "
-            f"{max(s['prefill_max_abs_error'] / s['logit_range'] for s in e2e):.2e} of range, tokens equal "
-            f"{[s['greedy_equal'] for s in e2e]}")
 
 
 def assert_passes_in_fp32(result) -> dict:

@@ -20,6 +20,7 @@ from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.vision.tiny_checkpoint import IMAGE_TOKEN, make_tiny_vlm_checkpoint
 from tests.conftest import VARIANTS
+from tests.test_vlm import report_of, summary
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -53,19 +54,6 @@ def reference(checkpoint):
     from exporter.validation.image_text import load_image_text_reference
 
     return load_image_text_reference(checkpoint)
-
-
-def report_of(result) -> dict:
-    return json.loads((result.out_dir / contract.REPORT_JSON).read_text())
-
-
-def summary(report: dict) -> str:
-    sections = report["components"]
-    e2e = sections["end_to_end"]
-    return (f"vision {max(s['max_abs_error_of_range'] for s in sections['vision']):.2e}, embeds "
-            f"{max(s['max_abs_error_of_range'] for s in sections['embedding']):.2e}, prefill "
-            f"{max(s['prefill_max_abs_error'] / s['logit_range'] for s in e2e):.2e} of range, steps max "
-            f"{max(s['steps_max_abs_error'] for s in e2e):.2e}, tokens equal {[s['greedy_equal'] for s in e2e]}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -136,11 +136,9 @@ def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | No
                       f"vision graph takes {want} x {want}")
     if settings.get("do_pan_and_scan"):
         return None, "the image processor pans and scans (do_pan_and_scan): genai's gemma3 processor does not"
-    resample = settings.get("resample", 2)
-    resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
-    if resample not in INTERPOLATION:
-        return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
-                      f"resizes nearest, bilinear or bicubic only")
+    resample, why = _interpolation(settings, 2)
+    if why:
+        return None, why
     transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
                   ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "width": want, "height": want,
                                         "keep_aspect_ratio": 0})]
@@ -153,9 +151,7 @@ def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | No
         mean, std = settings.get("image_mean", [0.5] * 3), settings.get("image_std", [0.5] * 3)
         transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean], "std": [float(s) for s in std]}))
     transforms.append(("to_channel_first", "Permute3D", {"dims": [2, 0, 1]}))
-    return {"processor": {"name": "gemma_3_image_processing", "transforms": [
-        {"operation": {"name": name, "type": kind, **({"attrs": attrs} if attrs else {})}}
-        for name, kind, attrs in transforms]}}, None
+    return _processor_json("gemma_3_image_processing", transforms), None
 
 
 def qwen_image_processor(settings: dict, qwen: dict) -> tuple[dict | None, str | None]:
@@ -174,28 +170,14 @@ def qwen_image_processor(settings: dict, qwen: dict) -> tuple[dict | None, str |
         if settings.get(key, ours) != ours:
             return None, (f"the image processor's {key} {settings[key]} is not the vision tower's {ours}: "
                           "its patches would not be the ones the vision graph takes")
-    resample = settings.get("resample", 3)
-    resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
-    if resample not in INTERPOLATION:
-        return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
-                      f"resizes nearest, bilinear or bicubic only")
+    resample, why = _interpolation(settings, 3)
+    if why:
+        return None, why
     patch, merge = qwen["patch_size"], qwen["spatial_merge_size"]
-    # Rescale is also what turns the decoded bytes into the floats PatchImage takes: factor 1 when not rescaling.
-    factor = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else 1.0
-    transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
-                  ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "smart_resize": 1,
-                                        "min_pixels": int(low), "max_pixels": int(high), "patch_size": patch,
-                                        "merge_size": merge}),
-                  ("rescale", "Rescale", {"rescale_factor": factor})]
-    if settings.get("do_normalize", True):
-        mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073])
-        std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711])
-        transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean],
-                                                      "std": [float(s) for s in std]}))
+    transforms = _smart_resize_transforms(settings, resample, int(low), int(high), patch, merge)
     transforms.append(("patch_image", "PatchImage", {"patch_size": patch, "merge_size": merge,
                                                      "temporal_patch_size": qwen["temporal_patch_size"]}))
-    return {"processor": {"name": "qwen2_5_image_processor", "transforms": [
-        {"operation": {"name": name, "type": kind, "attrs": attrs}} for name, kind, attrs in transforms]}}, None
+    return _processor_json("qwen2_5_image_processor", transforms), None
 
 
 def pixtral_image_processor(settings: dict, pixtral: dict, processor: dict) -> tuple[dict | None, str | None]:
@@ -224,26 +206,49 @@ def pixtral_image_processor(settings: dict, pixtral: dict, processor: dict) -> t
     if tokens != {"image": PIXTRAL_IMAGE, "image_break": PIXTRAL_BREAK, "image_end": PIXTRAL_END}:
         return None, (f"the processor names its image tokens {tokens}: genai's mistral3 processor writes "
                       f"{PIXTRAL_IMAGE}, {PIXTRAL_BREAK} and {PIXTRAL_END}")
-    resample = settings.get("resample", 3)
+    resample, why = _interpolation(settings, 3)
+    if why:
+        return None, why
+    transforms = _smart_resize_transforms(settings, resample, (patch * merge) ** 2, longest * longest, patch, merge)
+    transforms += [("to_channel_first", "Permute3D", {"dims": [2, 0, 1]}), ("image_sizes", "PixtralImageSizes", {})]
+    return _processor_json("pixtral_image_processor", transforms), None
+
+
+def _interpolation(settings: dict, default: int) -> tuple[int | None, str | None]:
+    """The image processor's resample (PIL's code, or its name) as an INTERPOLATION key, or (None, why
+    onnxruntime-extensions cannot resize that way)."""
+    resample = settings.get("resample", default)
     resample = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
     if resample not in INTERPOLATION:
         return None, (f"the image processor resamples with {settings.get('resample')!r}: onnxruntime-extensions "
                       f"resizes nearest, bilinear or bicubic only")
+    return resample, None
+
+
+def _smart_resize_transforms(settings: dict, resample: int, low: int, high: int, patch: int,
+                             merge: int) -> list[tuple[str, str, dict]]:
+    """Decode, smart_resize to multiples of patch x merge between ``low`` and ``high`` pixels, rescale (also what turns
+    the decoded bytes into floats: factor 1 when not rescaling) and normalize (CLIP's mean and std where unset):
+    the transforms genai's qwen2_5_vl and mistral3 processors start with."""
     factor = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else 1.0
     transforms = [("decode_image", "DecodeImage", {"color_space": "RGB"}),
                   ("resize", "Resize", {"interpolation": INTERPOLATION[resample], "smart_resize": 1,
-                                        "min_pixels": (patch * merge) ** 2, "max_pixels": longest * longest,
-                                        "patch_size": patch, "merge_size": merge}),
+                                        "min_pixels": low, "max_pixels": high, "patch_size": patch,
+                                        "merge_size": merge}),
                   ("rescale", "Rescale", {"rescale_factor": factor})]
     if settings.get("do_normalize", True):
         mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073])
         std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711])
         transforms.append(("normalize", "Normalize", {"mean": [float(m) for m in mean],
                                                       "std": [float(s) for s in std]}))
-    transforms += [("to_channel_first", "Permute3D", {"dims": [2, 0, 1]}), ("image_sizes", "PixtralImageSizes", {})]
-    return {"processor": {"name": "pixtral_image_processor", "transforms": [
-        {"operation": {"name": name, "type": kind, **({"attrs": attrs} if attrs else {})}}
-        for name, kind, attrs in transforms]}}, None
+    return transforms
+
+
+def _processor_json(name: str, transforms: list[tuple[str, str, dict]]) -> dict:
+    """onnxruntime-extensions' processor JSON: ``transforms`` as (name, type, attrs), attrs left out where empty."""
+    return {"processor": {"name": name, "transforms": [
+        {"operation": {"name": op_name, "type": kind, **({"attrs": attrs} if attrs else {})}}
+        for op_name, kind, attrs in transforms]}}
 
 
 def _pixtral_settings(source_dir: Path) -> dict:
