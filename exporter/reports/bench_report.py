@@ -132,7 +132,9 @@ def markdown(result: dict) -> str:
         lines += ["", "No recommendation: no configuration of ours was reproduced by the independent check."]
     image = result.get("image") or {}
     if "encode_ms_median" in image:  # an image-text export
-        lines += ["", f"Image ({image['image_size']} px, {image['tokens_per_image']} tokens): vision graph "
+        size = (f"{image['image_size']} px" if "image_size" in image
+                else "grid t, h, w of patches " + " x ".join(str(v) for v in image["image_grid_thw"]))
+        lines += ["", f"Image ({size}, {image['tokens_per_image']} tokens): vision graph "
                   f"{image['encode_ms_median']:.3f} ms; time to the first token of a {image['prompt_tokens']}-token "
                   f"one-image prompt (vision, embedding, prefill) {image['time_to_first_token_ms_median']:.3f} ms "
                   "(medians); text decode above runs through the embedding graph."]

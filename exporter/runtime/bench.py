@@ -92,33 +92,37 @@ def bench_contexts(decoder: Decoder, contexts, steps: int, warmup: int, buffer_f
     return results
 
 
-def image_figures(model, repeats: int = 5, text_tokens: int = 8) -> dict:
-    """An image-text export's image costs, on ``model`` (exporter.runtime.image_text.ImageTextModel): the vision graph
-    on one image (median ms of ``repeats`` after one untimed run), and the time to the first token of a prompt of
-    one image and ``text_tokens`` text tokens: vision, embedding and the decoder's prefill on fresh caches (median)."""
+def image_figures(model, limit: int, repeats: int = 5, text_tokens: int = 8) -> dict:
+    """An image-text export's image costs, on ``model`` (exporter.runtime.image_text's runtime of it): the vision graph
+    on one image (``model.timing_image()``: the model's own size, or a square of TIMING_IMAGE_TOKENS tokens where the
+    tokens follow the image's size; median ms of ``repeats`` after one untimed run), and the time to the first token
+    of a prompt of that image and ``text_tokens`` text tokens: vision, embedding and the decoder's prefill on fresh
+    caches (median); the prompt within ``limit`` positions (the export's max_seq_len)."""
     import time
 
-    if not model.tokens_per_image:  # its token count follows each image's grid or size: no fixed image to time
-        return {"skipped": "the vision graph's input follows each image's grid (image_grid_thw) or size (image_sizes); "
-                           "not timed here"}
-    pixels = np.zeros((1, 3, model.image_size, model.image_size), np.float32)
-    model.image_features(pixels)
+    inputs, tokens, image = model.timing_image(limit - text_tokens - 1)
+    if tokens + text_tokens + 1 > limit:
+        return {"skipped": f"a one-image prompt ({tokens} image tokens and {text_tokens} text tokens) does not fit the "
+                           f"export's {limit} positions"}
+    model.image_features(**inputs)
     encode = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model.image_features(pixels)
+        model.image_features(**inputs)
         encode.append(time.perf_counter() - start)
-    prompt = np.array([[model.image_token_id] * model.tokens_per_image + [3] * text_tokens], np.int64)
+    prompt = np.array([[model.image_token_id] * tokens + [3] * text_tokens], np.int64)
     buffer = prompt.shape[1] + 1
     first = []
     for i in range(repeats + 1):
+        model.clear()
         caches = model.decoder.new_caches(buffer, 1)
         start = time.perf_counter()
-        model.encode(pixels)
+        model.encode(**inputs)
         model.decoder.prefill_bound(prompt, caches, buffer)
         if i:  # the first pays the prompt shape's kernel selection
             first.append(time.perf_counter() - start)
-    return {"image_size": model.image_size, "tokens_per_image": model.tokens_per_image,
+    model.clear()
+    return {**image, "tokens_per_image": tokens,
             "encode_ms_median": float(np.median(encode)) * 1000.0, "prompt_tokens": int(prompt.shape[1]),
             "time_to_first_token_ms_median": float(np.median(first)) * 1000.0, "repeats": repeats}
 
@@ -140,9 +144,9 @@ def run_bench(
     # captured graph around it
     graph = (ep == "cuda" and meta["variant"] != "attn_dynamic" and not image_text) if cuda_graph is None else cuda_graph
     if image_text:  # text decode timed through the embedding graph (no images), as generation runs it
-        from exporter.runtime.image_text import ImageTextModel
+        from exporter.runtime.image_text import open_image_text
 
-        model = ImageTextModel(export_dir, ep, cuda_graph=graph)
+        model = open_image_text(export_dir, ep, cuda_graph=graph)
         decoder = model.decoder
     else:
         decoder = Decoder(export_dir, ep, cuda_graph=graph)
@@ -170,6 +174,6 @@ def run_bench(
                           "cuda_graph": graph,
                           "io_binding": True, "cache_mode": decoder.mode, "batches": list(batches),
                           "sliding_layers": len(meta["config"].get("sliding_layers") or [])},
-                         image_figures(model) if image_text else None)
+                         image_figures(model, limit) if image_text else None)
     (export_dir / BENCH_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -9,6 +9,7 @@ device buffers) drives an image prompt unchanged.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,17 @@ from exporter.contract import (
     META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
 )
 from exporter.runtime.session import Decoder
+
+
+# The bench's image where a family's token count follows the image's size (patch-sequence, padded-images): a square of
+# this many tokens a side (256 tokens: Qwen2.5-VL's 448 x 448 pixels, Pixtral's 512 x 512).
+TIMING_IMAGE_SIDE = 16
+
+
+def timing_side(max_tokens: int) -> int:
+    """The timing image's side in tokens: TIMING_IMAGE_SIDE, or the largest square of at most ``max_tokens`` tokens
+    (an export whose max_seq_len is below 256 tokens and the prompt's text)."""
+    return max(1, min(TIMING_IMAGE_SIDE, math.isqrt(max(max_tokens, 1))))
 
 
 class ImageTextModel:
@@ -80,6 +92,12 @@ class ImageTextModel:
     def clear(self) -> None:
         """Drop queued features (a new sequence)."""
         self._queued = self.no_images()
+
+    def timing_image(self, max_tokens: int) -> tuple[dict, int, dict]:
+        """What the bench times an image by: (``encode``'s / ``image_features``' arguments for one blank image of at most
+        ``max_tokens`` tokens, its image tokens, what the bench reports of it). Here the model's one image size."""
+        pixels = np.zeros((1, 3, self.image_size, self.image_size), np.float32)
+        return {"pixel_values": pixels}, self.tokens_per_image, {"image_size": self.image_size}
 
 
 def image_text_decode(model: ImageTextModel, prompt: list[int], pixel_values: np.ndarray | None, steps: int,
@@ -185,6 +203,15 @@ class PatchSequenceModel(ImageTextModel):
         super().clear()
         self._grids, self._deltas, self._prefilled = [], [], False
 
+    def timing_image(self, max_tokens: int) -> tuple[dict, int, dict]:
+        """One frame of TIMING_IMAGE_SIDE x TIMING_IMAGE_SIDE tokens (each token merge x merge patches), or the largest
+        square within ``max_tokens``."""
+        side = timing_side(max_tokens) * self.spatial_merge_size
+        patch_dim = self.vision.get_inputs()[0].shape[1]
+        grid = np.array([[1, side, side]], np.int64)
+        inputs = {"pixel_values": np.zeros((side * side, patch_dim), np.float32), "image_grid_thw": grid}
+        return inputs, self.image_tokens(grid[0]), {"image_grid_thw": grid[0].tolist()}
+
 
 def whole_images(count: int, queued: list[int]) -> int:
     """How many of the queued images (``queued``: each one's token count, in order) ``count`` image tokens of one call
@@ -259,6 +286,14 @@ class PaddedImagesModel(ImageTextModel):
     def clear(self) -> None:
         super().clear()
         self._tokens = []
+
+    def timing_image(self, max_tokens: int) -> tuple[dict, int, dict]:
+        """A square image of TIMING_IMAGE_SIDE x TIMING_IMAGE_SIDE tokens, or the largest within ``max_tokens``."""
+        side = timing_side(max_tokens) * self.token_pixels
+        channels = self.vision.get_inputs()[0].shape[1]
+        inputs = {"pixel_values": np.zeros((1, channels, side, side), np.float32),
+                  "image_sizes": np.array([[side, side]], np.int64)}
+        return inputs, self.image_tokens((side, side)), {"image_size": side}
 
 
 def rope_index(ids: np.ndarray, grids, image_token_id: int, merge: int, start: int = 0) -> np.ndarray:
