@@ -246,10 +246,15 @@ def encode_ms(vision_file: Path, feeds: dict, runs: int, ep: str) -> dict:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(vision_file), options, providers=[PROVIDERS[ep]])
-    names = {i.name for i in session.get_inputs()}
+    types = {i.name: i.type for i in session.get_inputs()}
+    names = set(types)
     binding = session.io_binding()
     for name, value in feeds.items():
         if name in names:
+            # in the graph's own element type, as genai hands a package's vision graph its processor's pixels
+            # (mobius's fp16 vision graph takes fp16 pixel_values; ours casts fp32 pixels inside)
+            if types[name] == "tensor(float16)":
+                value = value.astype(np.float16)
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, DEVICES[ep], 0))
     missing = names - set(feeds)
     if missing:
