@@ -1,13 +1,17 @@
-"""What Qwen3-VL's "deepstack" does in transformers, measured (issue 48): the vision tower hands the language model,
-beside the merged image features, one more feature map per ``deepstack_visual_indexes`` entry (from those vision
-layers, each through its own merger), and the language model ADDS map k to the hidden states at the image-token
-positions after decoder layer k (``Qwen3VLTextModel._deepstack_process``). An export needs a decoder input for them
-(per layer, at the image positions); this measures how far transformers' own logits move without them.
+"""What Qwen3-VL's "deepstack" does in transformers, and whether the export carries it (issue 48): the vision tower hands
+the language model, beside the merged image features, one more feature map per ``deepstack_visual_indexes`` entry (from
+those vision layers, each through its own merger), and the language model ADDS map k to the hidden states at the
+image-token positions after decoder layer k (``Qwen3VLTextModel._deepstack_process``). Neither consumer's decoder
+(onnxruntime-genai 0.18, transformers.js 4.3.2) takes an input for them, so the export carries them inside the
+embeddings: image_features and inputs_embeds are hidden x (1 + maps) wide, [merged | map 0 | ...], a text token's maps
+zeros, and the decoder adds slice k + 1 after its layer k (exporter.contract.image_text_width).
 
     python benchmarks/qwen3_vl_deepstack.py --out benchmarks/results/qwen3_vl_deepstack_cpu.json
 
-A tiny random Qwen3-VL (transformers' classes at small sizes), one image prompt, fp32 on the CPU: the logits with
-deepstack against the same forward with ``_deepstack_process`` returning the hidden states unchanged.
+A tiny random Qwen3-VL (transformers' classes at small sizes), one image prompt, fp32 on the CPU: transformers' logits
+with deepstack against the same forward with ``_deepstack_process`` returning the hidden states unchanged (what
+dropping the maps would cost), and the export's (attn_dynamic, fp32, through exporter.runtime.image_text) last-position
+prefill logits against transformers' with its maps as exported and with the map slices of inputs_embeds zeroed.
 """
 
 from __future__ import annotations
@@ -15,8 +19,44 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+
+
+def export_errors(model, ids, pixels, grid, want_last) -> dict:
+    """The export of ``model`` (saved, exported attn_dynamic fp32, not validated) on one image prompt: its last-position
+    prefill logits against transformers' ``want_last``, with its deepstack maps and with them zeroed, as shares of the
+    logit range."""
+    from exporter.pipeline import export_model
+    from exporter.request import ExportRequest
+    from exporter.runtime.image_text import open_image_text
+
+    with tempfile.TemporaryDirectory() as work:
+        source = Path(work) / "qwen3-vl"
+        model.save_pretrained(source)
+        export = export_model(ExportRequest(model=str(source), variant="attn_dynamic", max_seq_len=64),
+                              Path(work) / "export", validate=False)
+        runtime = open_image_text(export.out_dir, prepack=False, spin=False)
+        embed = runtime.embed
+        errors = {}
+        for label, zeroed in (("export_with_deepstack", False), ("export_deepstack_zeroed", True)):
+            def embedded(input_ids, features=None, zeroed=zeroed):
+                embeds = embed(input_ids, features)
+                if zeroed:
+                    embeds[..., runtime.text_hidden:] = 0
+                return embeds
+
+            runtime.embed = embedded
+            runtime.clear()
+            runtime.encode(pixels, grid)
+            logits = runtime.decoder.prefill([list(ids)], runtime.decoder.new_state(1))[0]
+            errors[f"{label}_max_abs_error_of_range"] = float(np.abs(logits - want_last).max() / np.ptp(want_last))
+            errors[f"{label}_next_token_equal"] = int(logits.argmax()) == int(want_last.argmax())
+        errors["inputs_embeds_width"] = runtime.hidden
+        return errors
 
 
 def main() -> None:
@@ -65,13 +105,19 @@ def main() -> None:
         runs.append({"seed": seed, "logit_range": spread,
                      "max_abs_change_of_range": float((full - without).abs().max()) / spread,
                      "text_after_image_max_abs_change_of_range": float((full[after_image] - without[after_image]).abs().max()) / spread,
-                     "next_token_changed": int(full[-1].argmax()) != int(without[-1].argmax())})
+                     "next_token_changed": int(full[-1].argmax()) != int(without[-1].argmax()),
+                     **export_errors(model, ids[0].tolist(), pixels.numpy(), grid.numpy(), full[-1].numpy())})
         print(json.dumps(runs[-1]), flush=True)
+    import onnxruntime
+
     result = {"benchmark": "qwen3_vl_deepstack", "command": "python benchmarks/qwen3_vl_deepstack.py --out " + str(args.out),
               "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.machine(),
-              "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+              "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                           "onnxruntime": onnxruntime.__version__},
               "what": "tiny random Qwen3-VL (4 text layers, deepstack from vision layers 0-2 into text layers 0-2), one "
-                      "16-token image prompt, fp32 CPU: transformers' logits with its deepstack additions vs without",
+                      "16-token image prompt, fp32 CPU: transformers' logits with its deepstack additions vs without; "
+                      "the export's (attn_dynamic fp32, the maps in inputs_embeds 64 x 4 wide) last-position prefill "
+                      "logits vs transformers', with its maps and with their slices zeroed",
               "runs": runs}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -48,6 +48,13 @@ def cache_pairs(variant: Variant, num_layers: int) -> list[tuple[str, str]]:
     return pairs
 
 
+def cache_kind(name: str) -> str:
+    """"key" or "value": which of a layer's two caches the cache input or output ``name`` is (any variant's)."""
+    if name.startswith(("past_key_values.", "present.")):
+        return name.rsplit(".", 1)[1]
+    return "value" if name.startswith(("value_cache.", "updated_value_cache.")) else "key"
+
+
 def input_for_output(name: str) -> str | None:
     """The cache input an output updates (present.0.key -> past_key_values.0.key), else None."""
     if name.startswith(tuple(f"present_{kind}." for kind in STATE_KINDS)):
@@ -102,7 +109,8 @@ def step_inputs(variant: Variant) -> tuple[str, ...]:
 
 def cache_dims(variant: Variant, num_kv_heads: int, head_dim: int, *, output: bool = False) -> list:
     """Declared dims of a cache input (or output): attn_static [batch, max_seq_len, kv_heads*head_dim]
-    (BSNH, what the kernels read natively), the others [batch, kv_heads, past|total, head_dim]."""
+    (BSNH, what the kernels read natively), the others [batch, kv_heads, past|total, head_dim]. A value
+    cache of its own head size (``VALUE_HEAD_DIM``) is declared with that one."""
     if Variant(variant) is Variant.ATTN_STATIC:
         return [BATCH, MAX_SEQ_LEN_DIM, num_kv_heads * head_dim]
     return [BATCH, num_kv_heads, TOTAL if output else PAST, head_dim]
@@ -174,9 +182,49 @@ IMAGE_SIZES = "image_sizes"
 # mistral3's vision graph: pixels per patch side, which with spatial_merge_size gives an image's token grid
 # (height // (patch_size * spatial_merge_size) rows of width // (patch_size * spatial_merge_size) tokens).
 META_PATCH_SIZE = f"{META_PREFIX}vision.patch_size"
+# qwen3_vl's vision and embedding graphs: how many "deepstack" maps ride beside each image token's merged features
+# (docs/graph-contracts.md "qwen3_vl"). Neither consumer's decoder has an input for them (onnxruntime-genai 0.18
+# feeds the decoder inputs_embeds alone, transformers.js 4.3.2 likewise), so they travel in the embeddings themselves:
+# image_features and inputs_embeds are image_text_width(hidden, maps) wide, [merged | map 0 | ... | map D-1], a text
+# token's row [its embedding | zeros], and the decoder adds slice k + 1 after its layer k.
+META_DEEPSTACK = f"{META_PREFIX}vision.deepstack"
+
+
+def image_text_width(hidden: int, deepstack: int = 0) -> int:
+    """The last dim of image_features and inputs_embeds: the text hidden size, times 1 + the number of deepstack
+    maps each image token carries (qwen3_vl; 0 for every other family)."""
+    return hidden * (1 + deepstack)
+
+
 # Keys of the JSON under META_CONFIG.
 CONFIG_KEYS = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len",
                "context_length")
+# The value caches' head size where it is not the keys' ``head_dim`` (transformers' latent-attention cache, traced:
+# keys kv_lora_rank wide, values qk_rope_head_dim wide); absent, values are ``head_dim`` wide as keys (every
+# hand-built export). Not the model config's ``v_head_dim``, which is not what such a cache holds.
+VALUE_HEAD_DIM = "value_head_dim"
+# The manifest's entry for an export whose caches are of two head sizes: {num_kv_heads, head_dim, value_head_dim}.
+MANIFEST_CACHE = "cache"
+
+
+def head_dim_entries(head_dim: int, value_head_dim: int | None = None) -> dict:
+    """The head sizes as META_CONFIG's JSON carries them: ``head_dim``, and ``VALUE_HEAD_DIM`` only where the
+    values' differs (so an export whose caches are alike is described as it always was)."""
+    entries = {"head_dim": int(head_dim)}
+    if value_head_dim is not None and int(value_head_dim) != int(head_dim):
+        entries[VALUE_HEAD_DIM] = int(value_head_dim)
+    return entries
+
+
+def value_head_dim(config: dict) -> int:
+    """The value caches' head size of an export, from its META_CONFIG JSON (or its manifest's ``MANIFEST_CACHE``)."""
+    return int(config.get(VALUE_HEAD_DIM) or config["head_dim"])
+
+
+def split_cache(config: dict) -> bool:
+    """Whether an export's value caches are of another head size than its keys (META_CONFIG's JSON or the
+    manifest's ``MANIFEST_CACHE``): consumers that size both from one head size cannot run it."""
+    return bool(config) and VALUE_HEAD_DIM in config and value_head_dim(config) != int(config["head_dim"])
 
 
 # --- how a batch's rows of different lengths are fed (the manifest's "padding") -------------------

@@ -7,7 +7,9 @@ as a user runs it (AutoProcessor on a PNG, AutoModelForImageTextToText.generate:
 image_text_generate.mjs) and against transformers' generate on the ids, pixel_values and grid transformers.js made.
 A text-only prompt decodes in transformers.js 4.3.2 at positions its own rope delta shifts (a bug of its
 _get_text_only_rope_index, hf_generate_at_transformersjs_positions): there its tokens are transformers' at those
-positions."""
+positions. Qwen3-VL (qwen3_vl, qwen3_vl_moe) likewise through Qwen3VLForConditionalGeneration (transformers.js's
+Qwen2.5-VL class): its deepstack maps ride in the rows vision_encoder gives and embed_tokens' rows are as wide (the
+table row, then zeros), which transformers.js merges row for row and feeds decoder_model_merged whole."""
 
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ IMAGE_PROMPT = "hello <|vision_start|><|image_pad|><|vision_end|> the quick brow
 TEXT_PROMPT = "export the model to onnx and run it"
 
 
-# the MoE one: experts on every layer beside a shared expert; qwen2_5_vl: window attention, sectioned M-RoPE, qwen2
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"]
+# the MoE one: experts on every layer beside a shared expert; qwen2_5_vl: window attention, sectioned M-RoPE, qwen2;
+# qwen3_vl / qwen3_vl_moe: Qwen3.5's tower with deepstack maps, a qwen3 / qwen3_moe decoder taking them in inputs_embeds
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +191,11 @@ def test_the_layout_holds_what_transformersjs_loads(laid_out, family):
     inputs_embeds, the mask, 3-D position_ids and the hybrid's caches by transformers.js's names, its linear layers
     on LinearAttention (onnxruntime-node has no GatedDeltaNet kernel); the processor files name Qwen3VLProcessor."""
     layout = laid_out("fp32", family).out_dir
-    inputs = {}
+    inputs, outputs = {}, {}
     for name in ("vision_encoder", "embed_tokens", "decoder_model_merged"):
         graph = onnx.load(str(layout / "onnx" / f"{name}.onnx"), load_external_data=False).graph
         inputs[name] = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+        outputs[name] = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in graph.output}
         if name == "decoder_model_merged":
             ops = {n.op_type for n in graph.node}
     assert list(inputs["vision_encoder"]) == [contract.PIXEL_VALUES, contract.IMAGE_GRID_THW]
@@ -202,6 +206,14 @@ def test_the_layout_holds_what_transformersjs_loads(laid_out, family):
     assert preprocessor["image_processor_type"] == "Qwen2VLImageProcessor"
     if family == "qwen2_5_vl":
         assert preprocessor["processor_class"] == "Qwen2_5_VLProcessor" and "past_key_values.0.key" in decoder
+        return
+    if family.startswith("qwen3_vl"):  # the rows: 64 hidden + 2 deepstack maps of 64, in all three sessions
+        wide = [contract.BATCH, contract.SEQ, 192]
+        assert outputs["vision_encoder"][contract.IMAGE_FEATURES] == ["num_image_tokens", 192]
+        assert outputs["embed_tokens"][contract.INPUTS_EMBEDS] == decoder[contract.INPUTS_EMBEDS] == wide
+        assert {"past_key_values.0.key", "past_key_values.2.value"} <= set(decoder) and "past_conv.0" not in decoder
+        assert ("MoE" in ops) == (family == "qwen3_vl_moe")
+        assert preprocessor["processor_class"] == "Qwen3VLProcessor"
         return
     assert {"past_conv.0", "past_recurrent.0", "past_key_values.1.key", "past_key_values.1.value"} <= set(decoder)
     assert "LinearAttention" in ops and "GatedDeltaNet" not in ops

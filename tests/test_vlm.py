@@ -209,24 +209,6 @@ def test_image_text_family_without_vision_graphs_is_refused_by_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
-def test_qwen3_vl_is_refused_saying_why_its_deepstack_features_cannot_be_dropped(tmp_path):
-    """Qwen3-VL adds vision-layer feature maps to its first decoder layers' hidden states at the image positions
-    (benchmarks/qwen3_vl_deepstack.py measured what dropping them does): refused before anything is written."""
-    import transformers
-
-    config = transformers.Qwen3VLConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           deepstack_visual_indexes=[0]))
-    source = tmp_path / "qwen3-vl"
-    transformers.Qwen3VLForConditionalGeneration(config).save_pretrained(source)
-    with pytest.raises(ExportError, match=r"qwen3_vl is not exported: its language model adds 'deepstack' visual "
-                                          r"features .* the export's decoder contract does not have yet"):
-        export_model(ExportRequest(model=str(source)), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_a_bf16_image_text_export_is_refused_saying_why(vlm_checkpoint, tmp_path):
     """The three sessions hand image features and embeddings to each other through numpy, which has no bfloat16
     (found on an H200: benchmarks/results/h200/vlm_cuda.json); refused before anything is written."""

@@ -307,7 +307,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
         builder.group_router_op = False
     table_len = request.max_seq_len or cfg.max_position_embeddings
     graph = build_graph(builder, arch, cfg, variant, table_len, request.max_seq_len, on_layer,
-                        inputs_embeds=language is not None)
+                        inputs_embeds=language is not None, deepstack=language.deepstack if language else 0)
     model = ir.Model(graph, ir_version=target.ir_version, producer_name="exportfarm", producer_version=__version__)
     model.metadata_props.update(
         {
@@ -320,7 +320,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                     "num_layers": cfg.num_layers,
                     "num_heads": cfg.num_heads,
                     "num_kv_heads": cfg.num_kv_heads,
-                    "head_dim": cfg.head_dim,
+                    **contract.head_dim_entries(cfg.head_dim, cfg.value_head_dim),
                     "vocab_size": cfg.vocab_size,
                     "max_seq_len": request.max_seq_len,
                     "context_length": table_len,
@@ -330,6 +330,8 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
                        if cfg.layer_attention else {}),
                     "activations": activations.value,
                     **({"image_text": language.model_type} if language else {}),
+                    # qwen3_vl: inputs_embeds hidden x (1 + deepstack) wide (contract.image_text_width)
+                    **({"deepstack": language.deepstack} if language and language.deepstack else {}),
                     # M-RoPE: position_ids [3, batch, seq] (docs/graph-contracts.md "M-RoPE")
                     **({"mrope_section": list(mrope_section(cfg.rope))} if language and mrope_section(cfg.rope) else {}),
                     **({"recurrent": {"kind": cfg.recurrent.kind,

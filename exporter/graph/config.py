@@ -282,9 +282,12 @@ def _moe_config(hf, model_type: str, num_layers: int) -> MoeConfig | None:
                           "num_experts_per_tok must be between 1 and the expert count")
     # granitemoe and gpt-oss softmax the top-k logits, which is renormalizing softmax's top k; mixtral
     # always renormalizes.
-    # qwen3_5_moe always renormalizes (its config has no norm_topk_prob).
-    always = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe", "granitemoehybrid")
-    normalize = True if model_type in always else bool(getattr(hf, "norm_topk_prob", False))
+    # qwen3_5_moe always renormalizes (its config has no norm_topk_prob), and so does Qwen3-VL-MoE's language model
+    # (qwen3_vl_moe_text, read as qwen3_moe: exporter/graph/language_model.py), whatever its config says.
+    always = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe", "granitemoehybrid",
+              "qwen3_vl_moe_text")
+    normalize = (True if model_type in always or getattr(hf, "model_type", None) in always
+                 else bool(getattr(hf, "norm_topk_prob", False)))
     step = getattr(hf, "decoder_sparse_step", None) or 1
     dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
@@ -403,6 +406,9 @@ class ModelConfig:
     multipliers: dict = dataclasses.field(default_factory=dict)
     # deepseek_v3's multi-head latent attention; its caches hold the latent: one KV head of kv_rank + rope_dim.
     latent: LatentAttentionConfig | None = None
+    # The value caches' head size where it is not head_dim (a traced latent-attention cache: keys the latent, values
+    # the rotary key; exporter.contract.VALUE_HEAD_DIM); None: values as wide as keys.
+    value_head_dim: int | None = None
     rotary_interleaved: bool = False  # the rotary pairs adjacent dims (ernie4_5, cohere2), not the two halves
     qk_norm_after_rotary: bool = False  # hunyuan_v1_dense: q / k norms on the rotated heads
     # ministral3: queries scaled by 1 + beta * log(1 + floor(position / original_max)): (beta, original_max)
@@ -489,6 +495,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def value_size(self) -> int:
+        """One token's values in one layer's cache (``kv_size`` unless the values have a head size of their own)."""
+        return self.num_kv_heads * (self.value_head_dim or self.head_dim)
 
 
 def read_raw_config(checkpoint_dir: Path) -> dict:

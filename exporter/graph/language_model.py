@@ -1,6 +1,6 @@
 """The language model of an image-text checkpoint, as the decoder of an image-text export (issue 48).
 
-An image-text checkpoint (gemma3, llava, idefics3, smolvlm, qwen2_5_vl, mistral3: the families exporter.vision
+An image-text checkpoint (gemma3, llava, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3: the families exporter.vision
 builds) holds a text model the exporter already builds (gemma3_text, llama, mistral, ministral3, qwen2, ...) under a
 prefix of its own (``language_model.model.``, ``model.language_model.``, ``model.text_model.``). Its config is the
 checkpoint's text_config read as that text model's; its architecture is the text architecture with the
@@ -14,13 +14,17 @@ import dataclasses
 from pathlib import Path
 
 from exporter.errors import ExportError
+from exporter.graph.architectures import qwen3_vl_moe
 from exporter.graph.architectures.base import Architecture
 from exporter.graph.config import LANGUAGE_MODEL_OF, ModelConfig, read_raw_config
 
 
 # Language models that are a text architecture the exporter builds under a name of their own: qwen2_5_vl's is qwen2
-# (q / k / v biases) with multimodal rotary (rope_parameters' mrope_section: position_ids [3, batch, seq]).
-TEXT_ARCHITECTURE_OF = {"qwen2_5_vl_text": "qwen2"}
+# (q / k / v biases) with multimodal rotary (rope_parameters' mrope_section: position_ids [3, batch, seq]); qwen3_vl's
+# qwen3 (q / k norms) with interleaved M-RoPE (rotary.MROPE_INTERLEAVED, by the text config's own model_type) and its
+# deepstack adds (LanguageModel.deepstack); qwen3_vl_moe's qwen3_moe, its experts stored stacked
+# (architectures/qwen3_vl_moe.py) and always renormalized (config._moe_config).
+TEXT_ARCHITECTURE_OF = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,9 @@ class LanguageModel:
     model_type: str  # the image-text checkpoint's (gemma3, llava, ...)
     config: ModelConfig  # text_config's; config.architecture is the text model_type
     architecture: Architecture  # the text architecture, its weights under the checkpoint's prefix
+    # Qwen3-VL's deepstack maps, added after the decoder's layers 0 .. deepstack - 1 at the image positions; they reach
+    # the decoder inside inputs_embeds (contract.image_text_width). 0: none (every other family).
+    deepstack: int = 0
 
 
 # Image-text checkpoints whose language model is exported alone (LANGUAGE_MODEL_OF) except for transformers.js's
@@ -54,26 +61,18 @@ def image_text_type(checkpoint_dir: Path, layout: str | None = None) -> str | No
 
 # Qwen3-VL's "deepstack" (transformers' Qwen3VLTextModel._deepstack_process): feature maps from the vision layers in
 # deepstack_visual_indexes, each through its own merger, ADDED to the hidden states at the image positions after the
-# first decoder layers. Measured without them (benchmarks/qwen3_vl_deepstack.py, a tiny random Qwen3-VL, fp32):
-# logits 42-49% of the range off on an image prompt, the next token changed in 2 of 3 seeds: not droppable.
+# first decoder layers. Not droppable (benchmarks/qwen3_vl_deepstack.py, a tiny random Qwen3-VL, fp32: logits 42-49% of
+# the range off on an image prompt without them): they ride in the wide inputs_embeds (contract.image_text_width).
 DEEPSTACK_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-DEEPSTACK_REFUSAL = (
-    "{model_type} is not exported: its language model adds 'deepstack' visual features (one map per "
-    "deepstack_visual_indexes entry) to the hidden states at the image positions after its first decoder layers, so "
-    "its decoder needs an input for each such layer, which the export's decoder contract does not have yet (nor does "
-    "transformers.js's decoder_model_merged feed one); without them transformers' own logits move 42-49% of their "
-    "range on an image prompt (benchmarks/results/qwen3_vl_deepstack_cpu.json), so they are not dropped")
 
 
 def check_image_text_request(request, checkpoint_dir: Path) -> None:
     """Refuse (ExportError) what an image-text export cannot be yet: a family the vision builder does not
     take, a language model the exporter does not build, an hf layout transformers.js cannot run, the compat
     target, a traced graph."""
-    from exporter.vision import FAMILIES, load_vision_config
+    from exporter.vision import FAMILIES, check_vision_checkpoint
 
     model_type = image_text_type(checkpoint_dir, request.layout)
-    if model_type in DEEPSTACK_TYPES:
-        raise ExportError(DEEPSTACK_REFUSAL.format(model_type=model_type))
     if request.activations.value == "bf16":
         raise ExportError("a bf16 image-text export is not built yet: its image features and embeddings pass between "
                           "the vision, embedding and decoder sessions on the host, where numpy has no bfloat16 (measured "
@@ -93,7 +92,7 @@ def check_image_text_request(request, checkpoint_dir: Path) -> None:
     if request.builder == "traced":
         raise ExportError("transformers.exporters does not build the vision and embedding graphs of an image-text "
                           "checkpoint: drop builder traced (the hand-built graphs export it)")
-    load_vision_config(checkpoint_dir)  # refuses a tower or a setting the vision builder does not compute
+    check_vision_checkpoint(checkpoint_dir)  # refuses a tower, a setting or missing weights the vision builder needs
     language_model(checkpoint_dir)  # refuses a language model the exporter does not build
 
 
@@ -103,7 +102,7 @@ def language_model(checkpoint_dir: Path) -> LanguageModel:
     from exporter.graph.architectures import ARCHITECTURES
     from exporter.graph.config import _transformers_config, check_config_values, text_model_config
     from exporter.packaging.checkpoint import Checkpoint
-    from exporter.vision import FAMILIES
+    from exporter.vision import FAMILIES, load_vision_config
 
     checkpoint_dir = Path(checkpoint_dir)
     raw = read_raw_config(checkpoint_dir)
@@ -128,11 +127,22 @@ def language_model(checkpoint_dir: Path) -> LanguageModel:
         # transformers ties the ForConditionalGeneration model's head by the top-level setting (mistral3's text_config
         # says False where Mistral3Config's default True ties it), and save_pretrained then stores no head
         config = dataclasses.replace(config, tie_word_embeddings=True)
+    if heads and config.tie_word_embeddings and _transformers_config(checkpoint_dir).tie_word_embeddings is False:
+        # and by the same top-level setting it unties a head the checkpoint holds (qwen3_vl_moe's text_config defaults
+        # to tied, Qwen3VLMoeConfig to untied): the stored head is the one transformers reads
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     if len(heads) > 1 or (not heads and not config.tie_word_embeddings):
         raise ExportError(f"the checkpoint holds {len(heads) or 'no'} LM head weights ({', '.join(heads) or 'none'}) "
                           "where its text_config describes one: is config.json from this checkpoint?")
     head = heads[0] if heads else "lm_head.weight"
-    return LanguageModel(model_type, config, _under(ARCHITECTURES[text_type], prefix, head))
+    deepstack = len(load_vision_config(checkpoint_dir).deepstack_layers) if model_type in DEEPSTACK_TYPES else 0
+    layout = ARCHITECTURES[text_type]
+    if text.model_type == "qwen3_vl_moe_text" and config.moe is not None:  # its experts' layout, from their shapes
+        sparse = config.moe.sparse_layers.index(True) if any(config.moe.sparse_layers) else 0
+        stored = _under(qwen3_vl_moe.TEXT, prefix, head).moe_name(sparse, qwen3_vl_moe.EXPERTS[0])
+        shape = tuple(checkpoint.shape(stored)) if stored in checkpoint else ()
+        layout = qwen3_vl_moe.stored_layout(shape, config.moe.expert_intermediate)
+    return LanguageModel(model_type, config, _under(layout, prefix, head), deepstack)
 
 
 def _under(text: Architecture, prefix: str, head: str) -> Architecture:

@@ -159,8 +159,9 @@ def _rotary(b: GraphBuilder, cfg: ModelConfig, rope: RopeConfig, table_len: int,
             raise ExportError(f"{cfg.architecture}'s mrope_section {list(section)} is exported as three sections "
                               f"filling half the rotary dims ({rope.rotary_dim // 2}) of a rope without longrope: fix "
                               "config.json's rope_parameters")
+        interleaved = {cfg.architecture, getattr(cfg.hf_config, "model_type", None)} & set(MROPE_INTERLEAVED)
         return mrope_rotary(b, cos, sin, position_ids, section, rope.rotary_dim, cfg.head_dim,
-                            interleaved=cfg.architecture in MROPE_INTERLEAVED)
+                            interleaved=bool(interleaved))
     rotary = Rotary(cos, sin, rope.rotary_dim, cfg.head_dim, interleaved=cfg.rotary_interleaved)
     if variant is Variant.GQA:
         if tables.switch_at is not None:
@@ -191,18 +192,26 @@ def build_graph(
     max_seq_len: int | None,
     on_layer=None,
     inputs_embeds: bool = False,
+    deepstack: int = 0,
 ) -> ir.Graph:
     """The decoder graph of ``variant``; ``inputs_embeds``: it takes the embeddings (an image-text export's
-    embedding graph merges image features into them) where a text export takes ``input_ids``."""
+    embedding graph merges image features into them) where a text export takes ``input_ids``. ``deepstack``
+    (Qwen3-VL's): the embeddings are hidden x (1 + deepstack) wide (contract.image_text_width), the hidden states
+    first, then one deepstack map per slice, which the decoder adds after its layers 0 .. deepstack - 1."""
     dtype = b.dtype
     # The compat target's attention takes the mask as an additive bias; the current one a boolean.
     as_mask = (lambda mask: attention_bias(b, mask, cfg.num_heads)) if b.target.contrib_ops else (lambda mask: mask)
     if inputs_embeds and cfg.per_layer_input:
         raise ExportError(f"{cfg.architecture} reads its token ids inside the decoder (per-layer inputs): it cannot "
                           "take inputs_embeds")
+    if deepstack and (not inputs_embeds or deepstack > cfg.num_layers or cfg.per_layer_input
+                      or arch.norm_layout == POST_NORM):
+        raise ExportError(f"{deepstack} deepstack maps are added after the first layers of a pre-norm decoder taking "
+                          f"inputs_embeds; {cfg.architecture} here has {cfg.num_layers} layers, norm layout "
+                          f"{arch.norm_layout}: no Qwen3-VL checkpoint is built so")
     # (the masks read only the sequence length off it: axis 1 of either input)
-    input_ids = (_input(io.INPUTS_EMBEDS, dtype, [BATCH, SEQ, cfg.hidden_size]) if inputs_embeds
-                 else _input(io.INPUT_IDS, I64, [BATCH, SEQ]))
+    input_ids = (_input(io.INPUTS_EMBEDS, dtype, [BATCH, SEQ, io.image_text_width(cfg.hidden_size, deepstack)])
+                 if inputs_embeds else _input(io.INPUT_IDS, I64, [BATCH, SEQ]))
     inputs = [input_ids]
     step = StepInputs(rotary=None)
     lengths = position_ids = attention_mask = None
@@ -293,7 +302,11 @@ def build_graph(
         # One [hidden, vocab] copy serves both ends: the LM head's MatMul reads it as is and the
         # embedding gathers its columns, instead of storing the table twice (file and device memory).
         embed_t = b.op("Transpose", [embed], {"perm": [1, 0]})
-    if inputs_embeds:
+    deepstack_maps = []
+    if inputs_embeds and deepstack:  # [hidden states | map 0 | ... ], each hidden wide; a text token's maps are zeros
+        x, *deepstack_maps = b.op_multi("Split", [input_ids, b.ints(*[cfg.hidden_size] * (1 + deepstack))],
+                                        {"axis": -1}, num_outputs=1 + deepstack)
+    elif inputs_embeds:
         x = input_ids  # embedded and scaled already, by the embedding graph
     elif cfg.tie_word_embeddings:
         x = b.op("Transpose", [b.op("Gather", [embed_t, input_ids], {"axis": 1})], {"perm": [1, 2, 0]})
@@ -314,6 +327,10 @@ def build_graph(
             x = h = b.op("Add", [x, mlp_out])
         else:
             next_norm = arch.final_norm if last else arch.names(i + 1)["input_norm"]
+            if i < len(deepstack_maps):
+                # transformers' _deepstack_process: the layer's output, then map i added at the image positions (the
+                # map is zeros at text positions, so adding it everywhere is that masked add), before the next norm
+                x, mlp_out = b.op("Add", [x, mlp_out]), deepstack_maps[i]
             h, x = end_layer(b, arch, cfg, i, x, mlp_out, next_norm, per_layer)
         if cfg.has_cache(i):
             names = io.cache_names(variant, i)

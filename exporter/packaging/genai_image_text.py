@@ -14,7 +14,9 @@ Only model types genai has a processor for get a package. Of the families export
 onnxruntime-extensions transforms smart-resize the image and cut it into the flattened patches and
 image_grid_thw the vision graph takes, and which expands each ``<|vision_start|>`` to t x h x w / merge^2
 ``<|image_pad|>``; genai computes the decoder's M-RoPE position_ids [3, batch, seq] itself, as transformers'
-get_rope_index), and mistral3 (genai's ``mistral3``: Mistral3ImageProcessor, whose onnxruntime-extensions
+get_rope_index), qwen3_vl and qwen3_vl_moe (genai's ``qwen3_vl``: the same processor and positions; the vision graph's
+image_features and the decoder's inputs_embeds are hidden x (1 + deepstack maps) wide, exporter.contract.image_text_width,
+so genai_config's decoder.hidden_size, by which genai sizes both, says that width), and mistral3 (genai's ``mistral3``: Mistral3ImageProcessor, whose onnxruntime-extensions
 transforms resize, normalize and report each image's size (PixtralImageSizes), and which expands each ``[IMG]`` of a
 prompt to the image's rows of ``[IMG]`` ending in ``[IMG_BREAK]``, the last in ``[IMG_END]``; its vision state runs the
 vision graph once per image on that image's pixels alone, which the graph's optional image_sizes lets it do); llava,
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from exporter.contract import (
     EMBEDDING_FILE, GENAI_CONFIG_FILE, GENAI_IMAGE_PROCESSOR_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS,
-    INPUTS_EMBEDS, PIXEL_VALUES, VISION_FILE,
+    INPUTS_EMBEDS, PIXEL_VALUES, VISION_FILE, image_text_width,
 )
 from exporter.graph.config import ModelConfig
 from exporter.packaging.genai import (
@@ -39,7 +41,11 @@ from exporter.packaging.genai import (
 from exporter.request import ExportRequest, Variant
 
 # Hugging Face model_type -> genai model.type of the image-text types whose processor genai 0.18 has.
-GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl", "mistral3": "mistral3"}
+GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl", "mistral3": "mistral3",
+                          "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+# The Qwen-VL families genai runs with its QwenImageProcessor (<|vision_start|> .. <|vision_end|>, patches and
+# image_grid_thw) and its M-RoPE positions.
+QWEN_VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # genai 0.18's gemma3 processor: the prompt's marker, what it expands it to, and how many image tokens (constant).
 GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 GEMMA3_GENAI_IMAGE_TOKENS = 256
@@ -81,11 +87,16 @@ def write_genai_image_text_package(
     vision_keys = {}
     if model_type == "mistral3":  # what genai's processor and per-image vision runs count each image's tokens by
         vision_keys = _pixtral_settings(source_dir)
-    if model_type == "qwen2_5_vl":  # what genai's M-RoPE positions and its processor's prompt expansion read
+    if model_type in QWEN_VL_TYPES:  # what genai's M-RoPE positions and its processor's prompt expansion read
         qwen = _qwen_settings(source_dir)
         model["vision_start_token_id"] = qwen["vision_start_token_id"]
         model["video_token_id"] = qwen["video_token_id"]
-        vision_keys = {k: qwen[k] for k in ("spatial_merge_size", "patch_size", "window_size", "tokens_per_second")}
+        vision_keys = {k: qwen[k] for k in ("spatial_merge_size", "patch_size", "window_size", "tokens_per_second")
+                       if qwen[k] is not None}
+    # genai allocates the vision graph's image_features [tokens, hidden_size] and the embedding graph's inputs_embeds
+    # [batch, seq, hidden_size] (its multi_modal_features.cpp, embeddings.cpp) by decoder.hidden_size: qwen3_vl's are
+    # wide, its deepstack maps riding beside the hidden states (contract.image_text_width), so that is the width here
+    model["decoder"]["hidden_size"] = image_text_width(config.hidden_size, (image_text.get("deepstack") or {}).get("maps", 0))
     decoder = model["decoder"]
     decoder["inputs"] = {"inputs_embeds": INPUTS_EMBEDS,
                          **{k: v for k, v in decoder["inputs"].items() if k != "input_ids"}}
@@ -94,7 +105,7 @@ def write_genai_image_text_package(
                           "inputs": {"input_ids": INPUT_IDS, "image_features": IMAGE_FEATURES},
                           "outputs": {"inputs_embeds": INPUTS_EMBEDS}}
     vision_inputs = {"pixel_values": PIXEL_VALUES}
-    if model_type == "qwen2_5_vl":
+    if model_type in QWEN_VL_TYPES:
         vision_inputs["image_grid_thw"] = IMAGE_GRID_THW
     model["vision"] = {"session_options": decoder["session_options"], "filename": VISION_FILE,
                        "config_filename": GENAI_IMAGE_PROCESSOR_FILE, **vision_keys,
@@ -106,7 +117,8 @@ def write_genai_image_text_package(
 
 
 def genai_image_text_reason(model_type: str) -> str | None:
-    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl, mistral3)."""
+    """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl, qwen3_vl,
+    qwen3_vl_moe, mistral3)."""
     if model_type in GENAI_IMAGE_TEXT_TYPES:
         return None
     return (f"onnxruntime-genai 0.18 has no image-text model type for {model_type!r} (its image processors are "
@@ -125,7 +137,7 @@ def genai_image_processor(source_dir: Path, image_text: dict) -> tuple[dict | No
     if not settings:
         return None, ("the checkpoint has no image processor settings (processor_config.json or "
                       "preprocessor_config.json): genai's image processor config is written from them")
-    if image_text.get("model_type") == "qwen2_5_vl":
+    if image_text.get("model_type") in QWEN_VL_TYPES:
         return qwen_image_processor(settings, _qwen_settings(source_dir))
     if image_text.get("model_type") == "mistral3":
         return pixtral_image_processor(settings, _pixtral_settings(source_dir),
@@ -260,17 +272,20 @@ def _pixtral_settings(source_dir: Path) -> dict:
 
 
 def _qwen_settings(source_dir: Path) -> dict:
-    """What genai's qwen2_5_vl type reads from config.json: the vision tower's patch, merge and temporal sizes,
-    window_size and tokens_per_second (transformers' defaults where config.json leaves them out), and the
-    vision start / video token ids."""
+    """What genai's qwen2_5_vl / qwen3_vl types read from config.json: the vision tower's patch, merge and temporal
+    sizes, qwen2_5_vl's window_size and tokens_per_second (transformers' defaults where config.json leaves them out;
+    None for Qwen3-VL's tower, which has neither: its image positions need no time scale), and the vision start / video
+    token ids."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(source_dir))
     vision = config.vision_config
+    per_second = getattr(vision, "tokens_per_second", None)
     return {"patch_size": vision.patch_size, "spatial_merge_size": vision.spatial_merge_size,
-            "temporal_patch_size": vision.temporal_patch_size, "window_size": vision.window_size,
-            "tokens_per_second": float(vision.tokens_per_second), "image_token_id": config.image_token_id,
-            "vision_start_token_id": config.vision_start_token_id, "video_token_id": config.video_token_id}
+            "temporal_patch_size": vision.temporal_patch_size, "window_size": getattr(vision, "window_size", None),
+            "tokens_per_second": None if per_second is None else float(per_second),
+            "image_token_id": config.image_token_id, "vision_start_token_id": config.vision_start_token_id,
+            "video_token_id": config.video_token_id}
 
 
 def _tokenizer_ids(out_dir: Path) -> dict[str, int]:
@@ -289,7 +304,7 @@ def _tokenizer_reason(out_dir: Path, source_dir: Path, image_text: dict) -> str 
     image = ("image token", image_text["image_token_id"])
     if model_type == "mistral3":
         written, ids_of = (PIXTRAL_IMAGE, PIXTRAL_BREAK, PIXTRAL_END), {PIXTRAL_IMAGE: image}
-    elif model_type == "qwen2_5_vl":
+    elif model_type in QWEN_VL_TYPES:
         qwen = _qwen_settings(source_dir)
         written = (QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END)
         ids_of = {QWEN_IMAGE_PAD: ("image_token_id", qwen["image_token_id"]),

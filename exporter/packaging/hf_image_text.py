@@ -13,7 +13,11 @@ declared, and the caches; every decode step's token through ``embed_tokens`` aga
   ``input_ids`` only, gemma3's sqrt(hidden) scale the embedding graph's own constant. The export's
   embedding graph takes ``image_features`` too, which transformers.js refuses ("Missing the following
   inputs"). An image token is its own row unless its id lies past the table (then row 0), as transformers
-  embeds it; the merge overwrites it in a prompt with an image.
+  embeds it; the merge overwrites it in a prompt with an image. qwen3_vl's rows are as wide as the embedding graph's
+  (its table row, then zeros where the deepstack maps go: exporter.contract.image_text_width), because
+  transformers.js's merge (default_merge_input_ids_with_features) copies each vision_encoder row whole into its
+  token's inputs_embeds row and feeds decoder_model_merged only what embed_tokens and that merge give it: the wide
+  feature rows land whole, deepstack maps included, and the decoder takes them apart.
 - ``onnx/decoder_model_merged{suffix}.onnx``: the decoder. gemma3's declares no ``position_ids``:
   transformers.js feeds gemma3 1-based positions (``start_index`` 1 for paligemma / gemma3) where
   transformers counts from 0, so the graph computes them from ``attention_mask`` (cumsum - 1, padding 1,
@@ -61,7 +65,8 @@ REFUSED_FAMILIES = {family: _PIXEL_SHUFFLE.format(family=family) for family in (
 # Families whose transformers processor is built only with its video processor (torchvision), of which transformers.js
 # reads the image half: its processor class (transformers.js's name) over the checkpoint's image processor settings.
 IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_5": "Qwen3VLProcessor",
-                         "qwen3_5_moe": "Qwen3VLProcessor"}
+                         "qwen3_5_moe": "Qwen3VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                         "qwen3_vl_moe": "Qwen3VLProcessor"}
 # Families whose transformers processor class wants torchvision (PixtralProcessor), whose settings transformers.js reads
 # from preprocessor_config.json: written from the image processor and processor_config.json's own settings.
 PIXTRAL_PROCESSORS = ("mistral3",)
@@ -116,7 +121,8 @@ def _dtype_name(file: str) -> str:
 
 def embed_tokens_graph(embedding: onnx.ModelProto, image_token_id: int) -> onnx.ModelProto:
     """``input_ids`` [batch_size, sequence_length] -> ``inputs_embeds``: the embedding graph's table lookup
-    (its table and scale initializers, unchanged) without the image features."""
+    (its table and scale initializers, unchanged) without the image features, as wide as the embedding graph's
+    inputs_embeds (qwen3_vl: the table row, then zeros for the deepstack maps)."""
     inits = {t.name: t for t in embedding.graph.initializer}
     gather = next((n for n in embedding.graph.node if n.op_type == "Gather" and n.input[0] in inits
                    and inits[n.input[0]].data_location == TensorProto.EXTERNAL), None)
@@ -138,10 +144,16 @@ def embed_tokens_graph(embedding: onnx.ModelProto, image_token_id: int) -> onnx.
     if scale is not None:  # gemma3's sqrt(hidden), the embedding graph's constant (rounded to its dtype)
         initializers.append(inits[scale.input[1]])
         nodes.append(helper.make_node("Mul", ["embedded", scale.input[1]], [contract.INPUTS_EMBEDS]))
+    meta = {p.key: p.value for p in embedding.metadata_props}
+    width = contract.image_text_width(hidden, int(meta.get(contract.META_DEEPSTACK, 0)))
+    if width > hidden:  # qwen3_vl: zeros where an image token's row carries its deepstack maps
+        nodes[-1].output[0] = "unpadded"
+        initializers.append(helper.make_tensor("deepstack_pads", TensorProto.INT64, [6], [0, 0, 0, 0, 0, width - hidden]))
+        nodes.append(helper.make_node("Pad", ["unpadded", "deepstack_pads"], [contract.INPUTS_EMBEDS]))
     graph = helper.make_graph(
         nodes, "embed_tokens",
         [helper.make_tensor_value_info(contract.INPUT_IDS, TensorProto.INT64, [contract.BATCH, contract.SEQ])],
-        [helper.make_tensor_value_info(contract.INPUTS_EMBEDS, table.data_type, [contract.BATCH, contract.SEQ, hidden])],
+        [helper.make_tensor_value_info(contract.INPUTS_EMBEDS, table.data_type, [contract.BATCH, contract.SEQ, width])],
         initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=embedding.ir_version,
                               producer_name=embedding.producer_name, producer_version=embedding.producer_version)

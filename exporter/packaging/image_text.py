@@ -47,8 +47,26 @@ def write_image_text_graphs(out_dir: Path, checkpoint_dir: Path, decoder: ir.Mod
         **({"unread": {"tensors": unread, "why": "transformers' forward does not read them either: tower layers past "
                        "the deepest vision_feature_layer, the post-layernorm where the features are hidden states"}}
            if unread else {}),
+        **({"deepstack": deepstack_entry(cfg)} if cfg.deepstack_layers else {}),
     }
     return written, entry
+
+
+def deepstack_entry(cfg) -> dict:
+    """The manifest's account of Qwen3-VL's deepstack maps: where they come from, where the decoder adds them, and
+    why image_features and the decoder's inputs_embeds are wider than the text hidden size."""
+    maps = len(cfg.deepstack_layers)
+    return {
+        "maps": maps, "vision_blocks": list(cfg.deepstack_layers), "decoder_layers": list(range(maps)),
+        "text_hidden_size": cfg.text_hidden_size, "inputs_embeds_width": cfg.feature_width,
+        "layout": "image_features / inputs_embeds rows are [hidden states | map 0 | ... | map D-1], each text hidden "
+                  "wide; a text token's maps are zeros; the decoder adds map k after its layer k",
+        "why": "transformers adds each deepstack map to the hidden states at the image positions after the decoder's "
+               "first layers (Qwen3VLTextModel._deepstack_process), and neither onnxruntime-genai 0.18 nor "
+               "transformers.js 4.3.2 feeds a decoder any input but inputs_embeds; both pass the vision graph's rows "
+               "into inputs_embeds unchanged (genai sizes both by genai_config's decoder.hidden_size, written as this "
+               "width; transformers.js copies each feature row into its token's row), so the maps ride there",
+    }
 
 
 def _unread_tower_tensors(checkpoint_dir: Path, cfg) -> list[str]:

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from exporter.contract import (
-    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, IMAGE_SIZES, INPUT_IDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
+    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, IMAGE_SIZES, INPUT_IDS, META_DEEPSTACK, META_IMAGE_SIZE,
+    META_IMAGE_TOKEN_ID,
     META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
 )
 from exporter.runtime.session import Decoder
@@ -41,6 +42,8 @@ class ImageTextModel:
         ort = self.decoder.ort
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        if not decoder_options.get("spin", True):  # as the decoder's (session.Decoder): no spinning beside other work
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.vision = ort.InferenceSession(str(export_dir / VISION_FILE), options, providers=self.decoder.providers)
         self.embedding = ort.InferenceSession(str(export_dir / EMBEDDING_FILE), options,
                                               providers=self.decoder.providers)
@@ -49,7 +52,9 @@ class ImageTextModel:
         self.image_token_id = int(meta[META_IMAGE_TOKEN_ID])
         self.image_size = int(meta[META_IMAGE_SIZE])
         features = next(i for i in self.embedding.get_inputs() if i.name == IMAGE_FEATURES)
-        self.hidden = int(features.shape[-1])
+        self.hidden = int(features.shape[-1])  # the rows' width: qwen3_vl's carry its deepstack maps too
+        self.deepstack = int(meta.get(META_DEEPSTACK, 0))  # maps beside the merged features (contract.image_text_width)
+        self.text_hidden = self.hidden // (1 + self.deepstack)
         self.features_dtype = numpy_of_ort(features.type)
         self._queued = self.no_images()  # features of images whose tokens the decoder has not been fed yet
         self.decoder.embed = self._embed_queued
@@ -326,7 +331,8 @@ def rope_index(ids: np.ndarray, grids, image_token_id: int, merge: int, start: i
 
 def open_image_text(export_dir: Path, ep: str = "cpu", **decoder_options) -> ImageTextModel:
     """The runtime of an image-text export: PatchSequenceModel where its vision graph takes image_grid_thw
-    (qwen2_5_vl, qwen3_5), PaddedImagesModel where it takes image_sizes (mistral3), else ImageTextModel."""
+    (qwen2_5_vl, qwen3_5, qwen3_vl: its rows carry the deepstack maps, which pass through as they are), PaddedImagesModel
+    where it takes image_sizes (mistral3), else ImageTextModel."""
     import onnx
 
     vision = onnx.load(str(Path(export_dir) / VISION_FILE), load_external_data=False)

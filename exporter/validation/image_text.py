@@ -126,18 +126,26 @@ def _pixels_for(model, pixels: np.ndarray | None):
     return pixel_values[None] if model.config.model_type in PER_ROW_IMAGES else pixel_values
 
 
+def deepstack_maps(model) -> int:
+    """How many deepstack maps transformers' model adds to its language model's first layers (Qwen3-VL's
+    deepstack_merger_list; 0 for a tower without one)."""
+    return len(getattr(getattr(model.model, "visual", None), "deepstack_merger_list", None) or ())
+
+
 def reference_features(model, pixels: np.ndarray, image_grid_thw: np.ndarray | None = None,
                        image_sizes: np.ndarray | None = None) -> np.ndarray:
     """transformers' ``get_image_features``, per image: [images, tokens, text hidden] (``image_grid_thw``: a
     patch-sequence tower's, ``image_sizes``: a padded-images tower's; their per-image tuple concatenated, [image
-    tokens, text hidden])."""
+    tokens, text hidden]; Qwen3-VL's: each row its pooler_output then its deepstack_features side by side, [image
+    tokens, text hidden x (1 + maps)], as the export's wide image_features)."""
     import torch
 
     with torch.no_grad():
         sized = image_grid_thw if image_grid_thw is not None else image_sizes
         if sized is not None:  # the second argument of either's get_image_features
             out = model.model.get_image_features(torch.from_numpy(pixels), torch.from_numpy(sized))
-            return torch.cat(list(out.pooler_output)).numpy()
+            maps = [torch.cat(list(per_image)) for per_image in getattr(out, "deepstack_features", None) or ()]
+            return torch.cat([torch.cat(list(out.pooler_output)), *maps], dim=-1).numpy()
         out = model.model.get_image_features(_pixels_for(model, pixels)).pooler_output
     if model.config.model_type in PER_ROW_IMAGES:  # one flat row of features per batch row
         (flat,) = out
@@ -162,20 +170,26 @@ def _grid_kwargs(prompt: list[int], image_grid_thw: np.ndarray | None, image_tok
 
 def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
                      image_grid_thw: np.ndarray | None = None, image_sizes: np.ndarray | None = None) -> np.ndarray:
-    """The inputs_embeds transformers' model hands its language model for one prompt row."""
+    """The inputs_embeds transformers' model hands its language model for one prompt row. Qwen3-VL's with its
+    deepstack maps beside them as the export's wide inputs_embeds carry them: map k at the positions transformers adds
+    it to (visual_pos_masks), zeros elsewhere."""
     import torch
 
     captured = {}
     language_model = getattr(model.model, "language_model", None) or model.model.text_model
-    hook = language_model.register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    hook = language_model.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs),
+                                                    with_kwargs=True)
     grids = _grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None), image_sizes)
     try:
         with torch.no_grad():
             model.model(input_ids=torch.tensor([prompt]), pixel_values=_pixels_for(model, pixels), **grids)
     finally:
         hook.remove()
-    return captured["embeds"].numpy()
+    embeds = captured["inputs_embeds"]
+    maps = [torch.zeros_like(embeds) for _ in range(deepstack_maps(model))]
+    for wide, added in zip(maps, captured.get("deepstack_visual_embeds") or ()):
+        wide[captured["visual_pos_masks"]] = added
+    return torch.cat([embeds, *maps], dim=-1).numpy()
 
 
 def reference_generate(model, prompt: list[int], pixels: np.ndarray | None, steps: int,
@@ -249,11 +263,24 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
         if images:
             features = (runtime.image_features(pixels) if grid is None and sizes is None else
                         runtime.image_features(pixels, grid if grid is not None else sizes))
-            error = relative_error(features, reference_features(model, pixels, **extra))
+            reference = reference_features(model, pixels, **extra)
+            error = relative_error(features, reference)
+            maps = []
+            if runtime.deepstack:  # qwen3_vl: the merged features and each deepstack map, each against its own range
+                width = runtime.text_hidden
+                error = relative_error(features[:, :width], reference[:, :width])
+                maps = [{"map": k, "decoder_layer": k, "max_abs_error_of_range": relative_error(
+                    features[:, (k + 1) * width:(k + 2) * width], reference[:, (k + 1) * width:(k + 2) * width])}
+                    for k in range(runtime.deepstack)]
             gates.append(_component_gate("vision", f"image features max abs error / range{suffix}", error, tolerance,
                                          "image features"))
+            gates += [_component_gate("vision", f"deepstack map {m['map']} max abs error / range{suffix}",
+                                      m["max_abs_error_of_range"], tolerance, f"deepstack map {m['map']}'s features")
+                      for m in maps]
             sections["vision"].append({"prompt": label, "images": images, "shape": list(features.shape),
-                                       "max_abs_error_of_range": error, "tolerance": tolerance,
+                                       "max_abs_error_of_range": max([error] + [m["max_abs_error_of_range"] for m in maps]),
+                                       "tolerance": tolerance,
+                                       **({"merged_max_abs_error_of_range": error, "deepstack": maps} if maps else {}),
                                        **({"image_sizes": sizes.tolist()} if sizes is not None else {})})
         else:
             features = None
@@ -289,6 +316,13 @@ def render_sections(sections: dict) -> list[str]:
              "| --- | --- | --- | --- |"]
     lines += [f"| {s['prompt']} | {s['images']} | {s['max_abs_error_of_range']:.3g} | {s['tolerance']:.3g} |"
               for s in sections.get("vision", [])]
+    deepstack = [(s, m) for s in sections.get("vision", []) for m in s.get("deepstack", ())]
+    if deepstack:  # qwen3_vl: each map against its own range (the row above: the worst of them and the merged features)
+        lines += ["", "Deepstack maps (added after decoder layer k at the image positions; image_features and "
+                  "inputs_embeds carry them beside the merged features):", "",
+                  "| prompt | merged features | map | decoder layer | max abs error / range |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {s['prompt']} | {s['merged_max_abs_error_of_range']:.3g} | {m['map']} | {m['decoder_layer']} | "
+                  f"{m['max_abs_error_of_range']:.3g} |" for s, m in deepstack]
     lines += ["", "## Merged embeddings", "", "| prompt | tokens | image tokens | max abs error / range | tolerance |",
               "| --- | --- | --- | --- | --- |"]
     lines += [f"| {s['prompt']} | {s['tokens']} | {s['image_tokens']} | {s['max_abs_error_of_range']:.3g} | "

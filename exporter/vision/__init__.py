@@ -6,10 +6,11 @@ projection), llava (CLIP or SigLIP tower, vision_feature_layer(s), vision_featur
 the MLP projector), idefics3 and smolvlm (SigLIP + pixel shuffle + projection), qwen2_5_vl (dynamic
 resolution: Conv3d patches, 2-D rotary, window attention, the PatchMerger; exporter.vision.qwen2_5_vl), qwen3_5
 (the same patches and rotary, a learned position table resampled to each grid, full attention per frame, its
-merger; exporter.vision.qwen3_5), mistral3 (Pixtral over images of their own sizes padded into one batch, 2-D rotary,
-attention per image, the Mistral3 projector and patch merger; exporter.vision.pixtral).
-Anything else (qwen2_vl, qwen3_vl and its deepstack features, paligemma, ...), or a setting these graphs do
-not compute, is refused with an ExportError naming it.
+merger; exporter.vision.qwen3_5), qwen3_vl and qwen3_vl_moe (Qwen3.5's tower plus its deepstack mergers: below),
+mistral3 (Pixtral over images of their own sizes padded into one batch, 2-D rotary, attention per image, the Mistral3
+projector and patch merger; exporter.vision.pixtral).
+Anything else (qwen2_vl, paligemma, ...), or a setting these graphs do not compute, is refused with an ExportError
+naming it.
 
 Contract (names in exporter.vision.graphs; opset 24 + com.microsoft, IR 11):
 
@@ -35,6 +36,16 @@ layout computed from image_grid_thw: exporter.vision.patch_grid):
         order. The input names are onnxruntime-genai's Qwen2.5-VL processor's (transformers.js' Qwen2-VL
         feeds ``grid_thw``: its layout would rename the input). A grid of several frames gives
         ``get_video_features``' result (tested), though no embedding graph takes it.
+
+qwen3_vl's (and qwen3_vl_moe's) vision graph is qwen3_5's with Qwen3-VL's "deepstack": D = len(deepstack_visual_indexes)
+more feature maps, the outputs of those vision blocks each through its own merger, which transformers' language model
+adds to its hidden states at the image positions after its layers 0..D-1. Neither onnxruntime-genai 0.18 nor
+transformers.js 4.3.2 feeds a decoder anything but inputs_embeds, and both hand it the vision graph's rows inside
+inputs_embeds unchanged (genai sizes image_features and inputs_embeds by genai_config's decoder.hidden_size;
+transformers.js copies each feature row into its token's inputs_embeds row, whatever its width). So the maps ride in
+the rows: image_features and inputs_embeds are text hidden x (1 + D) wide (exporter.contract.image_text_width),
+[merged | map 0 | ... | map D-1] at an image token, [embedding | zeros] at a text token, and the decoder adds slice k + 1
+after its layer k. Both graphs carry ``exportfarm.vision.deepstack`` = D.
 
 mistral3's vision graph takes images of their own sizes (one graph, no Loop, everything per image computed from
 image_sizes: exporter.vision.pixtral):
@@ -75,11 +86,12 @@ from exporter.vision.graphs import (
     PIXEL_VALUES,
     build_embedding_graph,
     build_vision_graph,
+    check_vision_checkpoint,
     load_vision_config,
 )
 
 __all__ = [
     "FAMILIES", "IMAGE_FEATURES", "IMAGE_GRID_THW", "IMAGE_SIZES", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES",
     "VisionConfig", "VisionFamily",
-    "build_embedding_graph", "build_vision_graph", "load_vision_config",
+    "build_embedding_graph", "build_vision_graph", "check_vision_checkpoint", "load_vision_config",
 ]

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+from exporter.contract import image_text_width
 from exporter.errors import ExportError
 from exporter.graph.config import _transformers_config, read_raw_config
 
@@ -19,6 +20,10 @@ CLIP, SIGLIP = "clip", "siglip"
 # Dynamic-resolution towers: flattened patches of any grid in, 2-D rotary; window attention (Qwen2.5-VL), or full
 # attention per frame after a learned position table resampled to each grid (Qwen3.5).
 QWEN2_5_VL, QWEN3_5 = "qwen2_5_vl", "qwen3_5"
+# The checkpoints on Qwen3.5's tower: Qwen3.5's own, and Qwen3-VL's, whose tower (transformers' Qwen3VLVisionModel) is
+# the same blocks and merger plus its "deepstack" mergers (deepstack_visual_indexes).
+QWEN3_5_TOWER_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+DEEPSTACK_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Pixtral (mistral3's tower): images of their own sizes padded into one batch, 2-D rotary on each patch's (row, column),
 # attention within each image, RMSNorms and a gated MLP; its projector merges merge x merge patches into one token.
 PIXTRAL = "pixtral"
@@ -70,11 +75,22 @@ class VisionConfig:
     # QWEN3_5: rows of the learned square position table, resampled (bilinear) to each frame's patch grid.
     num_position_embeddings: int = 0
     projector_norm_eps: float = 0.0  # PIXTRAL: the projector's RMSNorm (transformers gives it the text rms_norm_eps)
+    # Qwen3-VL's deepstack (QWEN3_5 tower): the blocks whose output a deepstack map is taken after, in the order the
+    # decoder adds the maps (ascending: transformers collects them block by block), and the deepstack_merger_list
+    # entry each goes through (its place in deepstack_visual_indexes). Empty: no deepstack (every other family).
+    deepstack_layers: tuple[int, ...] = ()
+    deepstack_mergers: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
         """Values per flattened patch (QWEN2_5_VL's pixel_values rows): channels x frames x patch^2."""
         return self.num_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def feature_width(self) -> int:
+        """image_features' (and inputs_embeds') last dim: the text hidden size, times 1 + the deepstack maps each
+        image token carries beside its merged features (contract.image_text_width)."""
+        return image_text_width(self.text_hidden_size, len(self.deepstack_layers))
 
     @property
     def grid(self) -> int:
@@ -103,7 +119,7 @@ def read_vision_config(checkpoint_dir: Path, supported: tuple[str, ...]) -> Visi
     vision, text = hf.vision_config, hf.get_text_config()
     if model_type == "qwen2_5_vl":
         return _qwen2_5_vl(hf, vision, text)
-    if model_type in ("qwen3_5", "qwen3_5_moe"):  # one tower (Qwen3_5MoeVisionModel is Qwen3_5VisionModel)
+    if model_type in QWEN3_5_TOWER_TYPES:  # one tower (Qwen3_5MoeVisionModel is Qwen3_5VisionModel; Qwen3-VL's adds deepstack)
         return _qwen3_5(model_type, hf, vision, text)
     if model_type == "mistral3":
         return _mistral3(hf, vision, text)
@@ -236,13 +252,14 @@ def _qwen3_5(model_type: str, hf, vision, text) -> VisionConfig:
     """Qwen3_5VisionModel + its Qwen3_5VisionPatchMerger(use_postshuffle_norm=False): LayerNorms with biases (eps
     1e-6, fixed in transformers), a plain MLP, 2-D axial rotary, full attention within each frame in every block, a
     learned position table that transformers resamples (bilinear, align_corners, fixed in the class) to each grid.
-    Qwen3-VL's deepstack mergers are not in this class: a config that names deepstack layers is refused."""
+    Qwen3-VL's tower (Qwen3VLVisionModel) is the same plus its deepstack mergers (_deepstack); a Qwen3.5 config that
+    names deepstack layers is refused (Qwen3_5VisionModel has no such mergers)."""
     deepstack = list(getattr(vision, "deepstack_visual_indexes", None) or [])
-    if deepstack:
+    if deepstack and model_type not in DEEPSTACK_TYPES:
         raise ExportError(f"{model_type}'s vision_config names deepstack_visual_indexes {deepstack}, but Qwen3.5's tower "
-                          "(transformers' Qwen3_5VisionModel) has no deepstack features: they are Qwen3-VL's, whose "
-                          "decoder adds them after its first layers, which the export does not take; a Qwen3.5 "
-                          "config.json has none (empty or absent): is this config.json from this checkpoint?")
+                          "(transformers' Qwen3_5VisionModel) has no deepstack features: they are Qwen3-VL's (model_type "
+                          "qwen3_vl), whose tower has a merger for each; a Qwen3.5 config.json has none (empty or absent): "
+                          "is this config.json from this checkpoint?")
     act = vision.hidden_act
     if act not in ACTIVATIONS:
         raise ExportError(f"{model_type}'s vision_config.hidden_act {act!r} is not one the vision builder computes "
@@ -257,8 +274,37 @@ def _qwen3_5(model_type: str, hf, vision, text) -> VisionConfig:
     if not isinstance(positions, int) or positions < 1:
         raise ExportError(f"{model_type}'s vision num_position_embeddings {positions!r} is not a positive number of "
                           "position table rows: fix config.json")
+    layers, mergers = _deepstack(model_type, deepstack, vision.depth, text.num_hidden_layers)
     return VisionConfig(**common, tower=QWEN3_5, hidden_act=act, full_attention_layers=tuple(range(vision.depth)),
-                        num_position_embeddings=positions)
+                        num_position_embeddings=positions, deepstack_layers=layers, deepstack_mergers=mergers)
+
+
+def _deepstack(model_type: str, indexes: list, depth: int, text_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Qwen3-VL's deepstack_visual_indexes as (the blocks maps are taken after, ascending; each one's merger), as
+    transformers' Qwen3VLVisionModel computes them: after block i, if i is listed, deepstack_merger_list[its place in
+    the list] on the block's output; the decoder adds the k-th map so collected after its layer k. Refused where
+    transformers' tower and decoder would not use every listed merger and map: a block outside the tower, a block
+    named twice, more maps than decoder layers."""
+    listed = ", ".join(map(str, indexes))
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in indexes):
+        raise ExportError(f"{model_type}'s vision_config.deepstack_visual_indexes [{listed}] must be vision block "
+                          "numbers (integers): fix config.json")
+    outside = [i for i in indexes if not 0 <= i < depth]
+    if outside:
+        raise ExportError(f"{model_type}'s vision_config.deepstack_visual_indexes [{listed}] name block(s) "
+                          f"{outside} outside its tower of depth {depth} (blocks 0..{depth - 1}): transformers never "
+                          "reaches them, so their deepstack mergers would go unused and the decoder would add fewer maps "
+                          "than the list names; fix config.json (each index a vision block below depth)")
+    if len(set(indexes)) != len(indexes):
+        raise ExportError(f"{model_type}'s vision_config.deepstack_visual_indexes [{listed}] name a block twice: "
+                          "transformers takes one map after that block and leaves the second merger unused; fix "
+                          "config.json (each block once)")
+    if len(indexes) > text_layers:
+        raise ExportError(f"{model_type}'s vision_config.deepstack_visual_indexes [{listed}] give {len(indexes)} "
+                          f"deepstack maps, but its language model has {text_layers} layers to add them after (one "
+                          "map after each of the first layers): fix config.json")
+    layers = tuple(sorted(indexes))
+    return layers, tuple(indexes.index(i) for i in layers)
 
 
 # Pixtral's MLP is gated: down(act(gate(x)) * up(x)), act one of these.

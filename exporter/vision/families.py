@@ -92,8 +92,10 @@ FAMILIES: dict[str, VisionFamily] = {
         # The tower and merger are one graph (patch_sequence_tower); the merger is inside the tower module.
         VisionFamily("qwen2_5_vl", qwen2_5_vl.patch_merger, "merger", patch_embedding="patch_embed.proj.weight",
                      patch_sequence_tower=qwen2_5_vl.qwen2_5_vl_tower),
+        # Qwen3-VL's tower is Qwen3.5's with its deepstack mergers (VisionConfig.deepstack_layers).
         *(VisionFamily(model_type, qwen3_5.patch_merger, "merger", patch_embedding="patch_embed.proj.weight",
-                       patch_sequence_tower=qwen3_5.qwen3_5_tower) for model_type in ("qwen3_5", "qwen3_5_moe")),
+                       patch_sequence_tower=qwen3_5.qwen3_5_tower)
+          for model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")),
         # Pixtral and its projector as one graph (padded_images_tower), on pixel_values and image_sizes.
         VisionFamily("mistral3", None, "multi_modal_projector", patch_embedding="patch_conv.weight",
                      padded_images_tower=pixtral.pixtral_tower, tower_layers="transformer.layers."),

@@ -12,9 +12,10 @@ import onnx_ir as ir
 
 from exporter import __version__
 from exporter.contract import (
-    BATCH, IMAGE_FEATURES, IMAGE_SIZES, INPUT_IDS, INPUTS_EMBEDS, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_PATCH_SIZE,
-    META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
+    BATCH, IMAGE_FEATURES, IMAGE_SIZES, INPUT_IDS, INPUTS_EMBEDS, META_DEEPSTACK, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
+    META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
 )
+from exporter.errors import ExportError
 from exporter.graph.components.graph import GraphBuilder
 from exporter.graph.target import CURRENT
 from exporter.packaging.checkpoint import Checkpoint
@@ -46,6 +47,8 @@ def _model(b: GraphBuilder, inputs, outputs, name: str, cfg: VisionConfig) -> ir
     model = ir.Model(graph, ir_version=CURRENT.ir_version, producer_name="exportfarm", producer_version=__version__)
     model.metadata_props.update({META_TOKENS_PER_IMAGE: str(cfg.tokens_per_image),
                                  META_IMAGE_TOKEN_ID: str(cfg.image_token_id), META_IMAGE_SIZE: str(cfg.image_size)})
+    if cfg.deepstack_layers:  # what a runtime splits the wide rows by (contract.image_text_width)
+        model.metadata_props[META_DEEPSTACK] = str(len(cfg.deepstack_layers))
     return model
 
 
@@ -62,10 +65,36 @@ def _prepare(checkpoint_dir: Path, dtype: ir.DataType) -> tuple[VisionConfig, Vi
     return cfg, FAMILIES[cfg.model_type], Checkpoint(Path(checkpoint_dir))
 
 
+def check_vision_checkpoint(checkpoint_dir: Path) -> VisionConfig:
+    """The checkpoint's VisionConfig, refusing (ExportError) before any build what the graphs could not read: a
+    setting load_vision_config refuses, modules it cannot find, or a deepstack merger config.json names and the
+    checkpoint does not hold (or holds more of than config.json names)."""
+    from exporter.vision.qwen3_5 import deepstack_merger_prefix
+
+    cfg, family, checkpoint = _prepare(checkpoint_dir, ir.DataType.FLOAT)
+    tower = family.module_names(checkpoint).tower
+    if cfg.deepstack_layers or any(n.startswith(f"{tower}deepstack_merger_list.") for n in checkpoint.names()):
+        mergers = len(cfg.deepstack_layers)
+        want = [f"{deepstack_merger_prefix(tower, k)}{module}.{tensor}" for k in range(mergers)
+                for module in ("norm", "linear_fc1", "linear_fc2") for tensor in ("weight", "bias")]
+        missing = [name for name in want if name not in checkpoint]
+        extra = sorted({n for n in checkpoint.names() if n.startswith(f"{tower}deepstack_merger_list.")} - set(want))
+        if missing or extra:
+            raise ExportError(
+                f"{cfg.model_type}'s config.json names {mergers} deepstack maps (vision_config.deepstack_visual_indexes "
+                f"{list(cfg.deepstack_layers)}), each through its own merger, but the checkpoint "
+                + (f"lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else
+                   f"also holds {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
+                + ": is config.json from this checkpoint? (a checkpoint saved by transformers' Qwen3VL classes holds "
+                  "deepstack_merger_list.0 .. D-1, D the length of deepstack_visual_indexes)")
+    return cfg
+
+
 def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
     """``pixel_values`` [num_images, channels, image_size, image_size] fp32 -> ``image_features``
     [num_images * tokens_per_image, text hidden] in ``dtype``: what transformers' ``get_image_features``
     gives per image (the tower, then the family's projector), image after image. Weights stay lazy."""
+    check_vision_checkpoint(checkpoint_dir)
     cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
@@ -87,14 +116,15 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
 
 def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, family: VisionFamily, tower: str,
                                  merger: str) -> ir.Model:
-    """qwen2_5_vl, qwen3_5: ``pixel_values`` fp32 [num_patches, patch_dim] + ``image_grid_thw`` int64 [num_images, 3]
-    -> ``image_features`` [num_image_tokens, text hidden], the images' merged tokens one after another
-    (transformers' get_image_features, its per-image tuple concatenated)."""
+    """qwen2_5_vl, qwen3_5, qwen3_vl: ``pixel_values`` fp32 [num_patches, patch_dim] + ``image_grid_thw`` int64
+    [num_images, 3] -> ``image_features`` [num_image_tokens, cfg.feature_width], the images' merged tokens one after
+    another (transformers' get_image_features, its per-image tuple concatenated; qwen3_vl: each row its pooler_output
+    then its deepstack_features side by side)."""
     pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [NUM_PATCHES, cfg.patch_dim])
     grid = _input(IMAGE_GRID_THW, ir.DataType.INT64, [NUM_IMAGES, 3])
     x = pixels if b.dtype == ir.DataType.FLOAT else b.op("Cast", [pixels], {"to": b.dtype})
     features = family.patch_sequence_tower(b, x, grid, cfg, tower, merger)
-    out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
+    out = _output(features, IMAGE_FEATURES, b.dtype, [NUM_IMAGE_TOKENS, cfg.feature_width])
     model = _model(b, [pixels, grid], [out], f"{cfg.model_type}_vision", cfg)
     # what a runtime places an image's tokens on M-RoPE's height / width streams by (exporter.runtime.image_text)
     model.metadata_props[META_SPATIAL_MERGE_SIZE] = str(cfg.spatial_merge_size)
@@ -135,11 +165,15 @@ def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType
     graph's rows; 0 rows: text only) -> ``inputs_embeds`` [batch, seq, text hidden], as transformers merges them: the token embedding
     (gemma3: times sqrt(hidden), rounded to ``dtype``), then the image features, in order, into the
     positions holding the image token (``masked_scatter``). An image token's own row is never read, so
-    an image token id past the vocabulary (gemma3 allows it) is fine; ``num_images`` may be 0."""
+    an image token id past the vocabulary (gemma3 allows it) is fine; ``num_images`` may be 0.
+
+    qwen3_vl: both are cfg.feature_width wide (contract.image_text_width): an image token's row is its wide feature
+    row ([merged | deepstack maps]), a text token's its embedding then zeros, so the decoder's add of each map slice
+    after its first layers is transformers' add at the image positions alone."""
     cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
-    hidden = cfg.text_hidden_size
+    hidden = cfg.feature_width
     ids = _input(INPUT_IDS, ir.DataType.INT64, [BATCH, SEQ])
     features = _input(IMAGE_FEATURES, dtype, [NUM_IMAGE_TOKENS, hidden])
     is_image = b.op("Equal", [ids, b.scalar_i64(cfg.image_token_id)])
@@ -161,6 +195,8 @@ def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType
     x = b.op("Gather", [b.weight(names.embed_tokens), text_ids], {"axis": 0})
     if cfg.embed_scale is not None:
         x = b.op("Mul", [x, b.scalar(cfg.embed_scale)])
+    if hidden > cfg.text_hidden_size:  # qwen3_vl: a text token carries no deepstack map (zeros: nothing is added)
+        x = b.op("Pad", [x, b.ints(0, 0, 0, 0, 0, hidden - cfg.text_hidden_size)])
     picked = b.op("Gather", [rows, b.op("Reshape", [order, b.op("Shape", [ids])])], {"axis": 0})
     merged = b.op("Where", [b.op("Unsqueeze", [has_feature, b.ints(-1)]), picked, x])
     out = _output(merged, INPUTS_EMBEDS, dtype, [BATCH, SEQ, hidden])

@@ -1,10 +1,17 @@
-"""Qwen3.5's vision tower (transformers' Qwen3_5VisionModel) and its Qwen3_5VisionPatchMerger.
+"""Qwen3.5's vision tower (transformers' Qwen3_5VisionModel) and its Qwen3_5VisionPatchMerger, and Qwen3-VL's
+(Qwen3VLVisionModel: the same tower plus its deepstack mergers).
 
 Its differences from Qwen2.5-VL's (exporter.vision.qwen2_5_vl): the patch Conv3d has a bias; a learned square
 position table is resampled to each frame's patch grid (bilinear, corners aligned) and added to the patch
 embedding; LayerNorms with biases; a plain MLP (linear_fc1 -> hidden_act -> linear_fc2); full attention within
 each frame in every block (no windows); the merger's norm is a LayerNorm over one patch (before the patches of
-a merged token go side by side). No deepstack features (config.py refuses a config that names them).
+a merged token go side by side).
+
+Qwen3-VL's deepstack: after each block in VisionConfig.deepstack_layers, that block's output through its own
+merger (Qwen3VLVisionPatchMerger(use_postshuffle_norm=True): the LayerNorm over the merge^2 patches side by side),
+one more map of text-width rows per image token, which transformers' decoder adds to the hidden states at the image
+positions after its first layers. The graph gives them beside the merged features on the last axis (the wide
+image_features of exporter.contract.image_text_width): the consumers' decoders have no input of their own for them.
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ def _mlp(b: GraphBuilder, h: ir.Value, cfg: VisionConfig, prefix: str) -> ir.Val
 def qwen3_5_tower(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, cfg: VisionConfig, tower: str,
                   merger: str) -> ir.Value:
     """``pixels`` [patches, patch_dim] (model dtype) + ``grid_thw`` [images, 3] -> [patches / merge^2,
-    text hidden]: the tower's pooler_output, image after image in the processor's order."""
+    cfg.feature_width]: the tower's pooler_output, image after image in the processor's order, and where the tower has
+    deepstack mergers (Qwen3-VL) each deepstack map beside it: [pooler | map 0 | ... | map D-1]."""
     eps, d = cfg.layer_norm_eps, cfg.hidden_size
     # Conv3d with kernel = stride = the patch: one MatMul against the kernel flattened as the rows are.
     kernel = b.op("Reshape", [b.weight(f"{tower}patch_embed.proj.weight"), b.ints(d, cfg.patch_dim)])
@@ -86,13 +94,35 @@ def qwen3_5_tower(b: GraphBuilder, pixels: ir.Value, grid_thw: ir.Value, cfg: Vi
 
     block = lambda i: f"{tower}blocks.{i}"  # noqa: E731
     h = layer_norm(b, x, f"{block(0)}.norm1" if cfg.num_layers else f"{merger}norm", eps)
+    maps = []  # the deepstack maps, in the order transformers collects them (block by block)
     for i in range(cfg.num_layers):
         attention = segment_attention(b, h, cfg, grid.frames, rotary, weight_and_bias(b, f"{block(i)}.attn.qkv"),
                                       weight_and_bias(b, f"{block(i)}.attn.proj"))
         h, x = skip_layer_norm(b, x, attention, f"{block(i)}.norm2", eps)
         following = f"{block(i + 1)}.norm1" if i + 1 < cfg.num_layers else f"{merger}norm"
         h, x = skip_layer_norm(b, x, _mlp(b, h, cfg, block(i)), following, eps)
-    return patch_merger(b, [h], cfg, merger)
+        if i in cfg.deepstack_layers:  # x: the block's output, what transformers hands the deepstack merger
+            k = cfg.deepstack_mergers[cfg.deepstack_layers.index(i)]
+            maps.append(deepstack_merger(b, x, cfg, deepstack_merger_prefix(tower, k)))
+    merged = patch_merger(b, [h], cfg, merger)
+    # Wide rows (contract.image_text_width): neither onnxruntime-genai's nor transformers.js's decoder takes an input
+    # for the deepstack maps, but both hand the decoder image_features' rows unchanged inside inputs_embeds, so the maps
+    # ride there, beside the merged features, and the decoder takes them apart again.
+    return b.op("Concat", [merged, *maps], {"axis": -1}) if maps else merged
+
+
+def deepstack_merger_prefix(tower: str, k: int) -> str:
+    """The checkpoint's name of deepstack merger ``k`` (with its trailing dot), under the tower's prefix."""
+    return f"{tower}deepstack_merger_list.{k}."
+
+
+def deepstack_merger(b: GraphBuilder, x: ir.Value, cfg: VisionConfig, prefix: str) -> ir.Value:
+    """Qwen3VLVisionPatchMerger(use_postshuffle_norm=True) on a block's output ``x`` [patches, hidden]: merge^2
+    consecutive patches (one merged token's) side by side, its LayerNorm over all of them (eps 1e-6, fixed in
+    transformers), then linear_fc1 -> exact GELU -> linear_fc2 to the text width."""
+    wide = b.op("Reshape", [x, b.ints(-1, cfg.hidden_size * cfg.spatial_merge_size ** 2)])
+    return merger_mlp(b, layer_norm(b, wide, f"{prefix}norm", cfg.layer_norm_eps), cfg,
+                      weight_and_bias(b, f"{prefix}linear_fc1"), weight_and_bias(b, f"{prefix}linear_fc2"))
 
 
 def patch_merger(b: GraphBuilder, states: list[ir.Value], cfg: VisionConfig, prefix: str) -> ir.Value:

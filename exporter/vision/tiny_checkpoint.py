@@ -104,6 +104,32 @@ PATCH_SEQUENCE_CONFIGS["qwen3_5_moe_genai"] = ("Qwen3_5MoeConfig", dict(
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                  "shared_expert_intermediate_size": 32}))
 QWEN3_5_IMAGE_NORM = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+# qwen3_vl: Qwen3.5's tower (3 blocks, the 4 x 4 position table) with deepstack maps after blocks 0 and 2, which its
+# 3-layer qwen3 language model (q / k norms, heads of 16: 8 rotary pairs in interleaved M-RoPE sections 2 / 3 / 3, the
+# whole head rotated) adds after its layers 0 and 1 (layer 2 gets none); its own lm_head (tie_word_embeddings False, as
+# Qwen3-VL's larger checkpoints).
+PATCH_SEQUENCE_CONFIGS["qwen3_vl"] = ("Qwen3VLConfig", dict(
+    text_config={**TEXT, "model_type": "qwen3_vl_text", "num_hidden_layers": 3, "bos_token_id": 1, "eos_token_id": 2,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                     "mrope_interleaved": True}},
+    vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+                       spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=TEXT["hidden_size"],
+                       hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[0, 2]),
+    image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+    vision_end_token_id=IMAGE_TOKEN + 3, tie_word_embeddings=False))
+# qwen3_vl_moe: the same tower and deepstack, a qwen3_vl_moe_text of 4 experts of width 24 (2 a token) in every layer
+# (24: the stacked experts' two layouts, [4, 48, 64] and [4, 64, 48], are told apart by shape, as transformers tells them).
+_QWEN3_VL = PATCH_SEQUENCE_CONFIGS["qwen3_vl"][1]
+PATCH_SEQUENCE_CONFIGS["qwen3_vl_moe"] = ("Qwen3VLMoeConfig", dict(
+    _QWEN3_VL, text_config={**_QWEN3_VL["text_config"], "model_type": "qwen3_vl_moe_text", "num_experts": 4,
+                            "num_experts_per_tok": 2, "moe_intermediate_size": 24}))
+# Both with the tokenizer and image processor (make_tiny_qwen_processor: Qwen2VLImageProcessor, which Qwen3-VL's hub
+# repositories name, mean and std 0.5 as theirs): what onnxruntime-genai and transformers.js run.
+for _name in ("qwen3_vl", "qwen3_vl_moe"):
+    _class, _kwargs = PATCH_SEQUENCE_CONFIGS[_name]
+    PATCH_SEQUENCE_CONFIGS[f"{_name}_genai"] = (_class, dict(
+        _kwargs, text_config={**_kwargs["text_config"], "vocab_size": 304, "max_position_embeddings": 512},
+        vision_start_token_id=300, vision_end_token_id=301, image_token_id=302, video_token_id=303))
 # The image processor's pixel bounds: up to 64 x 64 pixels (8 x 8 merged tokens of 8 pixels), at least 16 x 16.
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 16 * 16, 64 * 64
 
@@ -166,7 +192,7 @@ def make_tiny_vlm_checkpoint(name: str, out_dir: Path, *, seed: int = 0, **overr
         make_tiny_image_text_processor(out_dir, config.vision_config.image_size, config.mm_tokens_per_image)
     if name == "qwen2_5_vl_genai":
         make_tiny_qwen_processor(out_dir, config.vision_config)
-    if name in ("qwen3_5_genai", "qwen3_5_moe_genai"):
+    if name in ("qwen3_5_genai", "qwen3_5_moe_genai", "qwen3_vl_genai", "qwen3_vl_moe_genai"):
         make_tiny_qwen_processor(out_dir, config.vision_config, **QWEN3_5_IMAGE_NORM)
     if name == "mistral3_genai":
         make_tiny_pixtral_processor(out_dir, config.vision_config.patch_size, config.spatial_merge_size)

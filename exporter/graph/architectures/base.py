@@ -175,3 +175,21 @@ class Architecture:
     per_layer_embed = "model.embed_tokens_per_layer.weight"
     per_layer_model_projection = "model.per_layer_model_projection.weight"
     per_layer_projection_norm = "model.per_layer_projection_norm.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedTransposedExperts(Architecture):
+    """Experts stored stacked and transposed, gate and up as two halves: ``stacked_experts`` names [experts, hidden, 2I]
+    (gate columns, then up) and [experts, I, hidden] (llama4_text; qwen3_vl_moe's language model), read transposed
+    and the halves interleaved row by row into the fused SwiGLU rows of onnxruntime's MoE ops."""
+
+    @property
+    def expert_interleave(self) -> int:
+        return 2
+
+    def expert_parts(self, i: int, experts: int, width: int, has=lambda name: False
+                     ) -> tuple[list[WeightPart], list[WeightPart]]:
+        gate_up, down = (self.moe_name(i, t) for t in self.stacked_experts)
+        fc1 = [WeightPart(gate_up, rows=rows, expert=e, transposed=True)
+               for e in range(experts) for rows in ((0, width), (width, 2 * width))]
+        return fc1, [WeightPart(down, expert=e, transposed=True) for e in range(experts)]

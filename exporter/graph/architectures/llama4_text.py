@@ -8,27 +8,17 @@ and [experts, I, hidden], read transposed."""
 
 import dataclasses
 
-from exporter.graph.architectures.base import Architecture
+from exporter.graph.architectures.base import StackedTransposedExperts
 from exporter.packaging.checkpoint import WeightPart
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama4Text(Architecture):
+class Llama4Text(StackedTransposedExperts):
     def gate_up_parts(self, i: int, suffix: str = "weight") -> list[WeightPart]:
         return [WeightPart(f"{self.layer_prefix(i)}.feed_forward.{p}_proj.{suffix}") for p in ("gate", "up")]
 
     def names(self, i: int) -> dict[str, str]:
         return {**super().names(i), "down": f"{self.layer_prefix(i)}.feed_forward.down_proj"}
-
-    @property
-    def expert_interleave(self) -> int:
-        return 2  # gate and up halves interleaved row by row into the op's fused SwiGLU
-
-    def expert_parts(self, i: int, experts: int, width: int, has=lambda name: False):
-        gate_up, down = self.moe_name(i, "experts.gate_up_proj"), self.moe_name(i, "experts.down_proj")
-        fc1 = [WeightPart(gate_up, rows=rows, expert=e, transposed=True)
-               for e in range(experts) for rows in ((0, width), (width, 2 * width))]
-        return fc1, [WeightPart(down, expert=e, transposed=True) for e in range(experts)]
 
     def shared_expert_names(self, i: int) -> dict[str, str]:
         return {p: self.moe_name(i, f"shared_expert.{p}_proj.weight") for p in ("gate", "up", "down")}

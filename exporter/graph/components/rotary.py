@@ -55,8 +55,10 @@ def mrope_section(rope) -> tuple[int, ...] | None:
 
 # Language models whose M-RoPE interleaves the three streams' columns (transformers' Qwen3.5 / Qwen3-VL text rotary,
 # recomposition_frequencies: column j of the half from height where j % 3 == 1 and j < 3 * section[1], from width where
-# j % 3 == 2 and j < 3 * section[2], else temporal) rather than laying them out in three runs (Qwen2.5-VL's).
-MROPE_INTERLEAVED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+# j % 3 == 2 and j < 3 * section[2], else temporal) rather than laying them out in three runs (Qwen2.5-VL's). By the
+# architecture built, or the transformers text config's model_type where it is read as another family's (qwen3_vl_text
+# as qwen3: exporter/graph/language_model.py); transformers' rotary interleaves whatever mrope_interleaved says.
+MROPE_INTERLEAVED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
 
 
 def mrope_streams(section: tuple[int, ...], interleaved: bool) -> list[int]:
@@ -64,8 +66,8 @@ def mrope_streams(section: tuple[int, ...], interleaved: bool) -> list[int]:
     if not interleaved:
         return [stream for stream, width in enumerate(section) for _ in range(width)]
     streams = [0] * sum(section)
-    for stream in (1, 2):
-        for j in range(stream, 3 * section[stream], 3):
+    for stream in (1, 2):  # transformers' slice(stream, 3 * section[stream], 3), which stops at the half's end
+        for j in range(stream, min(3 * section[stream], len(streams)), 3):
             streams[j] = stream
     return streams
 
