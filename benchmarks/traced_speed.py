@@ -8,6 +8,11 @@ hidden size, heads, latent ranks, experts and vocabulary), built by transformers
 (benchmarks/scale.py build_with_transformers). DeepSeek-V3's first three layers are dense, so 2 layers measure its
 latent attention alone; GLM-4.5-Air's first is dense, so 2 layers hold one layer of its 128 experts.
 
+The two DeepSeek-V3 graphs cache different things: ours the absorbed latent (one KV head of kv_lora_rank +
+qk_rope_head_dim = 576, kept as keys and again as values), transformers' trace the normed latent as keys (512) and the
+rotary key as values (64), expanding the latent to every head's keys and values again at every step. Each export's
+record says its cache (``cache``: heads, key and value head sizes, values a token adds per layer; exporter.contract).
+
 Both builders export attn_dynamic (the one contract a traced graph has) in the EP's dtype (cuda fp16, cpu fp32);
 for cuda also ours in gqa, the variant a cuda export gets by default. Every export is driven by the project's one
 driver (exporter.runtime.session.Decoder: IO binding, caches kept on the device between steps, no CUDA graph: a
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -60,7 +66,18 @@ def _export(source: Path, out: Path, builder: str, dtype: str, ep: str, variant:
         ops[node.op_type] = ops.get(node.op_type, 0) + 1
     return {"builder": builder, "variant": variant, "dir": str(export_dir), "export_s": round(time.perf_counter() - start, 1),
             "nodes": len(graph.node), "ops": dict(sorted(ops.items())),
-            "bytes": sum(f.stat().st_size for f in export_dir.glob("model.onnx*"))}
+            "bytes": sum(f.stat().st_size for f in export_dir.glob("model.onnx*")), "cache": cache_of(export_dir)}
+
+
+def cache_of(export_dir: Path) -> dict:
+    """The export's cache as its metadata says (keys and values may differ in head size: contract.VALUE_HEAD_DIM)."""
+    from exporter import contract
+    from exporter.runtime.session import read_metadata
+
+    config = read_metadata(export_dir / contract.MODEL_FILE)["config"]
+    heads, key, value = config["num_kv_heads"], config["head_dim"], contract.value_head_dim(config)
+    return {"num_kv_heads": heads, "head_dim": key, contract.VALUE_HEAD_DIM: value,
+            "values_per_token_per_layer": heads * (key + value)}
 
 
 def measure(export_dir: str, ep: str, prompt: np.ndarray, steps: int, warmup: int) -> tuple[dict, np.ndarray]:
@@ -105,7 +122,7 @@ def main() -> None:
                "versions": {"onnxruntime": ort.__version__, "transformers": transformers.__version__,
                             "torch": torch.__version__, "python": platform.python_version()},
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "cpus": __import__("os").cpu_count(), "runs": []}
+               "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "runs": []}
     for geometry in args.geometry:
         source = build_with_transformers(geometry, [args.layers], args.work)[args.layers]
         for ep in args.ep:
@@ -117,7 +134,7 @@ def main() -> None:
                 print(json.dumps([{k: v for k, v in e.items() if k not in ("ops", "dir")} for e in exports]), flush=True)
                 continue
             run = {"geometry": geometry, "layers": args.layers, "ep": ep, "dtype": dtype, "context": args.context,
-                   "steps": args.steps, "exports": exports}
+                   "steps": args.steps, "rounds": args.rounds, "exports": exports}
             prompt = np.random.default_rng(0).integers(3, 1000, size=(1, args.context))
             rounds: dict[int, list[dict]] = {i: [] for i in range(len(exports))}
             logits: dict[int, np.ndarray] = {}
@@ -136,11 +153,14 @@ def main() -> None:
                     e["prefill_ms"] = [r["prefill_ms"] for r in rounds[i]]
                     e["decode_ms_median"] = statistics.median(e["decode_ms"])
                     e["prefill_ms_median"] = statistics.median(e["prefill_ms"])
+                    e["decode_ms_spread"] = [min(e["decode_ms"]), max(e["decode_ms"])]
             if 0 in logits and 1 in logits:
                 spread = float(logits[0].max() - logits[0].min())
                 run["prefill_logits_hand_vs_traced"] = {
                     "max_abs_difference": float(np.abs(logits[0] - logits[1]).max()), "logit_range": spread,
                     "same_argmax": int(logits[0].argmax()) == int(logits[1].argmax())}
+            # other work on the machine shows here (the CPU figures share its cores with whatever else runs)
+            run["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
             results["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "exports"}), flush=True)
             for e in exports:

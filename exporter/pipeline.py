@@ -168,6 +168,7 @@ def build_export(
     manifest.data["status"] = "unvalidated"
     if request.layout == hf_layout.LAYOUT:
         hf_layout.hf_file_names(manifest.data)  # the graph's activation dtype has a file name: before validating
+        hf_layout.check_cache(manifest.data, source.path)  # and its caches are ones transformers.js allocates
     # The graph's reference cycles (nodes, values, graphs) keep its in-memory constants (the rope
     # tables: 1 GiB for 2^20 positions of a 256-wide head) alive until the collector happens to run,
     # which left them beside validation's own memory: freed here, before the next stage.
@@ -267,7 +268,7 @@ def export_model(
                 check_image_text_validatable(request.max_seq_len, load_vision_config(source.path),
                                              PARITY_STEPS)
         if request.layout == hf_layout.LAYOUT:  # a family transformers.js cannot drive: refused before any build
-            hf_layout.check_family(source.path)
+            hf_layout.check_family(source.path, resolve_builder(request, source.path))
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache, reference_cache)
         report = None
         if validate:

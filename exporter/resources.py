@@ -77,7 +77,7 @@ class Geometry:
         sizes = [sum(k * n for k, n, _ in layer_matmuls(config, i)) for i in range(config.num_layers)]
         head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
         return cls(config.vocab_size * config.hidden_size, head, max(sizes), config.num_layers,
-                   2 * config.num_layers * config.kv_size, sum(sizes))
+                   config.num_layers * (config.kv_size + config.value_size), sum(sizes))
 
     @property
     def parameters(self) -> int:

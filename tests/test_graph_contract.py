@@ -134,6 +134,24 @@ def test_manifest_records_what_the_issue_asks(exported):
     assert len(manifest["cache_key"]) == 64
 
 
+def test_an_export_whose_values_are_as_wide_as_its_keys_names_one_head_size(exported):
+    """contract.VALUE_HEAD_DIM is written only where the values' head size differs from the keys' (a traced
+    latent-attention cache: tests/test_traced.py); a hand-built export's metadata and manifest are as they were."""
+    from exporter.contract import (
+        MANIFEST_CACHE, VALUE_HEAD_DIM, cache_kind, head_dim_entries, split_cache, value_head_dim,
+    )
+    from exporter.runtime.session import read_metadata
+
+    export_dir = exported("llama", "attn_dynamic")
+    config = read_metadata(export_dir / "model.onnx")["config"]
+    assert VALUE_HEAD_DIM not in config and not split_cache(config) and value_head_dim(config) == config["head_dim"]
+    assert MANIFEST_CACHE not in json.loads((export_dir / "manifest.json").read_text())
+    assert head_dim_entries(16, 16) == head_dim_entries(16) == {"head_dim": 16}
+    assert head_dim_entries(512, 64) == {"head_dim": 512, VALUE_HEAD_DIM: 64} and split_cache(head_dim_entries(512, 64))
+    names = ("past_key_values.0.value", "present.3.key", "value_cache.1", "updated_key_cache.0")
+    assert [cache_kind(name) for name in names] == ["value", "key", "value", "key"]
+
+
 def test_packed_weights_hold_the_checkpoint_values(exported, checkpoint):
     """Read model.onnx.data back: each slice of the packed, transposed QKV is its source tensor."""
     from safetensors.numpy import load_file

@@ -24,7 +24,7 @@ from exporter.errors import ExportError
 from exporter.packaging.hf_layout import write_hf_layout
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
-from exporter.packaging.hf_layout import TRANSFORMERSJS_REFUSES
+from exporter.packaging.hf_layout import LATENT_TYPES, OPTIMUM_CONSUMER, TRANSFORMERSJS_CONSUMER, TRANSFORMERSJS_REFUSES
 from exporter.tiny_checkpoint import ARCH_CONFIGS, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, NEW_ARCHITECTURES
 from quantized_reference import dequantized_checkpoint
 
@@ -34,7 +34,10 @@ DENSE = [a for a in ARCH_CONFIGS if a not in MOE_ARCHITECTURES]
 # optimum's ORTModelForCausalLM feeds KV caches only, never a hybrid's recurrent states ("Input past_conv.0
 # is required by model but not provided"): hybrids are transformers.js's alone. The families the hf layout
 # refuses (TRANSFORMERSJS_REFUSES) are checked for that below.
-TRANSFORMERSJS = [a for a in DENSE if a not in HYBRID_ARCHITECTURES and a not in TRANSFORMERSJS_REFUSES]
+# deepseek_v3 runs in transformers.js but not optimum (its latent cache), from an export with layout hf (its routing in
+# standard ops): its own test below.
+TRANSFORMERSJS = [a for a in DENSE if a not in HYBRID_ARCHITECTURES and a not in TRANSFORMERSJS_REFUSES
+                  and a not in LATENT_TYPES]
 # optimum pins transformers 4.57, which has no ministral3 ("does not recognize this architecture").
 OPTIMUM = [a for a in TRANSFORMERSJS if a != "ministral3"]
 REFUSED_NEW = [a for a in NEW_ARCHITECTURES if a in TRANSFORMERSJS_REFUSES]
@@ -350,12 +353,32 @@ def test_qwen3_5_is_refused_for_the_hf_layout_saying_why(arch, message, checkpoi
 
 @pytest.mark.parametrize("arch", REFUSED_NEW)
 def test_the_new_families_transformersjs_cannot_run_are_refused_for_the_hf_layout_saying_why(arch, checkpoint, tmp_path):
-    """transformers.js 4.3 has no model class for glm4_moe, seed_oss, exaone4, ernie4_5_moe (measured: "Unsupported
-    model type"); deepseek_v3's latent cache is not the per-head caches it and optimum size from the config."""
+    """transformers.js 4.3 has no model class for glm4_moe, seed_oss, exaone4, ernie4_5_moe, deepseek_v2,
+    glm4_moe_lite (measured: "Unsupported model type")."""
     request = ExportRequest(model=str(checkpoint(arch)), ep="cpu", variant="attn_dynamic", layout="hf")
     with pytest.raises(ExportError, match=f"no hf layout for a {arch} model: .*onnxruntime-genai runs it"):
         export_model(request, tmp_path / "repo", validate=False)
     assert not (tmp_path / "repo").exists()
+
+
+def test_deepseek_v3s_latent_cache_runs_in_transformersjs_and_optimum_is_not_offered(checkpoint, exported,
+                                                                                        transformersjs, tmp_path):
+    """The hand-built deepseek_v3 caches the latent as one KV head of kv_lora_rank + qk_rope_head_dim: transformers.js
+    4.3 sizes each empty past from the graph's declared dims and generates transformers' tokens (a left-padded batch
+    and batch 1); optimum sizes them per head from config.json, so the layout names transformers.js alone, saying why.
+    Its routing runs in standard ops there (onnxruntime-node 1.30 has no MoEGroupRouter): a farm export routed on
+    MoEGroupRouter is refused for the layout, saying to export with layout hf."""
+    with pytest.raises(ExportError, match="MoEGroupRouter.*onnxruntime-node 1.30.*export it with layout hf"):
+        write_hf_layout(exported("deepseek_v3", "attn_dynamic"), tmp_path / "refused", checkpoint("deepseek_v3"))
+    assert not (tmp_path / "refused").exists()
+    layout = export_model(ExportRequest(model=str(checkpoint("deepseek_v3")), ep="cpu", variant="attn_dynamic",
+                                        max_seq_len=64, layout="hf"), tmp_path / "hf", validate=False).out_dir
+    entry = json.loads((layout / "manifest.json").read_text())["layout"]
+    assert entry["consumers"] == [TRANSFORMERSJS_CONSUMER]
+    assert "latent as one KV head" in entry["not_for"][OPTIMUM_CONSUMER]
+    batches = [prompts("deepseek_v3"), batch_of_one("deepseek_v3")]
+    for (ids, mask), got in zip(batches, js_generate_batches(transformersjs, layout, "fp32", batches)):
+        check_rows(got, hf_generate(checkpoint("deepseek_v3"), json.dumps(ids), json.dumps(mask)), ids)
 
 
 @pytest.mark.parametrize("arch", ["granitemoehybrid", "nemotron_h", "falcon_h1"])

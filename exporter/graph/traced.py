@@ -15,6 +15,10 @@ takes an empty past. Sizes 0 and 1 are avoided in the trace, since torch.export 
 transformers names the graph's inputs and outputs after the traced call's tensors
 (``input.cache.layers.3.keys`` in, ``output.cache.layers.3.keys`` out); they are found by identity
 with the sample's cache tensors, not by parsing those names, and renamed to ``exporter.contract``'s.
+
+The caches are what transformers caches. For multi-head latent attention (DeepSeek-V2 / V3, Kimi-K2, GLM-4.7-Flash)
+that is the normed latent as the keys (kv_lora_rank wide) and the rotated shared key as the values (qk_rope_head_dim
+wide), one head each: keys and values of two head sizes, the values' carried as ``contract.VALUE_HEAD_DIM``.
 """
 
 from __future__ import annotations
@@ -126,8 +130,9 @@ def trace_model(request: ExportRequest, source, activations: DType | None = None
     paths = _leaf_paths(sample, layers)
     program = _trace(model, sample, request.ep, model_type)
     del model
-    kv_heads, head_dim = (int(layers[0].keys.shape[d]) for d in (1, 3))
-    geometry = _map_to_contract(program, paths, kv_heads, head_dim, model_type)
+    kv_heads, head_dim, value_head_dim = int(layers[0].keys.shape[1]), int(layers[0].keys.shape[3]), \
+        int(layers[0].values.shape[3])
+    geometry = _map_to_contract(program, paths, kv_heads, head_dim, value_head_dim, model_type)
     sources = CheckpointSourcesPass(checkpoint)
     sources(program)
     cfg = _model_config(config, model_type, geometry)
@@ -139,7 +144,9 @@ def trace_model(request: ExportRequest, source, activations: DType | None = None
         contract.META_BUILDER: contract.BUILDER_TRACED,
         contract.META_CONFIG: json.dumps({
             "architecture": model_type, "num_layers": geometry["layers"], "num_heads": cfg.num_heads,
-            "num_kv_heads": geometry["kv_heads"], "head_dim": geometry["head_dim"], "vocab_size": geometry["vocab"],
+            "num_kv_heads": geometry["kv_heads"],
+            # transformers' latent-attention cache: keys kv_lora_rank wide, values qk_rope_head_dim wide
+            **contract.head_dim_entries(geometry["head_dim"], geometry["value_head_dim"]), "vocab_size": geometry["vocab"],
             "max_seq_len": request.max_seq_len, "context_length": context, "activations": activations.value,
             "builder": builder_entry(contract.BUILDER_TRACED),
             # bloom's ALiBi reads positions off attention_mask: the contract's position_ids input is kept, unread
@@ -250,15 +257,20 @@ def _sample(model, model_type: str) -> tuple[dict, list]:
     if "position_ids" in accepted:
         sample["position_ids"] = positions[:, TRACE_PAST:]
     layers = list(cache.layers)
+    # Keys and values may differ in head size (transformers caches latent attention's normed latent as the keys and
+    # its rotary key as the values): the contract carries the values' own (contract.VALUE_HEAD_DIM).
     for i, layer in enumerate(layers):
-        if tuple(layer.keys.shape[::2]) != (TRACE_BATCH, TRACE_PAST) or layer.keys.shape[1::2] != layer.values.shape[1::2]:
+        if (layer.keys.dim() != 4 or layer.values.dim() != 4 or tuple(layer.keys.shape[:3]) != tuple(layer.values.shape[:3])
+                or tuple(layer.keys.shape[::2]) != (TRACE_BATCH, TRACE_PAST)):
             raise ExportError(f"{model_type}'s layer {i} caches keys {list(layer.keys.shape)} and values "
                               f"{list(layer.values.shape)}; the attn_dynamic contract carries both as [batch, kv_heads, "
-                              f"positions, head_dim] with one head size (batch {TRACE_BATCH}, {TRACE_PAST} positions here)")
-    if len({tuple(layer.keys.shape) for layer in layers}) != 1:
+                              f"positions, head size] with one batch, head count and length (batch {TRACE_BATCH}, "
+                              f"{TRACE_PAST} positions here)")
+    geometries = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in layers}
+    if len(geometries) != 1:
         raise ExportError(f"{model_type}'s layers cache different head counts or sizes "
-                          f"({sorted({tuple(layer.keys.shape[1::2]) for layer in layers})}): the attn_dynamic "
-                          "contract gives every layer one cache geometry")
+                          f"({sorted((k[1::2], v[3]) for k, v in geometries)}: heads, key and value head sizes): the "
+                          "attn_dynamic contract gives every layer one cache geometry")
     return sample, layers
 
 
@@ -323,9 +335,11 @@ def _trace(model, sample: dict, ep: EP, model_type: str) -> ir.Model:
     return exported.program
 
 
-def _map_to_contract(model: ir.Model, paths: dict, kv_heads: int, head_dim: int, model_type: str) -> dict:
+def _map_to_contract(model: ir.Model, paths: dict, kv_heads: int, head_dim: int, value_head_dim: int,
+                     model_type: str) -> dict:
     """Rename the traced graph's inputs and outputs to the attn_dynamic contract's, in its order, with its
-    declared dims; returns the cache geometry (layers, kv heads, head size, vocabulary, positions read)."""
+    declared dims (values at ``value_head_dim``); returns the cache geometry (layers, kv heads, key and value
+    head sizes, vocabulary, positions read)."""
     graph = model.graph
     inputs, outputs = {v.name: v for v in graph.inputs}, {v.name: v for v in graph.outputs}
 
@@ -358,15 +372,15 @@ def _map_to_contract(model: ir.Model, paths: dict, kv_heads: int, head_dim: int,
     logits.shape = ir.Shape([contract.BATCH, contract.SEQ, vocab])
     for i in range(layers):
         k_in, v_in, k_out, v_out = contract.cache_names(Variant.ATTN_DYNAMIC, i)
-        for kind, name_in, name_out in (("key", k_in, k_out), ("value", v_in, v_out)):
+        for kind, name_in, name_out, width in (("key", k_in, k_out, head_dim), ("value", v_in, v_out, value_head_dim)):
             path = paths[(i, kind)]
             past, present = find(inputs, path, "input"), find(outputs, path, "output")
             if past is None or present is None or present is past:
                 raise ExportError(f"the traced {model_type} graph does not carry layer {i}'s {kind}s from input to "
                                   "output (transformers returned no updated cache): it cannot decode through a past")
             past.name, present.name = name_in, name_out
-            past.shape = ir.Shape(contract.cache_dims(Variant.ATTN_DYNAMIC, kv_heads, head_dim))
-            present.shape = ir.Shape(contract.cache_dims(Variant.ATTN_DYNAMIC, kv_heads, head_dim, output=True))
+            past.shape = ir.Shape(contract.cache_dims(Variant.ATTN_DYNAMIC, kv_heads, width))
+            present.shape = ir.Shape(contract.cache_dims(Variant.ATTN_DYNAMIC, kv_heads, width, output=True))
             if past.dtype != dtype or present.dtype != dtype:
                 raise ExportError(f"the traced {model_type} graph caches layer {i} in {past.dtype} but computes logits in "
                                   f"{dtype}: the contract keeps caches in the model dtype")
@@ -380,8 +394,8 @@ def _map_to_contract(model: ir.Model, paths: dict, kv_heads: int, head_dim: int,
     graph.inputs.extend(new_inputs)
     graph.outputs.clear()  # anything else the model returned (an auxiliary loss) is no output of the contract
     graph.outputs.extend(new_outputs)
-    return {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": vocab,
-            "positions": contract.POSITION_IDS in paths}
+    return {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "value_head_dim": value_head_dim,
+            "vocab": vocab, "positions": contract.POSITION_IDS in paths}
 
 
 def _check_positions(request: ExportRequest, config, model_type: str) -> None:
@@ -404,6 +418,7 @@ def _model_config(config, model_type: str, geometry: dict):
         architecture=model_type, vocab_size=geometry["vocab"], hidden_size=hidden,
         intermediate_size=int(getattr(text, "intermediate_size", 0) or 0), num_layers=geometry["layers"],
         num_heads=heads or geometry["kv_heads"], num_kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
+        value_head_dim=geometry["value_head_dim"] if geometry["value_head_dim"] != geometry["head_dim"] else None,
         rms_norm_eps=0.0, max_position_embeddings=limit if isinstance(limit, int) else 0,
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         # the traced graph computes its own positions; nothing downstream reads these for it

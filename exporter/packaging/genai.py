@@ -76,6 +76,18 @@ _STATIC_CACHE_REASON = (
     "fixed-length cache mode; use the gqa or attn_dynamic variant to run in onnxruntime-genai"
 )
 
+# A cache whose values have a head size of their own (contract.VALUE_HEAD_DIM: transformers' latent-attention cache,
+# traced). genai's DefaultKeyValueCache gives a layer's key and value one shape (decoder.head_size, or the key input's
+# dims), which the graph refuses for the values ("Got invalid dimensions for input: past_key_values.0.value ... index:
+# 3"; onnxruntime-genai 0.18, the genai gate on a package written anyway).
+_SPLIT_CACHE_REASON = (
+    "the export caches values {value} wide beside keys {key} wide (transformers' latent-attention cache: the normed "
+    "latent as keys, the rotary key as values), and onnxruntime-genai allocates a layer's past and present keys and "
+    "values with one shape (decoder.head_size, or the key input's dims), so it would feed values {key} wide, which "
+    "the graph refuses; run it with exportfarm's runtime or transformers.js (the hf layout), or export the model "
+    "type's hand-built graph where exportfarm has one (builder auto), which onnxruntime-genai runs"
+)
+
 
 @dataclasses.dataclass
 class GenaiPackage:
@@ -258,6 +270,8 @@ def genai_unsupported_reason(config: ModelConfig, variant: Variant, input_names:
         return _STATIC_CACHE_REASON
     if config.architecture not in GENAI_MODEL_TYPES and not traced:
         return f"onnxruntime-genai has no decoder model type for {config.architecture!r}"
+    if config.value_size != config.kv_size:
+        return _SPLIT_CACHE_REASON.format(value=config.value_head_dim, key=config.head_dim)
     past_key, past_value, _, _ = _cache_templates(variant)
     cached = _cache_layers(config)
     if cached != list(config.attention_layers) and cached != list(range(len(cached))):

@@ -34,7 +34,10 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import _get_all_tensors  # every tensor of the graph and its subgraphs
 
-from exporter.contract import DATA_FILE, GENAI_CONFIG_FILE, IMAGE_TEXT_TASK, LOGITS, MANIFEST_FILE, MODEL_FILE
+from exporter.contract import (
+    BUILDER_TRACED, DATA_FILE, GENAI_CONFIG_FILE, IMAGE_TEXT_TASK, LOGITS, MANIFEST_CACHE, MANIFEST_FILE, MODEL_FILE,
+    split_cache,
+)
 from exporter.errors import ExportError
 from exporter.packaging.package import file_entry
 from exporter.packaging.source_files import checkpoint_file, side_file_names
@@ -82,6 +85,10 @@ def hf_file_names(manifest: dict) -> tuple[str, str, str]:
         raise ExportError("this export runs gated DeltaNet on GatedDeltaNet, which onnxruntime-node 1.30 (what "
                           "transformers.js 4.3 runs on) has no kernel for: export it with layout hf (CLI --layout hf), "
                           "which runs the recurrence on LinearAttention")
+    if (manifest.get("op_census") or {}).get("com.microsoft::MoEGroupRouter"):
+        raise ExportError("this export routes its experts on MoEGroupRouter, which onnxruntime-node 1.30 (what "
+                          "transformers.js 4.3 runs on) has no kernel for: export it with layout hf (CLI --layout hf), "
+                          "which routes in standard ops")
     logits = next((o for o in manifest["graph"]["outputs"] if o["name"] == LOGITS), None)
     key = (request["dtype"], logits["dtype"] if logits else None)
     if key not in SUFFIX:
@@ -197,46 +204,93 @@ TRANSFORMERSJS_REFUSES["nemotron_h"] = (
     "which transformers 5 writes as linear_attention / full_attention / mlp / moe (and the checkpoints as "
     "hybrid_override_pattern, where it gives every block a KV cache and a state), so it feeds none of them")
 
-# The 2025-26 families transformers.js 4.3 has no model class for ("Unsupported model type"), and the latent-attention
-# families (deepseek_v3, deepseek_v2, glm4_moe_lite), whose latent cache (one KV head of kv_lora_rank +
-# qk_rope_head_dim) it and optimum would feed, where they have the model, as per-head caches sized from the config.
-for _type in ("glm4_moe", "seed_oss", "exaone4", "ernie4_5_moe"):
+# The 2025-26 families transformers.js 4.3 has no model class for ("Unsupported model type"), the latent-attention
+# ones among them. deepseek_v3's it has: it allocates each empty past from the graph's own declared input dims
+# (addPastKeyValues reads session.inputMetadata), so the hand-built graph's latent cache (one KV head of kv_lora_rank +
+# qk_rope_head_dim) runs there (tests/test_hf_layout.py), and the traced graph's two head sizes too (SPLIT_CACHE_TYPES);
+# optimum sizes every past per head from config.json and runs neither (LATENT_OPTIMUM, SPLIT_CACHE_OPTIMUM).
+for _type in ("glm4_moe", "seed_oss", "exaone4", "ernie4_5_moe", "deepseek_v2", "glm4_moe_lite"):
     TRANSFORMERSJS_REFUSES[_type] = f"transformers.js 4.3 has no {_type} model (\"Unsupported model type\")"
-for _type in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
-    TRANSFORMERSJS_REFUSES[_type] = (
-        "the export caches multi-head latent attention's latent (one KV head of kv_lora_rank + qk_rope_head_dim), "
-        "while transformers.js 4.3 and optimum feed per-head caches sized from the config")
+LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+LATENT_OPTIMUM = (
+    "optimum's ORTModelForCausalLM sizes every empty past (batch, num_key_value_heads, 0, hidden_size / "
+    "num_attention_heads) from config.json, where this export caches multi-head latent attention's latent as one KV "
+    "head of kv_lora_rank + qk_rope_head_dim")
 
 TRANSFORMERSJS_REFUSES["gemma4_text"] = (
     "transformers.js 4.3 feeds a cache to every layer, all alike in size from config.json (getKeyValueShapes), "
     "while Gemma 4's global layers have their own head size and KV heads and its KV-shared layers take no cache")
 TRANSFORMERSJS_REFUSES["gemma4"] = TRANSFORMERSJS_REFUSES["gemma4_text"]  # its language model, exported alone
 
+# A graph traced by transformers.exporters caches what transformers caches; for latent attention that is the normed
+# latent as keys and the rotary key as values, two head sizes (contract.VALUE_HEAD_DIM). transformers.js 4.3 allocates
+# each empty past from the graph's own declared input dims (addPastKeyValues reads session.inputMetadata; the names
+# from the config's layer count), so it runs such a cache for the model types it has a class for: these (checked under
+# Node, tests/test_traced.py). optimum's ORTModelForCausalLM sizes every past alike from config.json and cannot.
+SPLIT_CACHE_TYPES = ("deepseek_v3",)
+SPLIT_CACHE_OPTIMUM = (
+    "optimum's ORTModelForCausalLM sizes every empty past (batch, num_key_value_heads, 0, hidden_size / "
+    "num_attention_heads) from config.json, one shape for keys and values, where this export caches values of "
+    "another head size than its keys")
+TRANSFORMERSJS_CONSUMER = "transformers.js >= 4 on onnxruntime-node / -web"
+OPTIMUM_CONSUMER = "optimum ORTModelForCausalLM"
 
-def check_family(checkpoint_dir: Path) -> None:
-    """ExportError when transformers.js cannot drive the checkpoint's family (TRANSFORMERSJS_REFUSES)."""
+
+def split_cache_reason(model_type: str | None) -> str | None:
+    """Why transformers.js cannot run a cache of two head sizes for ``model_type`` (None: it can)."""
+    if model_type in SPLIT_CACHE_TYPES:
+        return None
+    return (f"this export caches keys and values of two head sizes, which transformers.js 4.3 allocates from the "
+            f"graph's own dims for the model types it has a class for ({', '.join(SPLIT_CACHE_TYPES)}), and it has no "
+            f"{model_type} model (\"Unsupported model type\"); {SPLIT_CACHE_OPTIMUM}")
+
+
+def check_family(checkpoint_dir: Path, builder: str | None = None) -> None:
+    """ExportError when transformers.js cannot drive the checkpoint's family (TRANSFORMERSJS_REFUSES) as ``builder``
+    builds it (contract.BUILDER_TRACED: transformers.exporters' graph, whose cache is transformers' own)."""
     path = checkpoint_file(checkpoint_dir, CONFIG_FILE, required=False)
     if path is not None:
         from exporter.graph.language_model import image_text_type
 
         model_type = image_text_type(checkpoint_dir, LAYOUT)
-        _checked_config(json.loads(path.read_text()), image_text=bool(model_type))
+        _checked_config(json.loads(path.read_text()), image_text=bool(model_type), traced=builder == BUILDER_TRACED)
         if model_type:  # an image-text checkpoint: its family and its processor (hf_image_text.py)
             from exporter.packaging.hf_image_text import check_image_text_checkpoint
 
             check_image_text_checkpoint(checkpoint_dir, model_type)
 
 
-def _checked_config(config: dict, image_text: bool = False) -> dict:
+def _checked_config(config: dict, image_text: bool = False, traced: bool = False) -> dict:
     """``config`` where transformers.js drives its family, else ExportError; ``image_text``: for an image-text export
-    (its vision, embedding and decoder graphs), which a qwen3_5 checkpoint's layout is."""
+    (its vision, embedding and decoder graphs), which a qwen3_5 checkpoint's layout is; ``traced``: for a graph traced
+    by transformers.exporters, whose latent-attention cache is transformers' (split_cache_reason), not the hand-built
+    graph's that TRANSFORMERSJS_REFUSES names."""
     from exporter.graph.language_model import IMAGE_TEXT_FOR_HF
 
-    reason = TRANSFORMERSJS_REFUSES.get(config.get("model_type"))
-    if reason and not (image_text and config.get("model_type") in IMAGE_TEXT_FOR_HF):
+    model_type = config.get("model_type")
+    if traced and model_type in LATENT_TYPES:
+        reason = split_cache_reason(model_type)
+        if reason:
+            raise ExportError(f"no hf layout for a traced {model_type} model: {reason}; use the farm layout "
+                              "(exportfarm's runtime runs it)")
+        return config
+    reason = TRANSFORMERSJS_REFUSES.get(model_type)
+    if reason and not (image_text and model_type in IMAGE_TEXT_FOR_HF):
         raise ExportError(f"no hf layout for a {config['model_type']} model: {reason}; use the farm layout (onnxruntime-"
                           "genai runs it)")
     return config
+
+
+def check_cache(manifest: dict, checkpoint_dir: Path) -> None:
+    """ExportError when the built export caches keys and values of two head sizes (its manifest's
+    contract.MANIFEST_CACHE) for a model type transformers.js has no class for (split_cache_reason)."""
+    if not split_cache(manifest.get(MANIFEST_CACHE) or {}):
+        return
+    model_type = json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()).get("model_type")
+    reason = split_cache_reason(model_type)
+    if reason:
+        raise ExportError(f"no hf layout for this {model_type} export: {reason}; use the farm layout (exportfarm's "
+                          "runtime runs it)")
 
 
 def check_export(export_dir: Path) -> dict:
@@ -256,7 +310,9 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
     (out_dir / ONNX_DIR).mkdir(parents=True)
     _relocated_graph(export_dir / MODEL_FILE, out_dir / model_name, DATA_FILE, Path(data_name).name)
     _carry_weights(export_dir / DATA_FILE, out_dir / data_name, weights)
-    config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()))
+    traced = (manifest.get("builder") or {}).get("name") == BUILDER_TRACED
+    config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()), traced=traced)
+    check_cache(manifest, checkpoint_dir)
     js_config = dict(config.get("transformers.js_config") or {})
     external = dict(js_config.get("use_external_data_format") or {})
     external[Path(model_name).name] = 1
@@ -286,12 +342,18 @@ def _write(export_dir: Path, out_dir: Path, checkpoint_dir: Path, manifest: dict
     for name in side_file_names(checkpoint_dir):
         carry(checkpoint_file(checkpoint_dir, name), name)
     layout_manifest = dict(manifest)
+    split = split_cache(manifest.get(MANIFEST_CACHE) or {})
+    # not optimum's: keys and values of two head sizes (contract.VALUE_HEAD_DIM), or the hand-built latent cache
+    not_optimum = (SPLIT_CACHE_OPTIMUM if split else LATENT_OPTIMUM if config.get("model_type") in LATENT_TYPES
+                   else None)
     layout_manifest["layout"] = {
         "kind": LAYOUT, "model_file": model_name, "data_file": data_name, "transformers_js_dtype": dtype,
         "from_export": {"export_id": manifest.get("export_id"),
                         "files": {n: manifest["files"][n] for n in (MODEL_FILE, DATA_FILE)}},
-        "consumers": ["transformers.js >= 4 on onnxruntime-node / -web", "optimum ORTModelForCausalLM"]
+        "consumers": [TRANSFORMERSJS_CONSUMER] + ([] if not_optimum else [OPTIMUM_CONSUMER])
                      + (["transformers.js 3 (onnxruntime 1.21)"] if manifest["request"].get("compat") else []),
+        # transformers.js sizes each past from the graph; optimum from config.json
+        **({"not_for": {OPTIMUM_CONSUMER: not_optimum}} if not_optimum else {}),
     }
     layout_manifest["genai"] = {"package": False, "reason": "the hf layout is not an onnxruntime-genai package (no "
                                 "genai_config.json); export with the farm layout for onnxruntime-genai"}

@@ -20,6 +20,7 @@ from exporter.packaging.resolve import ResolvedSource
 from exporter.versions import runtime_versions
 
 from exporter.contract import BUILDER_HAND, DATA_FILE, MANIFEST_FILE, MODEL_FILE, PADDING  # noqa: F401  (the files this writes)
+from exporter.contract import MANIFEST_CACHE, META_CONFIG, VALUE_HEAD_DIM, split_cache, value_head_dim
 MANIFEST_SCHEMA = 1
 
 
@@ -127,6 +128,10 @@ def build_manifest(
         "files": files,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
+    config = json.loads(model.metadata_props.get(META_CONFIG) or "{}")
+    if split_cache(config):  # keys and values of two head sizes: what a runtime must allocate, said where it reads
+        data[MANIFEST_CACHE] = {"num_kv_heads": config["num_kv_heads"], "head_dim": config["head_dim"],
+                                VALUE_HEAD_DIM: value_head_dim(config)}
     return Manifest(data)
 
 

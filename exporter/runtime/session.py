@@ -35,7 +35,7 @@ from exporter.runtime.isolated import phase
 from exporter.contract import (
     ATTENTION_MASK, BY_ORT, DTYPES, GENAI_CONFIG_FILE, INPUT_IDS, INPUTS_EMBEDS, LOGITS, META_CONFIG, META_PREFIX,
     META_VARIANT, MODEL_FILE, POSITION_IDS, WRITE_INDICES, DType, is_state_input, numpy_of_ort,
-    static_cache_counts,
+    cache_kind, static_cache_counts, value_head_dim,
 )
 
 PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -190,13 +190,16 @@ class Decoder:
             first = self.inputs[self.pairs[0][0]]
             self.dtype = BY_ORT[first.type]
             self.cache_dims = list(first.shape)
+        # Each cache's own dims, as the graph declares them (gemma4's global layers have their own head size and KV
+        # heads; a traced latent-attention cache its values' own, contract.VALUE_HEAD_DIM). A head size left symbolic
+        # (onnxruntime-genai's builder) is the metadata's where the export has ours, else its genai_config.json's.
+        symbolic = any(not isinstance(self.inputs[name].shape[-1], int) for name, _ in self.pairs)
+        sizes = self._head_sizes(self.meta.get("config") or {}) if symbolic else {}
         if self.cache_dims and not isinstance(self.cache_dims[-1], int):
-            # onnxruntime-genai's builder leaves head_dim symbolic; its genai_config.json has it.
-            genai = json.loads((self.model_path.parent / GENAI_CONFIG_FILE).read_text())["model"]["decoder"]
-            self.cache_dims[-1] = genai["head_size"]
-        # Each cache's own dims (gemma4's global layers have their own head size and KV heads).
-        self.pair_dims = {name: [self.cache_dims[-1] if k + 1 == len(self.cache_dims) and not isinstance(d, int) else d
-                                 for k, d in enumerate(self.inputs[name].shape)] for name, _ in self.pairs}
+            self.cache_dims[-1] = sizes["key"]
+        self.pair_dims = {name: [*self.inputs[name].shape[:-1], self.inputs[name].shape[-1] if not symbolic or
+                                 isinstance(self.inputs[name].shape[-1], int) else sizes[cache_kind(name)]]
+                          for name, _ in self.pairs}
         self.mask_dtype = numpy_of_ort(self.inputs[ATTENTION_MASK].type) if ATTENTION_MASK in self.inputs else np.int64
         self.logits_dtype = numpy_of_ort(self.session.get_outputs()[0].type)
         self.vocab = self.session.get_outputs()[0].shape[2]
@@ -213,6 +216,18 @@ class Decoder:
         # attention_mask or None) -> the three streams, set by the same driver (it knows the images' grids).
         self.positions = None
         self.mrope = POSITION_IDS in self.inputs and len(self.inputs[POSITION_IDS].shape) == 3
+
+    def _head_sizes(self, config: dict) -> dict[str, int]:
+        """{"key": head size, "value": head size} of the caches, for dims the graph leaves symbolic: the metadata's
+        (contract.value_head_dim), or onnxruntime-genai's builder's genai_config.json (one head size for both)."""
+        if "head_dim" in config:
+            return {"key": int(config["head_dim"]), "value": value_head_dim(config)}
+        path = self.model_path.parent / GENAI_CONFIG_FILE
+        if not path.is_file():
+            raise ValueError(f"{self.model_path} leaves its caches' head size symbolic and names it nowhere (no "
+                             f"{META_CONFIG} metadata, no {GENAI_CONFIG_FILE} beside it)")
+        head_size = json.loads(path.read_text())["model"]["decoder"]["head_size"]
+        return {"key": head_size, "value": head_size}
 
     def _embedded(self, feeds: dict) -> dict:
         """``feeds`` as the graph takes them: input_ids through ``embed`` where it takes inputs_embeds (and the
