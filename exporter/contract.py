@@ -179,6 +179,12 @@ IMAGE_GRID_THW = "image_grid_thw"  # qwen2_5_vl's vision in: int64 [num_images, 
 # image's (height, width) in pixels. Optional (an overridable initializer whose default [[0, 0]] reads each image as the
 # whole of pixel_values, what onnxruntime-genai's per-image runs and transformers.js's one image feed).
 IMAGE_SIZES = "image_sizes"
+# idefics3 / smolvlm in the hf layout (transformers.js's Idefics3 classes feed them, exporter.vision.crops):
+# pixel_values float32 [batch_size, num_crops, channels, image_size, image_size], each prompt's images split into crops
+# and the prompts' crops zero-padded to the batch's most, and this bool [batch_size, num_crops, image_size, image_size]
+# (True: a real pixel). The farm layout's vision graph takes the real crops alone, 4-D.
+PIXEL_ATTENTION_MASK = "pixel_attention_mask"
+NUM_CROPS = "num_crops"
 # mistral3's vision graph: pixels per patch side, which with spatial_merge_size gives an image's token grid
 # (height // (patch_size * spatial_merge_size) rows of width // (patch_size * spatial_merge_size) tokens).
 META_PATCH_SIZE = f"{META_PREFIX}vision.patch_size"

@@ -8,7 +8,12 @@ flattened to [-1, hidden]), the merge in JavaScript (the k-th image token takes 
 match), then ``decoder_model_merged`` on ``inputs_embeds``, ``attention_mask``, ``position_ids`` only where
 declared, and the caches; every decode step's token through ``embed_tokens`` again. So:
 
-- ``onnx/vision_encoder{suffix}.onnx``: the export's vision graph, its weights moved under the new name.
+- ``onnx/vision_encoder{suffix}.onnx``: the export's vision graph, its weights moved under the new name. idefics3 /
+  smolvlm: transformers.js's Idefics3ForConditionalGeneration feeds ``pixel_values`` [batch, crops, 3, S, S] (each
+  prompt's images split into crops, the prompts' crops zero-padded to the batch's most) and ``pixel_attention_mask``
+  [batch, crops, S, S] bool (Idefics3ImageProcessor._call); the graph for them (exporter.vision.crops) drops the
+  all-zero crops, makes the patch attention mask and reads the tower through it, as transformers'
+  get_image_features does, on the export's vision weights (the same initializers, their bytes moved).
 - ``onnx/embed_tokens{suffix}.onnx``: built here from the embedding graph's table (the same bytes, moved),
   ``input_ids`` only, gemma3's sqrt(hidden) scale the embedding graph's own constant. The export's
   embedding graph takes ``image_features`` too, which transformers.js refuses ("Missing the following
@@ -27,7 +32,14 @@ declared, and the caches; every decode step's token through ``embed_tokens`` aga
   is transformers.js's floor(h / patch)^2 + num_additional_image_tokens, without transformers' "-1" for the
   "default" strategy (the class token dropped), so the count written is the one that gives transformers'
   token count.
-- tokenizer files and the chat template (transformers.js's Gemma3Processor loads chat_template.jinja).
+- tokenizer files and the chat template (transformers.js's Gemma3Processor loads chat_template.jinja; its tokenizer
+  reads chat_template.jinja, written from chat_template.json where a SmolVLM repository keeps it there).
+- idefics3 / smolvlm: transformers.js's Idefics3Processor (models/idefics3/processing_idefics3.js) expands each
+  ``<image>`` of a prompt to ``<fake_token_around_image><row_r_col_c>`` + ``image_seq_len`` x ``<image>`` per crop and
+  the global image's ``<fake_token_around_image><global-img>...``, those token strings written into its code (where
+  transformers' SmolVLMProcessor reads them from the tokenizer), and ``image_seq_len`` from processor_config.json; its
+  image processor reads ``size``, ``max_image_size`` and ``do_image_splitting`` from preprocessor_config.json. A
+  checkpoint whose processor would give other tokens or crops than the graphs take is refused (_crops_settings).
 
 Each session mounts only its own ``{file}_data`` in a browser, so no two files share weights here: the
 decoder's tied LM head and ``embed_tokens`` keep a table each, as in the farm export.
@@ -56,12 +68,15 @@ SESSIONS = {contract.VISION: "vision_encoder", contract.EMBEDDING: "embed_tokens
             contract.DECODER: "decoder_model_merged"}
 EXPORT_FILES = {contract.VISION: contract.VISION_FILE, contract.EMBEDDING: contract.EMBEDDING_FILE,
                 contract.DECODER: contract.MODEL_FILE}
-# Families transformers.js 4.3.2 drives with inputs the vision graph does not take, refused for the hf layout.
-_PIXEL_SHUFFLE = ("transformers.js 4.3 feeds {family}'s vision encoder 5-D pixel_values [batch, crops, 3, H, W] "
-                  "(the image split into crops) and a pixel_attention_mask, and transformers drops the all-zero "
-                  "padding crops of a batch by value before the tower; the vision graph takes whole images "
-                  "[num_images, 3, H, W]")
-REFUSED_FAMILIES = {family: _PIXEL_SHUFFLE.format(family=family) for family in ("idefics3", "smolvlm")}
+# Families whose vision_encoder takes transformers.js's crops and pixel mask (exporter.vision.crops), and the
+# processor_class transformers.js knows each by.
+CROPS_PROCESSORS = {"idefics3": "Idefics3Processor", "smolvlm": "SmolVLMProcessor"}
+# The token strings transformers.js 4.3.2's Idefics3Processor writes (its fake_image_token, image_token,
+# global_img_token fields), whatever the tokenizer names.
+CROPS_TOKENS = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                "global_image_token": "<global-img>"}
+# Idefics3Processor's / SmolVLMProcessor's image_seq_len where processor_config.json names none.
+IDEFICS3_IMAGE_SEQ_LEN = 169
 # Families whose transformers processor is built only with its video processor (torchvision), of which transformers.js
 # reads the image half: its processor class (transformers.js's name) over the checkpoint's image processor settings.
 IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_5": "Qwen3VLProcessor",
@@ -76,16 +91,16 @@ ONE_BASED_POSITIONS = ("gemma3",)
 
 def check_image_text_checkpoint(checkpoint_dir: Path, model_type: str) -> None:
     """ExportError, before any build, where transformers.js cannot run an image-text export of the
-    checkpoint: a family it feeds differently, or no processor to generate its processor files from."""
+    checkpoint: no processor to generate its processor files from, or one whose settings would feed the graphs
+    otherwise than they compute (idefics3 / smolvlm, mistral3)."""
     from exporter.packaging.source_files import checkpoint_file
 
-    if model_type in REFUSED_FAMILIES:
-        raise ExportError(f"no hf layout for a {model_type} image-text export: {REFUSED_FAMILIES[model_type]}; "
-                          "export it with layout farm")
     if not any(checkpoint_file(checkpoint_dir, name, required=False) for name in (PROCESSOR_FILE, PREPROCESSOR_FILE)):
         raise ExportError(f"{checkpoint_dir} has no {PROCESSOR_FILE} or {PREPROCESSOR_FILE}: transformers.js's "
                           "AutoProcessor needs the checkpoint's processor (image processor, image token) for the "
                           "hf layout; pass a checkpoint saved with its processor, or export with layout farm")
+    if model_type in CROPS_PROCESSORS:  # the processor's crops and image tokens must be what the graphs take
+        _crops_settings(checkpoint_dir, model_type)
     if model_type in PIXTRAL_PROCESSORS:  # the processor's token geometry must be the tower's
         from exporter.vision import load_vision_config
 
@@ -214,6 +229,8 @@ def _processor_files(checkpoint_dir: Path, config: dict) -> dict[str, dict | str
         return _image_only_processor_files(checkpoint_dir, IMAGE_ONLY_PROCESSORS[config["model_type"]])
     if config.get("model_type") in PIXTRAL_PROCESSORS:
         return _pixtral_processor_files(checkpoint_dir)
+    if config.get("model_type") in CROPS_PROCESSORS:
+        return _crops_processor_files(checkpoint_dir, config["model_type"])
     processor = transformers.AutoProcessor.from_pretrained(str(checkpoint_dir))
     image = processor.image_processor.to_dict()
     image.pop("processor_class", None)
@@ -252,11 +269,13 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         source = export_dir / EXPORT_FILES[name]
         model = onnx.load(str(source), load_external_data=False)
         data = f"{Path(file).name}_data"
+        relocate_weights(model, contract.data_file(source.name), data, source)  # the weights' file under its new name
+        if name == contract.VISION and model_type in CROPS_PROCESSORS:
+            model = crops_vision_encoder(checkpoint_dir, model, manifest["image_text"]["components"][name])
         if name == contract.EMBEDDING:
             model = embed_tokens_graph(model, int(manifest["image_text"]["image_token_id"]))
         if name == contract.DECODER and model_type in ONE_BASED_POSITIONS:
             positions_from_mask(model)
-        relocate_weights(model, contract.data_file(source.name), data, source)
         onnx.save(model, str(out_dir / file))
         _carry(export_dir / contract.data_file(source.name), out_dir / ONNX_DIR / data, weights)
     config = _checked_config(json.loads(checkpoint_file(checkpoint_dir, CONFIG_FILE).read_text()), image_text=True)
@@ -287,6 +306,10 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         "transformers_js_dtype": js_config["dtype"],
         "position_ids": "computed in the decoder from attention_mask (transformers.js feeds gemma3 1-based ones)"
                         if model_type in ONE_BASED_POSITIONS else "fed by transformers.js",
+        **({"vision_encoder": "transformers.js's crops: pixel_values [batch, crops, 3, S, S] and pixel_attention_mask; "
+                              "the all-zero padding crops dropped and the patch mask read as transformers' "
+                              "get_image_features does, on the export's vision weights (exporter.vision.crops)"}
+           if model_type in CROPS_PROCESSORS else {}),
         "from_export": {"export_id": manifest.get("export_id"),
                         "files": {n: manifest["files"][n] for f in EXPORT_FILES.values()
                                   for n in (f, contract.data_file(f)) if n in manifest["files"]}},
@@ -350,3 +373,103 @@ def _pixtral_settings(checkpoint_dir: Path) -> dict:
                           "checkpoint with its processor, or export with layout farm")
     return {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", **own,
             "processor_class": "PixtralProcessor"}
+
+
+def crops_vision_encoder(checkpoint_dir: Path, farm: onnx.ModelProto, component: dict) -> onnx.ModelProto:
+    """idefics3 / smolvlm's vision_encoder: exporter.vision.build_crops_vision_graph in the export's vision dtype, each
+    checkpoint weight the farm vision graph's own initializer of that name (``farm``, already relocated: its external
+    entries are the layout's), so the bytes are the export's. ``component``: the manifest's vision entry, whose
+    recipes (checkpoint tensors, slices, dtype) every weight must repeat: a name alone does not prove the same bytes."""
+    import onnx_ir as ir
+
+    from exporter.packaging.package import initializer_sources
+    from exporter.vision.graphs import build_crops_vision_graph
+
+    model = build_crops_vision_graph(checkpoint_dir, ir.DataType[component["dtype"]])
+    external = {t.name: t for t in farm.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    recipes = component["initializers"]
+    for name, source in initializer_sources(model).items():
+        if source.get("computed"):
+            continue  # the crops graph's own constants (position buckets, shapes): inline
+        if recipes.get(name) != source:
+            raise ExportError(f"the export's vision graph has no weight {name} as the crops vision_encoder reads it "
+                              f"({recipes.get(name)} vs {source}): re-export the checkpoint")
+        if name in external:
+            entries = {e.key: e.value for e in external[name].external_data}
+            value = model.graph.initializers[name]
+            value.const_value = ir.ExternalTensor(
+                entries["location"], int(entries.get("offset", 0)), int(entries["length"]), value.const_value.dtype,
+                shape=value.const_value.shape, name=name, base_dir=".")
+    return ir.serde.serialize_model(model)
+
+
+def _crops_settings(checkpoint_dir: Path, model_type: str) -> tuple[dict, dict]:
+    """(the image processor's settings, processor_config.json's flat) of an idefics3 / smolvlm checkpoint, or
+    ExportError where transformers.js's Idefics3Processor would feed other crops or write other image tokens than the
+    vision and embedding graphs take: crops of another size than the tower's image_size, another image_seq_len than
+    the tower's tokens per crop, image tokens of other names than those its code writes, an image token id not
+    config.json's."""
+    import transformers
+
+    from exporter.packaging.source_files import checkpoint_file
+    from exporter.vision import load_vision_config
+
+    cfg = load_vision_config(checkpoint_dir)
+    try:
+        image = transformers.AutoImageProcessor.from_pretrained(str(checkpoint_dir)).to_dict()
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{checkpoint_dir}'s image processor does not load ({err}): transformers.js's "
+                          f"{CROPS_PROCESSORS[model_type]} reads its settings for the hf layout; pass the checkpoint "
+                          "with its processor") from err
+    own_file = checkpoint_file(checkpoint_dir, PROCESSOR_FILE, required=False)
+    own = json.loads(own_file.read_text()) if own_file else {}
+    nested = ("image_processor", "tokenizer", "chat_template", "video_processor")
+    own = {k: v for k, v in own.items() if k not in nested}
+    crop = (image.get("max_image_size") or {}).get("longest_edge")
+    if crop != cfg.image_size:
+        raise ExportError(f"{checkpoint_dir}'s image processor makes crops of max_image_size {crop} pixels where the "
+                          f"vision tower's image_size is {cfg.image_size}: the hf layout's vision_encoder takes crops "
+                          "of the tower's size (as the published Idefics3 / SmolVLM processors make them); fix "
+                          "max_image_size.longest_edge or export with layout farm")
+    if not (image.get("size") or {}).get("longest_edge"):
+        raise ExportError(f"{checkpoint_dir}'s image processor has no size.longest_edge, which transformers.js's "
+                          "Idefics3ImageProcessor resizes every image by: fix preprocessor_config.json")
+    seq_len = int(own.get("image_seq_len", IDEFICS3_IMAGE_SEQ_LEN))
+    if seq_len != cfg.tokens_per_image:
+        raise ExportError(f"{checkpoint_dir}'s processor writes image_seq_len {seq_len} image tokens a crop where the "
+                          f"vision graph gives {cfg.tokens_per_image} ((image_size / patch_size)^2 / scale_factor^2): "
+                          f"fix image_seq_len in {PROCESSOR_FILE}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    for attribute, token in CROPS_TOKENS.items():
+        named = getattr(tokenizer, attribute, None) if model_type == "smolvlm" else None  # idefics3's are fixed
+        if named not in (None, token):
+            raise ExportError(f"{checkpoint_dir}'s tokenizer names {attribute} {named!r}, which transformers' "
+                              f"SmolVLMProcessor writes, where transformers.js's Idefics3Processor writes {token!r}: "
+                              "its prompts would hold other tokens than transformers'; export with layout farm")
+    image_id = tokenizer.convert_tokens_to_ids(CROPS_TOKENS["image_token"])
+    if image_id != cfg.image_token_id:
+        raise ExportError(f"{checkpoint_dir}'s tokenizer gives {CROPS_TOKENS['image_token']!r} id {image_id} where "
+                          f"config.json's image_token_id is {cfg.image_token_id}: is the tokenizer from this "
+                          "checkpoint?")
+    return image, {**own, "image_seq_len": seq_len, "processor_class": CROPS_PROCESSORS[model_type]}
+
+
+def _crops_processor_files(checkpoint_dir: Path, model_type: str) -> dict[str, dict | str]:
+    """preprocessor_config.json and processor_config.json of an idefics3 / smolvlm checkpoint for transformers.js's
+    Idefics3Processor (SmolVLMProcessor is the same class there), from the checkpoint's image processor (its name
+    without a backend suffix) and processor_config.json, flat; chat_template.jinja from chat_template.json where the
+    checkpoint keeps its template there (SmolVLM's hub repositories), which transformers.js's tokenizer reads."""
+    from exporter.packaging.source_files import checkpoint_file
+
+    image, own = _crops_settings(checkpoint_dir, model_type)
+    image.pop("processor_class", None)
+    image["image_processor_type"] = image["image_processor_type"].removesuffix("Pil").removesuffix("Fast")
+    image.setdefault("do_normalize", bool(image.get("image_mean") is not None))
+    files: dict[str, dict | str] = {PREPROCESSOR_FILE: {**image, "processor_class": own["processor_class"]},
+                                    PROCESSOR_FILE: own}
+    template_json = checkpoint_file(checkpoint_dir, "chat_template.json", required=False)
+    if template_json and not checkpoint_file(checkpoint_dir, CHAT_TEMPLATE_FILE, required=False):
+        template = json.loads(template_json.read_text()).get("chat_template")
+        if isinstance(template, str):
+            files[CHAT_TEMPLATE_FILE] = template
+    return files

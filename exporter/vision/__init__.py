@@ -18,7 +18,9 @@ vision graph (``build_vision_graph``)
     in  ``pixel_values``    float32 [num_images, channels, image_size, image_size]: the image
         processor's output, one image (or tile) per row. idefics3 / smolvlm: the processor's 5-D
         [batch, images, ...] flattened, all-zero padding images dropped, every patch real (no
-        pixel_attention_mask: each tile is image_size square, as their processors make them).
+        pixel_attention_mask: each tile is image_size square, as their processors make them). Their hf
+        layout's vision_encoder takes the 5-D crops and pixel_attention_mask themselves, as transformers.js
+        feeds them (``build_crops_vision_graph``, exporter.vision.crops).
     out ``image_features``  dtype [num_images * tokens_per_image, text hidden_size]: transformers'
         ``get_image_features(pixel_values)`` pooler output, image after image (gemma3: mm_tokens_per_image
         rows each; llava: the patches, less the class token under "default"; idefics3: patches /
@@ -84,6 +86,7 @@ from exporter.vision.graphs import (
     INPUT_IDS,
     INPUTS_EMBEDS,
     PIXEL_VALUES,
+    build_crops_vision_graph,
     build_embedding_graph,
     build_vision_graph,
     check_vision_checkpoint,
@@ -93,5 +96,6 @@ from exporter.vision.graphs import (
 __all__ = [
     "FAMILIES", "IMAGE_FEATURES", "IMAGE_GRID_THW", "IMAGE_SIZES", "INPUTS_EMBEDS", "INPUT_IDS", "PIXEL_VALUES",
     "VisionConfig", "VisionFamily",
-    "build_embedding_graph", "build_vision_graph", "check_vision_checkpoint", "load_vision_config",
+    "build_crops_vision_graph", "build_embedding_graph", "build_vision_graph", "check_vision_checkpoint",
+    "load_vision_config",
 ]

@@ -36,10 +36,11 @@ def skip_layer_norm(b: GraphBuilder, residual: ir.Value, update: ir.Value, prefi
 
 
 def patch_embeddings(b: GraphBuilder, pixels: ir.Value, cfg: VisionConfig, tower: str,
-                     position_ids: np.ndarray | None = None) -> ir.Value:
+                     position_ids: np.ndarray | ir.Value | None = None) -> ir.Value:
     """pixel_values [images, channels, H, W] (model dtype) -> [images, patches (+1 class token), hidden]:
     the patch Conv, CLIP's class token in front, the learned position embedding added (``position_ids``:
-    rows of the table per token, where they are not simply 0..n-1)."""
+    rows of the table per token, where they are not simply 0..n-1; a graph value [images, patches] where
+    each image has its own, computed in the graph: exporter.vision.crops)."""
     p = cfg.patch_size
     conv_bias = f"{tower}embeddings.patch_embedding.bias"
     inputs = [pixels, b.weight(f"{tower}embeddings.patch_embedding.weight")]
@@ -54,20 +55,25 @@ def patch_embeddings(b: GraphBuilder, pixels: ir.Value, cfg: VisionConfig, tower
         cls = b.op("Expand", [cls, b.op("Concat", [images, b.ints(1, cfg.hidden_size)], {"axis": 0})])
         x = b.op("Concat", [cls, x], {"axis": 1})
     table = b.weight(f"{tower}embeddings.position_embedding.weight")
-    if position_ids is not None:
+    if isinstance(position_ids, ir.Value):  # [images, patches] -> [images, patches, hidden]
+        table = b.op("Gather", [table, position_ids], {"axis": 0})
+    elif position_ids is not None:
         table = b.op("Gather", [table, b.constant(position_ids.astype(np.int64), "vision_position_ids")], {"axis": 0})
     return b.op("Add", [x, table])
 
 
-def _attention(b: GraphBuilder, h: ir.Value, cfg: VisionConfig, prefix: str) -> ir.Value:
-    """Bidirectional multi-head self-attention, Q/K/V packed into one MatMul."""
+def _attention(b: GraphBuilder, h: ir.Value, cfg: VisionConfig, prefix: str,
+               key_mask: ir.Value | None = None) -> ir.Value:
+    """Bidirectional multi-head self-attention, Q/K/V packed into one MatMul; ``key_mask``: bool
+    [images, 1, patches, patches], the patches each query may attend to (the Attention op's boolean attn_mask)."""
     attn = f"{prefix}.self_attn"
     qkv = packed(b, [b.weight(f"{attn}.{n}_proj.weight") for n in "qkv"])
     bias = packed(b, [b.weight(f"{attn}.{n}_proj.bias") for n in "qkv"])
     d = cfg.hidden_size
     q, k, v = b.op_multi("Split", [linear(b, h, qkv, bias), b.ints(d, d, d)], {"axis": -1}, num_outputs=3)
-    y = b.op("Attention", [q, k, v], {"q_num_heads": cfg.num_heads, "kv_num_heads": cfg.num_heads, "is_causal": 0,
-                                       "scale": float(cfg.head_dim ** -0.5)})
+    inputs = [q, k, v] if key_mask is None else [q, k, v, key_mask]
+    y = b.op("Attention", inputs, {"q_num_heads": cfg.num_heads, "kv_num_heads": cfg.num_heads, "is_causal": 0,
+                                   "scale": float(cfg.head_dim ** -0.5)})
     return linear(b, y, b.weight(f"{attn}.out_proj.weight"), b.weight(f"{attn}.out_proj.bias"))
 
 
@@ -78,10 +84,11 @@ def _mlp(b: GraphBuilder, h: ir.Value, cfg: VisionConfig, prefix: str) -> ir.Val
 
 
 def vision_tower(b: GraphBuilder, pixels: ir.Value, cfg: VisionConfig, tower: str,
-                 position_ids: np.ndarray | None = None) -> list[ir.Value]:
+                 position_ids: np.ndarray | ir.Value | None = None, key_mask: ir.Value | None = None) -> list[ir.Value]:
     """The tower's hidden states the projector reads: transformers' ``hidden_states[i]`` for each of
     ``cfg.feature_layers`` (no final norm), or ``[last_hidden_state]`` (post_layernorm applied) when
-    it reads the last. Layers past the deepest one read are not built."""
+    it reads the last. Layers past the deepest one read are not built. ``key_mask``: the patches each
+    image's attention reads (idefics3's patch attention mask; None: all of them)."""
     eps = cfg.layer_norm_eps
     x = patch_embeddings(b, pixels, cfg, tower, position_ids)
     if cfg.tower == CLIP:
@@ -90,7 +97,7 @@ def vision_tower(b: GraphBuilder, pixels: ir.Value, cfg: VisionConfig, tower: st
     layer = lambda i: f"{tower}encoder.layers.{i}"  # noqa: E731
     h = layer_norm(b, x, f"{layer(0)}.layer_norm1", eps) if cfg.num_layers else None
     for i in range(cfg.num_layers):
-        h, x = skip_layer_norm(b, x, _attention(b, h, cfg, layer(i)), f"{layer(i)}.layer_norm2", eps)
+        h, x = skip_layer_norm(b, x, _attention(b, h, cfg, layer(i), key_mask), f"{layer(i)}.layer_norm2", eps)
         update = _mlp(b, h, cfg, layer(i))
         last = i + 1 == cfg.num_layers
         if last and cfg.feature_layers is None:  # last_hidden_state: the post-layernorm of the residual stream

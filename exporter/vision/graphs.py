@@ -13,7 +13,8 @@ import onnx_ir as ir
 from exporter import __version__
 from exporter.contract import (
     BATCH, IMAGE_FEATURES, IMAGE_SIZES, INPUT_IDS, INPUTS_EMBEDS, META_DEEPSTACK, META_IMAGE_SIZE, META_IMAGE_TOKEN_ID,
-    META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, NUM_IMAGES, PIXEL_VALUES, SEQ,
+    META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, NUM_CROPS, NUM_IMAGES, PIXEL_ATTENTION_MASK,
+    PIXEL_VALUES, SEQ,
 )
 from exporter.errors import ExportError
 from exporter.graph.components.graph import GraphBuilder
@@ -112,6 +113,32 @@ def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FL
     features = b.op("Reshape", [features, b.ints(-1, cfg.text_hidden_size)])
     out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
     return _model(b, [pixels], [out], f"{cfg.model_type}_vision", cfg)
+
+
+def build_crops_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
+    """idefics3 / smolvlm as transformers.js 4.3 feeds them: ``pixel_values`` fp32 [batch_size, num_crops, channels,
+    image_size, image_size] and ``pixel_attention_mask`` bool [batch_size, num_crops, image_size, image_size] ->
+    ``image_features`` [num_image_tokens, text hidden] in ``dtype``: transformers' get_image_features (the all-zero
+    padding crops dropped, the patch attention mask from the pixel mask, the tower reading it, the connector), the
+    real crops' tokens in order. The farm vision graph's tower and projector (build_vision_graph) on the same weights
+    (same initializer names); it takes the real crops alone, whole."""
+    from exporter.vision import crops
+
+    check_vision_checkpoint(checkpoint_dir)
+    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
+    if cfg.model_type not in crops.CROPS_FAMILIES:
+        raise ValueError(f"{cfg.model_type} takes no crops: build_vision_graph builds its vision graph")
+    names = family.module_names(checkpoint)
+    b = GraphBuilder(checkpoint, dtype)
+    size = cfg.image_size
+    pixels = _input(PIXEL_VALUES, ir.DataType.FLOAT, [BATCH, NUM_CROPS, cfg.num_channels, size, size])
+    mask = _input(PIXEL_ATTENTION_MASK, ir.DataType.BOOL, [BATCH, NUM_CROPS, size, size])
+    x, masks = crops.real_crops(b, pixels, mask, cfg)
+    patches = crops.patch_mask(b, masks, cfg)
+    states = vision_tower(b, x, cfg, names.tower, crops.position_ids(b, patches, cfg), crops.key_mask(b, patches, cfg))
+    features = b.op("Reshape", [family.projector(b, states, cfg, names.projector), b.ints(-1, cfg.text_hidden_size)])
+    out = _output(features, IMAGE_FEATURES, dtype, [NUM_IMAGE_TOKENS, cfg.text_hidden_size])
+    return _model(b, [pixels, mask], [out], f"{cfg.model_type}_vision_crops", cfg)
 
 
 def _patch_sequence_vision_graph(b: GraphBuilder, cfg: VisionConfig, family: VisionFamily, tower: str,

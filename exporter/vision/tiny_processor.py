@@ -4,7 +4,8 @@ from and what transformers.js's AutoProcessor is proven against (tests/test_hf_l
 
 The tokenizer is a byte-level BPE of 300 ids whose first ids are the family's special tokens, so the
 image token is a row of the table (as in the real checkpoints); images are processed at the tower's
-own size (32 x 32), where neither processor has anything to resample.
+own size (32 x 32), where neither processor has anything to resample; idefics3 / smolvlm split an image of
+twice the tower's size into crops (CROPS_PER_SIDE).
 """
 
 from __future__ import annotations
@@ -22,9 +23,23 @@ SPECIALS = {
                {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}),
     "llava": (["<pad>", "<s>", "</s>", "<image>"], {"image_token": "<image>"}),
 }
-IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "llava": "<image>"}
-# What a prompt names an image with: gemma3's processor expands <start_of_image>, llava's <image>.
-PROMPT_IMAGE = {"gemma3": "<start_of_image>", "llava": "<image>"}
+# idefics3 / smolvlm: the tokens their processors write (transformers.js's Idefics3Processor writes these strings
+# whatever the tokenizer names), the row / column tags of up to 6 x 6 crops as in the published tokenizers.
+CROPS_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+_CROPS_SPECIALS = (["<pad>", "<s>", "</s>", *CROPS_TOKENS.values()]
+                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+SPECIALS["idefics3"] = (_CROPS_SPECIALS, {})
+SPECIALS["smolvlm"] = (_CROPS_SPECIALS, CROPS_TOKENS)  # SmolVLMProcessor reads them from the tokenizer
+IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "llava": "<image>", "idefics3": "<image>", "smolvlm": "<image>"}
+# What a prompt names an image with: gemma3's processor expands <start_of_image>, the others <image>.
+PROMPT_IMAGE = {"gemma3": "<start_of_image>", "llava": "<image>", "idefics3": "<image>", "smolvlm": "<image>"}
+# idefics3 / smolvlm's image processors: an image resized to CROPS_PER_SIDE crops of the tower's size on its longest
+# edge, split into them, and the whole image resized to one more (do_image_splitting, as the published processors do).
+# Resampled with BOX where the published ones use LANCZOS: transformers.js resizes the crops with its own bilinear
+# Resize whatever the checkpoint names, and an image of 2 x 2 pixel blocks is resized alike by BOX and that (exactly),
+# so the tests compare the exports, not two resamplers.
+CROPS_PER_SIDE = 2
 
 
 def _tokenizer(case: str):
@@ -39,11 +54,15 @@ def _tokenizer(case: str):
         vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=specials[0], bos_token=specials[1],
-                                   eos_token=specials[2], extra_special_tokens=named if case == "gemma3" else {})
+                                   eos_token=specials[2],
+                                   extra_special_tokens=named if case in ("gemma3", "smolvlm") else {})
 
 
 def make_tiny_vlm_repo(case: str, out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a random ``case`` (gemma3 or llava) image-text checkpoint with its processor to ``out_dir``."""
+    """Write a random ``case`` (gemma3, llava, idefics3 or smolvlm) image-text checkpoint with its processor to
+    ``out_dir``. smolvlm's is written as its hub repositories hold it (tokenizer, image processor,
+    processor_config.json, chat_template.json): transformers' SmolVLMProcessor itself wants a video processor
+    (torchvision) and num2words."""
     import transformers
 
     out_dir = Path(out_dir)
@@ -68,9 +87,33 @@ def make_tiny_vlm_repo(case: str, out_dir: Path, *, seed: int = 0) -> Path:
             tokenizer=tokenizer, patch_size=TOWER["patch_size"], vision_feature_select_strategy="default",
             num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
         overrides = dict(text_config={**text, "model_type": "llama"}, image_token_index=image_token_id)
+    elif case in ("idefics3", "smolvlm"):
+        from exporter.vision.tiny_checkpoint import VLM_CONFIGS
+
+        tower = VLM_CONFIGS[case][1]["vision_config"]
+        crop = tower["image_size"]
+        seq_len = (crop // tower["patch_size"] // VLM_CONFIGS[case][1]["scale_factor"]) ** 2
+        image_class = {"idefics3": transformers.Idefics3ImageProcessorPil,
+                       "smolvlm": transformers.SmolVLMImageProcessorPil}[case]
+        image_processor = image_class(size={"longest_edge": CROPS_PER_SIDE * crop},
+                                      max_image_size={"longest_edge": crop}, do_image_splitting=True,
+                                      resample=transformers.image_utils.PILImageResampling.BOX)
+        processor = (transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                                    image_seq_len=seq_len, chat_template=CHAT_TEMPLATE)
+                     if case == "idefics3" else None)
+        overrides = dict(text_config={**text, "model_type": "llama"}, image_token_id=image_token_id)
     else:
-        raise ValueError(f"no tiny processor for {case!r}: gemma3 or llava")
+        raise ValueError(f"no tiny processor for {case!r}: gemma3, llava, idefics3 or smolvlm")
     make_tiny_vlm_checkpoint(case, out_dir, seed=seed, **overrides)
+    if processor is None:  # smolvlm: its parts and settings, as a hub repository holds them
+        import json
+
+        tokenizer.save_pretrained(out_dir)
+        image_processor.save_pretrained(out_dir)
+        (out_dir / "processor_config.json").write_text(json.dumps(
+            {"image_seq_len": seq_len, "processor_class": "SmolVLMProcessor"}, indent=2) + "\n")
+        (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+        return out_dir
     if case == "gemma3":
         _shrink_embeddings(out_dir / "model.safetensors", 0.1)
     processor.save_pretrained(out_dir)
