@@ -3,7 +3,7 @@ machine, and decode / prefill speed of a depth-truncated real geometry.
 
     python benchmarks/hybrid_cuda.py --out results.json [--arch ...] [--speed qwen3_5_text,lfm2,granitemoehybrid]
 
-Parity: the tiny checkpoints of exporter/tiny_checkpoint.py (HYBRID_ARCHITECTURES), exported for ep cuda in
+Parity: the tiny checkpoints of exporter/tiny_checkpoint.py (TEXT_HYBRID_ARCHITECTURES), exported for ep cuda in
 fp16 and bf16, gqa and attn_dynamic, driven by the project's one driver (exporter.runtime.session.Decoder,
 caches and recurrent states on the device between steps), against transformers' fp32 greedy run of the
 same weights on a 70-token prompt (past the convolution windows and GatedDeltaNet's 64-token chunk) and
@@ -179,7 +179,7 @@ def speed(arch: str, layers: int, work: Path, context: int = 2048, steps: int = 
 def main() -> None:
     import onnxruntime as ort
 
-    from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES
+    from exporter.tiny_checkpoint import TEXT_HYBRID_ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="*", default=None)
@@ -194,7 +194,7 @@ def main() -> None:
     schemas = {s.name for s in C.get_all_operator_schema()} if hasattr(C, "get_all_operator_schema") else set()
     # A cuda export routes sigmoid scores in standard ops (components/moe.py), whatever the runtime has: every
     # family is measured, its experts included.
-    archs = args.arch if args.arch is not None else list(HYBRID_ARCHITECTURES)
+    archs = args.arch if args.arch is not None else list(TEXT_HYBRID_ARCHITECTURES)
     import torch
     import transformers
 

@@ -88,10 +88,10 @@ def transformers_exporters(checkpoint: Path) -> dict:
 
 
 def main() -> None:
-    from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, make_tiny_checkpoint
+    from exporter.tiny_checkpoint import TEXT_HYBRID_ARCHITECTURES, make_tiny_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", nargs="*", default=list(HYBRID_ARCHITECTURES))
+    parser.add_argument("--arch", nargs="*", default=list(TEXT_HYBRID_ARCHITECTURES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/hybrid_graph.json"))
     parser.add_argument("--reuse-transformers", type=Path,
                         help="an earlier result whose transformers.exporters figures are kept (they do not depend on "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from exporter import contract
 from exporter.graph.build import IR_DTYPES, build_model
-from exporter.graph.language_model import check_image_text_request, image_text_type
+from exporter.graph.language_model import TEXT_ONLY_BF16, check_image_text_request, image_text_type
 from exporter.packaging.image_text import write_image_text_graphs
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
@@ -90,7 +90,8 @@ def build_export(
     t0 = time.perf_counter()
     progress.stage("build")
     # exportfarm's own graph where it has the architecture (or the request says so), else transformers' trace
-    image_text = image_text_type(source.path, request.layout)  # an image-text checkpoint: three graphs (graph/language_model.py)
+    # an image-text checkpoint: three graphs (graph/language_model.py)
+    image_text = image_text_type(source.path, request.activations)
     if image_text:
         check_image_text_request(request, source.path)
     builder = contract.BUILDER_HAND if image_text else resolve_builder(request, source.path)
@@ -146,6 +147,8 @@ def build_export(
     if image_text:
         manifest.data["task"] = contract.IMAGE_TEXT_TASK
         manifest.data["image_text"] = components
+    elif image_text_type(source.path):  # an image-text checkpoint exported as its language model alone (bf16)
+        manifest.data["language_model_only"] = TEXT_ONLY_BF16
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
@@ -184,7 +187,7 @@ def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, r
     from exporter.graph.traced import traced_sizes
     from exporter.validation.activation_range import choose_activations
 
-    if image_text_type(source.path, request.layout):
+    if image_text_type(source.path, request.activations):
         # the measurement streams a text reference over the checkpoint: an image-text export computes in the
         # request's activations (a quantized cuda one in fp16 unless it names bf16)
         return request.activations, {"by": "request", "why": f"an image-text export of {request.dtype.value} on "
@@ -258,7 +261,8 @@ def export_model(
         progress.stage("resolve")
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
-        if image_text_type(source.path, request.layout):  # what an image-text export cannot be yet: refused before any build
+        # what an image-text export cannot be yet: refused before any build
+        if image_text_type(source.path, request.activations):
             check_image_text_request(request, source.path)
             if validate:
                 from exporter.validation.image_text import check_image_text_validatable

@@ -108,7 +108,8 @@ ARCH_CONFIGS.update({
     "qwen3_5_text": ("Qwen3_5TextConfig", _DELTANET),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**_DELTANET, **_QWEN_EXPERTS}),
     # The image-text checkpoint (Qwen3_5ForConditionalGeneration): the language model above under
-    # model.language_model, beside a one-block vision tower.
+    # model.language_model, beside a one-block vision tower. Exported, it is an image-text export (no processor here:
+    # exporter/vision/tiny_checkpoint.py's qwen3_5_genai has one), not a text one (TEXT_HYBRID_ARCHITECTURES).
     "qwen3_5": ("Qwen3_5Config", {"text_config": _DELTANET, "vision_config": dict(
         depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
         temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)}),
@@ -244,6 +245,11 @@ NEW_ARCHITECTURES = ("gemma4_text", "glm4_moe", "deepseek_v3", "deepseek_v2", "g
 NEW_MOE_ARCHITECTURES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "llama4_text")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lfm2",
                         "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1")
+# The hybrids whose export is a text decoder (model.onnx on input_ids, what exporter.runtime.session.Decoder and
+# genai's text types run): all but the image-text checkpoints, whose export is the image-text one (vision, embedding,
+# the decoder on inputs_embeds: graph/language_model.py IMAGE_TEXT_HYBRIDS); their language models are qwen3_5_text
+# and qwen3_5_moe_text.
+TEXT_HYBRID_ARCHITECTURES = tuple(a for a in HYBRID_ARCHITECTURES if a not in ("qwen3_5", "qwen3_5_moe"))
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "phimoe")
 
 

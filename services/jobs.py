@@ -70,7 +70,7 @@ def check_against_local_config(source: ModelSource, request: ExportRequest) -> N
     if traced_locally(source, request):
         check_traced_request(request)  # transformers' config is read by the trace itself, on the worker
     elif source.local:
-        if image_text_type(source.directory, request.layout):  # the refusals an image-text export has, before queueing
+        if image_text_type(source.directory, request.activations):  # an image-text export's refusals, before queueing
             check_image_text_request(request, source.directory)
         config = _model_config(str(source.directory), directory_signature(source.directory))
         check_request_against_config(request, request.resolved_variant(), config)

@@ -352,6 +352,7 @@ def test_an_image_text_export_is_benchmarked_through_its_embedding_graph_with_it
 
 @pytest.mark.parametrize("family, image", [
     ("qwen2_5_vl", "grid t, h, w of patches 1 x 16 x 16"),  # tokens follow the image's grid: M-RoPE positions
+    ("qwen3_5", "grid t, h, w of patches 1 x 16 x 16"),  # the same, the hybrid decoder's states beside its KV cache
     ("mistral3", "64 px"),  # tokens follow the image's size: pixels padded to it with image_sizes
 ])
 def test_image_text_exports_whose_tokens_follow_the_image_size_are_benchmarked(family, image, tmp_path):

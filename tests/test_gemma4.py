@@ -184,7 +184,7 @@ def test_the_per_layer_inputs_gather_and_mix_once_for_every_layer(exported):
 
 
 # Gemma 4 as Google publishes it (Gemma4ForConditionalGeneration): the text decoder above under model.language_model,
-# beside a vision tower; its language model is exported alone, as qwen3_5's image-text checkpoints are.
+# beside a vision tower; its language model is exported alone (graph/language_model.py LANGUAGE_MODEL_OF).
 IMAGE_TEXT = "gemma4"
 
 

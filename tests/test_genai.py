@@ -33,7 +33,7 @@ from exporter.tiny_checkpoint import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
 )
-from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, MOE_ARCHITECTURES, NEW_ARCHITECTURES
+from exporter.tiny_checkpoint import MOE_ARCHITECTURES, NEW_ARCHITECTURES, TEXT_HYBRID_ARCHITECTURES
 from tests.conftest import ARCHITECTURES, MAX_SEQ_LEN
 
 NEW_TOKENS = 20
@@ -100,7 +100,9 @@ def _transformers_greedy(checkpoint, prompt: list[int], new_tokens: int) -> list
 GENAI_CASES = [(arch, variant) for arch in ARCHITECTURES for variant in GENAI_VARIANTS] + [
     (arch, variant) for arch in MOE_ARCHITECTURES for variant in GENAI_VARIANTS if arch != "gpt_oss" or variant == "gqa"] + [
     # Hybrids: genai carries their recurrent states (past_conv.%d / past_recurrent.%d) from genai_config.json.
-    (arch, variant) for arch in HYBRID_ARCHITECTURES for variant in GENAI_VARIANTS] + [
+    # (Qwen3.5's image-text checkpoints are genai's qwen3_5 / qwen3_5_moe image-text packages:
+    # tests/test_genai_vlm_qwen3_5.py.)
+    (arch, variant) for arch in TEXT_HYBRID_ARCHITECTURES for variant in GENAI_VARIANTS] + [
     # The 2025-26 families; deepseek_v3's latent cache is one KV head of kv_lora_rank + qk_rope_head_dim;
     # llama4_text's chunked attention has no gqa form.
     (arch, variant) for arch in NEW_ARCHITECTURES for variant in GENAI_VARIANTS if arch != "llama4_text" or variant != "gqa"]
@@ -185,6 +187,7 @@ def test_manifest_lists_genai_runtime_and_files(genai_export, tokenized_checkpoi
         "runtime": GENAI_RUNTIME,
         "reason": None,
         "config": GENAI_CONFIG_FILE,
+        "model_type": "llama",  # what genai runs it as
         "files": [GENAI_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json"],
         "tokenizer": "copied",
         # what transformers' tokenizer adds, written for genai's (tokenizer_config.json), and how to call it

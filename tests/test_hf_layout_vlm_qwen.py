@@ -233,12 +233,13 @@ def test_fp16_runs_in_transformersjs(laid_out, image, transformersjs):  # noqa: 
     assert len(out["sequences"][0]) == len(out["input_ids"][0]) + NEW_TOKENS
 
 
-def test_a_text_only_farm_export_of_it_is_refused_for_the_hf_layout_saying_how(checkpoint, tmp_path):
-    """The farm layout exports Qwen3.5's language model alone (onnxruntime-genai's text type); laying that out for
-    transformers.js afterwards is refused, naming the way that works."""
+def test_a_farm_export_of_it_is_refused_for_the_hf_layout_saying_how(checkpoint, tmp_path):
+    """The farm layout exports Qwen3.5 as image-text too (onnxruntime-genai's qwen3_5 type:
+    tests/test_genai_vlm_qwen3_5.py), its recurrence on GatedDeltaNet, which transformers.js's onnxruntime-node has no
+    kernel for; laying it out for transformers.js afterwards is refused, naming the way that works."""
     farm = export_model(ExportRequest(model=str(checkpoint), ep="cpu", variant="attn_dynamic",
                                       max_seq_len=MAX_SEQ_LEN), tmp_path / "farm", validate=False).out_dir
-    assert not (farm / contract.VISION_FILE).exists()
+    assert (farm / contract.VISION_FILE).exists()
     with pytest.raises(ExportError, match="GatedDeltaNet.*export it with layout hf"):
         write_hf_layout(farm, tmp_path / "repo", checkpoint)
     assert not (tmp_path / "repo").exists()

@@ -1,7 +1,8 @@
 """Hybrids (recurrent layers beside attention layers): every family x variant against transformers on the
 CPU, through each variant's own cache contract and the recurrent states carried between calls.
 
-The tiny checkpoints (exporter/tiny_checkpoint.py HYBRID_ARCHITECTURES) interleave two recurrent layers
+The tiny checkpoints (exporter/tiny_checkpoint.py TEXT_HYBRID_ARCHITECTURES: Qwen3.5's image-text checkpoints are
+image-text exports, tests/test_genai_vlm_qwen3_5.py, their language models here) interleave two recurrent layers
 with two attention layers (nemotron_h: six one-mixer blocks; falcon_h1: two layers of attention and Mamba2
 side by side); prompts of 70 tokens run past the convolution's window (3-4 taps) and past
 GatedDeltaNet's chunk (64 tokens), so a prefill crosses chunks and the state it leaves is what decode
@@ -22,7 +23,7 @@ from exporter.graph.build import build_model
 from exporter.packaging.resolve import resolve_source
 from exporter.request import ExportRequest
 from exporter.runtime.session import Decoder
-from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES
+from exporter.tiny_checkpoint import TEXT_HYBRID_ARCHITECTURES
 from exporter.validation.parity import run_batch_parity, run_parity
 
 VARIANTS = ["attn_dynamic", "gqa", "attn_static"]
@@ -36,7 +37,7 @@ def _close(result) -> bool:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_fp32_matches_transformers_over_a_long_prompt(arch, variant, exported, reference):
     ref = reference(arch, prompt_len=LONG_PROMPT)
     result = run_parity(Decoder(exported(arch, variant)), ref, near_tie_margin=0.0)
@@ -44,7 +45,7 @@ def test_fp32_matches_transformers_over_a_long_prompt(arch, variant, exported, r
     assert result.tokens == ref.tokens, f"greedy tokens differ at steps {result.mismatches}"
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_a_prompt_fed_in_chunks_continues_from_the_state_it_left(arch, exported, reference):
     """Three calls of 24, 23 and 23 tokens: each continues from the conv and recurrent states the one
     before left (multi-token continuation, as a chunked prefill or a second turn runs)."""
@@ -56,7 +57,7 @@ def test_a_prompt_fed_in_chunks_continues_from_the_state_it_left(arch, exported,
 
 
 @pytest.mark.parametrize("variant", ["attn_dynamic", "attn_static"])
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_a_left_padded_batch_matches_each_prompt_alone(arch, variant, exported, reference):
     """Batch 2, prompts of 70 and 9 tokens: attn_dynamic left-pads the short row by 61 tokens, which must
     leave its states as if its prompt started at its first real token; attn_static prefills rows apart."""
@@ -83,7 +84,7 @@ def test_a_gqa_hybrid_refuses_a_ragged_batch_by_name(exported):
 FP16_NEAR_TIE = 0.25
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
     ref = reference(arch, prompt_len=LONG_PROMPT)
     result = run_parity(Decoder(exported(arch, "gqa", "fp16")), ref, near_tie_margin=FP16_NEAR_TIE)
@@ -93,7 +94,7 @@ def test_fp16_matches_transformers_except_near_ties(arch, exported, reference):
 
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_quantized_is_exact_to_its_dequantized_weights(arch, dtype, checkpoint, reference, tmp_path):
     """int4 / int8 with fp32 activations (accuracy_level 0) against transformers on the checkpoint whose
     quantized weights are replaced by their own quantize-dequantize: the packed and regrouped
@@ -116,7 +117,7 @@ def test_quantized_is_exact_to_its_dequantized_weights(arch, dtype, checkpoint, 
     assert result.tokens == ref.tokens, result.mismatches
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("arch", TEXT_HYBRID_ARCHITECTURES)
 def test_the_graph_holds_one_fused_recurrence_per_recurrent_layer(arch, exported):
     model = onnx.load(str(exported(arch, "attn_dynamic") / contract.MODEL_FILE), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
@@ -297,12 +298,13 @@ QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_f
 
 
 @pytest.mark.parametrize("variant", ["attn_dynamic", "gqa", "attn_static"])
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text"])
 def test_qwen3_5_s_text_export_takes_plain_positions_and_its_bench_runs(arch, variant, reference, tmp_path):
     """Qwen3.5's rope is multimodal (mrope_section), but a text-only export sees text alone, whose three position
     streams are equal: it takes plain position_ids [batch, seq] (gqa none), as onnxruntime-genai and the bench feed
     them (a decoder that asked for M-RoPE's [3, batch, seq] here failed the bench's device binding), and matches
-    transformers."""
+    transformers. (The image-text checkpoint's export is the image-text one, on M-RoPE positions [3, batch, seq] that
+    genai and the farm's image-text runtime compute: tests/test_genai_vlm_qwen3_5.py.)"""
     from exporter.pipeline import export_model
     from exporter.runtime.bench import run_bench
     from exporter.tiny_checkpoint import make_tiny_checkpoint

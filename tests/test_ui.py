@@ -162,7 +162,7 @@ def test_an_export_page_has_the_gates_the_benchmark_the_files_and_the_trail(farm
     assert re.search(r"<td>(attn_dynamic|gqa)</td>", bench)  # the recommended variant per context
     files = html.split('<table id="files">')[1].split("</table>")[0]
     assert "model.onnx.data" in files and "parity_report.json" in files and re.search(r'class="mono">[0-9a-f]{64}<', files)
-    assert "genai package" in html
+    assert "genai package" in html and "of type llama" in html  # what genai runs the folder as
     events = html.split('<table id="events">')[1]
     assert "<td>running</td>" in events and "<td>ready</td>" in events and "ui-test-worker" in events
     assert "Cancel this export" not in html  # terminal, and a reader in any case

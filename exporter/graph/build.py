@@ -290,10 +290,10 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     """config.json + lazy weights -> the variant's graph; ``rope_cache`` keeps rope tables between exports;
     ``activations``: what the graph computes in (the pipeline's choice; default what the request says)."""
     variant = request.resolved_variant()
-    # An image-text checkpoint: the decoder is its language model, taking inputs_embeds (graph/language_model.py)
-    language = language_model(source.path) if image_text_type(source.path, request.layout) else None
-    cfg = language.config if language else load_model_config(source.path, ARCHITECTURES)
     activations = activations or request.activations
+    # An image-text checkpoint: the decoder is its language model, taking inputs_embeds (graph/language_model.py)
+    language = language_model(source.path) if image_text_type(source.path, activations) else None
+    cfg = language.config if language else load_model_config(source.path, ARCHITECTURES)
     check_request_against_config(request, variant, cfg, activations)
     arch = language.architecture if language else ARCHITECTURES[cfg.architecture]
     checkpoint = Checkpoint(source.path)

@@ -646,8 +646,9 @@ def _transformers_config(checkpoint_dir: Path):
                           "use a transformers release that reads it") from None
 
 
-# Image-text checkpoints whose language model the exporter takes alone (its weights under
-# model.language_model, the vision tower's ignored): config.json's text_config describes it.
+# Image-text checkpoints whose config.json's text_config describes the language model the exporter reads (its weights
+# under model.language_model): gemma4's exported alone, the vision tower's ignored; qwen3_5's as the decoder of its
+# image-text export (graph/language_model.py IMAGE_TEXT_HYBRIDS; exports of earlier versions hold it alone).
 LANGUAGE_MODEL_OF = ("qwen3_5", "qwen3_5_moe", "gemma4")
 # The text family each one's language model is (what its features are read as).
 TEXT_FAMILY_OF = {"gemma4": "gemma4_text"}

@@ -1,7 +1,8 @@
 """The language model of an image-text checkpoint, as the decoder of an image-text export (issue 48).
 
-An image-text checkpoint (gemma3, llava, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3: the families exporter.vision
-builds) holds a text model the exporter already builds (gemma3_text, llama, mistral, ministral3, qwen2, ...) under a
+An image-text checkpoint (gemma3, llava, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, qwen3_5, mistral3: the families
+exporter.vision builds) holds a text model the exporter already builds (gemma3_text, llama, mistral, ministral3, qwen2,
+qwen3_5_text, ...) under a
 prefix of its own (``language_model.model.``, ``model.language_model.``, ``model.text_model.``). Its config is the
 checkpoint's text_config read as that text model's; its architecture is the text architecture with the
 weight names moved under the prefix. What an image-text export cannot be yet is refused here, in one
@@ -39,24 +40,41 @@ class LanguageModel:
     deepstack: int = 0
 
 
-# Image-text checkpoints whose language model is exported alone (LANGUAGE_MODEL_OF) except for transformers.js's
-# layout: its Qwen3.5 classes (Qwen3_5ForConditionalGeneration, and Qwen3_5ForCausalLM on such a checkpoint) run
-# embed_tokens + decoder_model_merged on inputs_embeds with M-RoPE positions [3, batch, seq] from its own
-# get_rope_index, text prompts included, so the hf layout of one is the image-text export (vision, embedding, decoder).
-IMAGE_TEXT_FOR_HF = ("qwen3_5", "qwen3_5_moe")
+# Image-text checkpoints of LANGUAGE_MODEL_OF whose export is nonetheless the image-text one (vision, embedding, the
+# hybrid decoder on inputs_embeds with M-RoPE positions [3, batch, seq]) in every layout: both consumers run Qwen3.5 as
+# an image-text model, text prompts included. transformers.js's Qwen3.5 classes (Qwen3_5ForConditionalGeneration, and
+# Qwen3_5ForCausalLM on such a checkpoint) run embed_tokens + decoder_model_merged with positions from its own
+# get_rope_index (layout hf); onnxruntime-genai 0.18's qwen3_5 / qwen3_5_moe types are multimodal (its model_type.h
+# IsVLM, IsQwenVLFamily: QwenImageProcessor, its own M-RoPE positions) and its MultiModalLanguageModel's decoder state
+# carries a hybrid's recurrent states as its text decoder does (multi_modal.cpp DecoderState: CreateRecurrentState),
+# so the farm layout's genai package is that type (tests/test_genai_vlm_qwen3_5.py), as genai's own builder makes a
+# Qwen3.5 decoder on inputs_embeds unless told otherwise. Until then the farm layout exported the language model alone
+# as genai's text type; genai runs the image-text package on a text prompt too (append_tokens included), with the
+# same tokens.
+IMAGE_TEXT_HYBRIDS = ("qwen3_5", "qwen3_5_moe")
 
 
-def image_text_type(checkpoint_dir: Path, layout: str | None = None) -> str | None:
+def image_text_type(checkpoint_dir: Path, activations=None) -> str | None:
     """The model_type of an image-text checkpoint (config.json has a vision_config), None for a text one.
-    qwen3_5's and gemma4's image-text checkpoints are not: the exporter takes their language model alone
-    (LANGUAGE_MODEL_OF), qwen3_5's but for ``layout`` hf (IMAGE_TEXT_FOR_HF)."""
+    gemma4's image-text checkpoints are not: the exporter takes their language model alone (LANGUAGE_MODEL_OF);
+    qwen3_5's are (IMAGE_TEXT_HYBRIDS), but for ``activations`` bf16 (the request's): a bf16 image-text export is not
+    built yet (check_image_text_request), and their language model alone is what a bf16 export of them always was
+    (validated on CUDA), so that is kept, its manifest saying so (TEXT_ONLY_BF16)."""
     raw = read_raw_config(Path(checkpoint_dir))
     model_type = raw.get("model_type")
     if not isinstance(raw.get("vision_config"), dict):
         return None
-    if model_type not in LANGUAGE_MODEL_OF or (layout == "hf" and model_type in IMAGE_TEXT_FOR_HF):
+    if model_type in IMAGE_TEXT_HYBRIDS and getattr(activations, "value", activations) == "bf16":
+        return None
+    if model_type not in LANGUAGE_MODEL_OF or model_type in IMAGE_TEXT_HYBRIDS:
         return model_type
     return None
+
+
+# The manifest's word on a bf16 export of an IMAGE_TEXT_HYBRIDS checkpoint, which is its language model alone.
+TEXT_ONLY_BF16 = ("the language model alone (text prompts): a bf16 image-text export is not built yet (its image "
+                  "features and embeddings pass between sessions on the host, where numpy has no bfloat16); export "
+                  "fp16 or fp32 for the image-text package (vision, embedding and this decoder on inputs_embeds)")
 
 
 # Qwen3-VL's "deepstack" (transformers' Qwen3VLTextModel._deepstack_process): feature maps from the vision layers in
@@ -72,7 +90,7 @@ def check_image_text_request(request, checkpoint_dir: Path) -> None:
     target, a traced graph."""
     from exporter.vision import FAMILIES, check_vision_checkpoint
 
-    model_type = image_text_type(checkpoint_dir, request.layout)
+    model_type = image_text_type(checkpoint_dir)
     if request.activations.value == "bf16":
         raise ExportError("a bf16 image-text export is not built yet: its image features and embeddings pass between "
                           "the vision, embedding and decoder sessions on the host, where numpy has no bfloat16 (measured "

@@ -48,7 +48,9 @@ GENAI_MODEL_TYPES = {
     # graph takes them); genai's own qwen3_5_text type feeds M-RoPE's [3, batch, seq], which a text graph
     # does not take, and it has no qwen3_next. lfm2's conv-only cache comes with the type and its
     # decoder.layer_types. genai 0.18 has no nemotron_h type: its generic decoder finds the Mamba2 states the
-    # same way (tests/test_genai.py generates transformers' tokens with it).
+    # same way (tests/test_genai.py generates transformers' tokens with it). (qwen3_5 / qwen3_5_moe: the language
+    # model of such a checkpoint exported alone; an image-text checkpoint of them is an image-text package of genai's
+    # qwen3_5 / qwen3_5_moe type instead, genai_image_text.py.)
     "qwen3_next": "qwen3", "qwen3_5_text": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe_text": "qwen3",
     "qwen3_5_moe": "qwen3", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "decoder", "falcon_h1": "decoder",
@@ -110,6 +112,8 @@ class GenaiPackage:
             "runtime": GENAI_RUNTIME if self.package else None,
             "reason": self.reason,
             "config": GENAI_CONFIG_FILE if self.config is not None else None,
+            # what genai runs the folder as (its model.type: a text decoder type, or an image-text one such as qwen3_5)
+            **({"model_type": self.config["model"]["type"]} if self.config is not None else {}),
             "files": list(self.files),
             "tokenizer": self.tokenizer,
             **({"special_tokens": self.special_tokens, "tokenizer_use": GENAI_TOKENIZER_USE}

@@ -16,7 +16,10 @@ image_grid_thw the vision graph takes, and which expands each ``<|vision_start|>
 ``<|image_pad|>``; genai computes the decoder's M-RoPE position_ids [3, batch, seq] itself, as transformers'
 get_rope_index), qwen3_vl and qwen3_vl_moe (genai's ``qwen3_vl``: the same processor and positions; the vision graph's
 image_features and the decoder's inputs_embeds are hidden x (1 + deepstack maps) wide, exporter.contract.image_text_width,
-so genai_config's decoder.hidden_size, by which genai sizes both, says that width), and mistral3 (genai's ``mistral3``: Mistral3ImageProcessor, whose onnxruntime-extensions
+so genai_config's decoder.hidden_size, by which genai sizes both, says that width), qwen3_5 and qwen3_5_moe (genai's
+``qwen3_5`` / ``qwen3_5_moe``: the same processor and positions; the hybrid decoder's past_conv.i / past_recurrent.i,
+named by past_conv_names / past_recurrent_names as in its text package, are carried by the multimodal decoder state as
+by the text one), and mistral3 (genai's ``mistral3``: Mistral3ImageProcessor, whose onnxruntime-extensions
 transforms resize, normalize and report each image's size (PixtralImageSizes), and which expands each ``[IMG]`` of a
 prompt to the image's rows of ``[IMG]`` ending in ``[IMG_BREAK]``, the last in ``[IMG_END]``; its vision state runs the
 vision graph once per image on that image's pixels alone, which the graph's optional image_sizes lets it do); llava,
@@ -42,10 +45,11 @@ from exporter.request import ExportRequest, Variant
 
 # Hugging Face model_type -> genai model.type of the image-text types whose processor genai 0.18 has.
 GENAI_IMAGE_TEXT_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl", "mistral3": "mistral3",
-                          "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+                          "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_5",
+                          "qwen3_5_moe": "qwen3_5_moe"}
 # The Qwen-VL families genai runs with its QwenImageProcessor (<|vision_start|> .. <|vision_end|>, patches and
-# image_grid_thw) and its M-RoPE positions.
-QWEN_VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# image_grid_thw) and its M-RoPE positions (model_type.h IsQwenVLFamily).
+QWEN_VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # genai 0.18's gemma3 processor: the prompt's marker, what it expands it to, and how many image tokens (constant).
 GEMMA3_BOI, GEMMA3_IMAGE_TOKEN, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 GEMMA3_GENAI_IMAGE_TOKENS = 256
@@ -118,12 +122,12 @@ def write_genai_image_text_package(
 
 def genai_image_text_reason(model_type: str) -> str | None:
     """Why genai 0.18 has no image-text package for ``model_type``, or None (gemma3, qwen2_5_vl, qwen3_vl,
-    qwen3_vl_moe, mistral3)."""
+    qwen3_vl_moe, qwen3_5, qwen3_5_moe, mistral3)."""
     if model_type in GENAI_IMAGE_TEXT_TYPES:
         return None
     return (f"onnxruntime-genai 0.18 has no image-text model type for {model_type!r} (its image processors are "
-            "gemma3, phi3v, qwen2_5_vl, qwen3_vl, mistral3, lfm2_vl, ...; llava, idefics3 and smolvlm decoders run "
-            "there only as text models): run this export's three graphs with exporter.runtime.image_text, or with "
+            "gemma3, phi3v, qwen2_5_vl, qwen3_vl, qwen3_5, mistral3, lfm2_vl, ...; llava, idefics3 and smolvlm decoders "
+            "run there only as text models): run this export's three graphs with exporter.runtime.image_text, or with "
             "transformers.js through the hf layout")
 
 
@@ -272,10 +276,10 @@ def _pixtral_settings(source_dir: Path) -> dict:
 
 
 def _qwen_settings(source_dir: Path) -> dict:
-    """What genai's qwen2_5_vl / qwen3_vl types read from config.json: the vision tower's patch, merge and temporal
-    sizes, qwen2_5_vl's window_size and tokens_per_second (transformers' defaults where config.json leaves them out;
-    None for Qwen3-VL's tower, which has neither: its image positions need no time scale), and the vision start / video
-    token ids."""
+    """What genai's qwen2_5_vl / qwen3_vl / qwen3_5 types read from config.json: the vision tower's patch, merge and
+    temporal sizes, qwen2_5_vl's window_size and tokens_per_second (transformers' defaults where config.json leaves them
+    out; None for the Qwen3-VL / Qwen3.5 tower, which has neither: its image positions need no time scale), and the
+    vision start / video token ids."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(source_dir))

@@ -184,8 +184,9 @@ def write_hf_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Path, *, we
 # compute M-RoPE position ids [3, batch, seq] from config.vision_config for every prompt (a text graph
 # takes [batch, seq], and a text checkpoint has no vision_config: "Cannot read properties of undefined
 # (reading 'spatial_merge_size')"), and it has no qwen3_5_moe_text model type at all. A qwen3_5 image-text
-# checkpoint exported with layout hf is built as its image-text classes load it (graph/language_model.py
-# IMAGE_TEXT_FOR_HF); what stays refused is a text decoder of it (a farm export laid out afterwards).
+# checkpoint is exported as its image-text classes load it (graph/language_model.py IMAGE_TEXT_HYBRIDS); what stays
+# refused is a text decoder of it (the farm export of its language model alone, as earlier exportfarm versions wrote
+# it, laid out afterwards); a farm image-text export of it laid out afterwards is refused for its GatedDeltaNet.
 TRANSFORMERSJS_REFUSES = {
     t: "transformers.js 4.3 drives Qwen3.5 only through its image-text classes (M-RoPE position ids from "
        "config.vision_config, embed_tokens + decoder_model_merged files), not a text decoder's model.onnx"
@@ -252,7 +253,7 @@ def check_family(checkpoint_dir: Path, builder: str | None = None) -> None:
     if path is not None:
         from exporter.graph.language_model import image_text_type
 
-        model_type = image_text_type(checkpoint_dir, LAYOUT)
+        model_type = image_text_type(checkpoint_dir)
         _checked_config(json.loads(path.read_text()), image_text=bool(model_type), traced=builder == BUILDER_TRACED)
         if model_type:  # an image-text checkpoint: its family and its processor (hf_image_text.py)
             from exporter.packaging.hf_image_text import check_image_text_checkpoint
@@ -265,7 +266,7 @@ def _checked_config(config: dict, image_text: bool = False, traced: bool = False
     (its vision, embedding and decoder graphs), which a qwen3_5 checkpoint's layout is; ``traced``: for a graph traced
     by transformers.exporters, whose latent-attention cache is transformers' (split_cache_reason), not the hand-built
     graph's that TRANSFORMERSJS_REFUSES names."""
-    from exporter.graph.language_model import IMAGE_TEXT_FOR_HF
+    from exporter.graph.language_model import IMAGE_TEXT_HYBRIDS
 
     model_type = config.get("model_type")
     if traced and model_type in LATENT_TYPES:
@@ -275,7 +276,7 @@ def _checked_config(config: dict, image_text: bool = False, traced: bool = False
                               "(exportfarm's runtime runs it)")
         return config
     reason = TRANSFORMERSJS_REFUSES.get(model_type)
-    if reason and not (image_text and model_type in IMAGE_TEXT_FOR_HF):
+    if reason and not (image_text and model_type in IMAGE_TEXT_HYBRIDS):
         raise ExportError(f"no hf layout for a {config['model_type']} model: {reason}; use the farm layout (onnxruntime-"
                           "genai runs it)")
     return config

@@ -193,7 +193,9 @@ def export_page(export_id: str, request: Request, session: SessionDep, context: 
     genai = (export.manifest or {}).get("genai")
     genai_text = None
     if genai:
-        genai_text = f"{genai.get('status', 'package')}" + (f", tokenizer {genai['tokenizer']}" if genai.get("tokenizer") else "") \
+        genai_text = f"{genai.get('status', 'package')}" \
+            + (f" of type {genai['model_type']}" if genai.get("model_type") else "") \
+            + (f", tokenizer {genai['tokenizer']}" if genai.get("tokenizer") else "") \
             + (f" — {genai['reason']}" if genai.get("reason") else "")
     return _page(
         request, "export.html", context, e=export, events=events, files=files, expires_s=context.settings.presign_expires_s,

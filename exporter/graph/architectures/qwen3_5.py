@@ -2,7 +2,8 @@
 in_proj_b, in_proj_a) and a dense MLP; its rotary is M-RoPE, which on text (all three position rows
 equal) is the plain partial rotary. ``qwen3_5_text`` is the language model's own checkpoint
 (Qwen3_5ForCausalLM); ``qwen3_5`` the image-text checkpoint (Qwen3_5ForConditionalGeneration), whose
-language model lives under model.language_model and is exported alone (the vision tower is not read)."""
+language model lives under model.language_model and is the decoder of its image-text export
+(graph/language_model.py; the decoder then takes inputs_embeds and M-RoPE positions)."""
 
 import dataclasses
 
