@@ -258,3 +258,23 @@ def test_a_processor_transformersjs_would_run_otherwise_is_refused(repo, tmp_pat
             export_model(ExportRequest(model=str(checkpoint), max_seq_len=MAX_SEQ_LEN, layout="hf"), tmp_path / "out",
                          validate=False)
         assert not (tmp_path / "out").exists()
+
+
+def test_the_crops_vision_encoder_is_validated_when_exported(repo, tmp_path):
+    """The hf layout's crops vision_encoder is not the farm's vision graph, so the export validates it on its own
+    against transformers' get_image_features (crops with a padding crop and padding pixels): a gate and a vision row
+    of the report. A control: the gate against another checkpoint's transformers model fails."""
+    from exporter.validation.image_text import crops_vision_encoder_gate, load_image_text_reference
+    from exporter.vision.tiny_processor import make_tiny_vlm_repo
+
+    request = ExportRequest(model=str(repo("smolvlm")), ep="cpu", variant="attn_dynamic", max_seq_len=MAX_SEQ_LEN,
+                            layout="hf")
+    result = export_model(request, tmp_path / "hf")
+    report = json.loads((result.out_dir / contract.REPORT_JSON).read_text())  # the layout carries the export's reports
+    assert contract.REPORT_JSON in json.loads((result.out_dir / contract.MANIFEST_FILE).read_text())["files"]
+    gates = [g for g in report["gates"] if "vision_encoder (transformers.js's crops" in g["check"]]
+    assert len(gates) == 1 and gates[0]["status"] == "pass" and gates[0]["measured"] <= FEATURE_TOLERANCE
+    assert any(row["prompt"].startswith("transformers.js crops") for row in report["components"]["vision"])
+    other = load_image_text_reference(make_tiny_vlm_repo("smolvlm", tmp_path / "other", seed=2))
+    gate, _ = crops_vision_encoder_gate(repo("smolvlm"), other, "FLOAT", "cpu", "fp32")
+    assert not gate.passed and gate.measured > 100 * FEATURE_TOLERANCE

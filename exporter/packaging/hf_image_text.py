@@ -298,6 +298,11 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         if name not in names and "/" not in name and not name.startswith("."):
             shutil.copy2(checkpoint_file(checkpoint_dir, name), out_dir / name)
             names.append(name)
+    graphs = {n for f in EXPORT_FILES.values() for n in (f, contract.data_file(f))}
+    for name in manifest["files"]:  # and the export's own: its reports (parity_report.json / .md), as a text layout's
+        if name not in graphs and name not in names and "/" not in name and (export_dir / name).is_file():
+            shutil.copy2(export_dir / name, out_dir / name)
+            names.append(name)
     layout_manifest = dict(manifest)
     layout_manifest["layout"] = {
         "kind": LAYOUT, "task": contract.IMAGE_TEXT_TASK,

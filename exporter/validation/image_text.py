@@ -225,8 +225,51 @@ def _component_gate(gate: str, check: str, error: float, tolerance: float, what:
                       details={"relative_to": "the reference's range (max - min)"})
 
 
+def crops_vision_encoder_gate(checkpoint: Path, model, vision_dtype: str, ep: str, activations: str,
+                              seed: int = 3) -> tuple[GateResult, dict]:
+    """idefics3 / smolvlm's hf layout: the vision_encoder transformers.js runs is not the farm's vision graph but one
+    that takes its crops and pixel mask (exporter.vision.graphs.build_crops_vision_graph, on the same weights), so it
+    is judged on its own against transformers' get_image_features: two prompts' crops, one of them an all-zero
+    padding crop (dropped) and one with padding pixels (its patch mask and positions), within the vision tolerance."""
+    import tempfile
+
+    import onnx_ir as ir
+    import onnxruntime as ort
+    import torch
+
+    from exporter import contract
+    from exporter.packaging.external_data import write_model_files
+    from exporter.vision.graphs import build_crops_vision_graph
+
+    graph = build_crops_vision_graph(checkpoint, ir.DataType[vision_dtype])
+    size = int(graph.graph.inputs[0].shape[-1])
+    rng = np.random.default_rng(seed)
+    pixels = rng.normal(size=(2, 2, 3, size, size)).astype(np.float32)
+    mask = np.ones((2, 2, size, size), bool)
+    pixels[1, 1], mask[1, 1] = 0.0, False  # the second prompt's padding crop
+    mask[0, 1, size // 2:, :], mask[0, 1, :, size * 3 // 4:] = False, False  # padding pixels of a crop
+    pixels[0, 1][:, ~mask[0, 1]] = 0.0
+    with tempfile.TemporaryDirectory(prefix="crops-vision-") as work:
+        write_model_files(graph, Path(work), model_file=contract.VISION_FILE)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        providers = ["CUDAExecutionProvider"] if ep == "cuda" else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(str(Path(work) / contract.VISION_FILE), options, providers=providers)
+        got = session.run(None, {contract.PIXEL_VALUES: pixels, contract.PIXEL_ATTENTION_MASK: mask})[0]
+        del session
+    with torch.no_grad():
+        want = torch.cat(model.get_image_features(torch.from_numpy(pixels), torch.from_numpy(mask)).pooler_output)
+    want = want.float().numpy()
+    tolerance = FEATURE_TOLERANCE[activations]
+    error = relative_error(got.astype(np.float32), want) if got.shape == want.shape else float("inf")
+    gate = _component_gate("vision", "hf layout vision_encoder (transformers.js's crops and pixel mask) max abs error "
+                           "/ range", error, tolerance, "the crops vision_encoder's features")
+    return gate, {"prompt": "transformers.js crops: 2 prompts x 2 crops, one padding crop, one with padding pixels",
+                  "images": 3, "shape": list(got.shape), "max_abs_error_of_range": error, "tolerance": tolerance}
+
+
 def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, activations: str, steps: int,
-                     model=None) -> tuple[list[GateResult], dict]:
+                     model=None, manifest: dict | None = None) -> tuple[list[GateResult], dict]:
     """Every component of the image-text export in ``export_dir`` against transformers on ``checkpoint``:
     (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
     A quantized export's end-to-end figures inform (its weights are not the checkpoint's); its vision and
@@ -307,6 +350,12 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
             "prompt": label, "images": images, "prompt_tokens": len(prompt), **result.to_dict(),
             "steps_max_abs_error": worst, "reference_tokens": ref.tokens, "greedy_tokens": own.chosen,
             "greedy_equal": own.chosen == ref.tokens})
+    request = (manifest or {}).get("request") or {}
+    vision = ((manifest or {}).get("image_text") or {}).get("components", {}).get("vision") or {}
+    if request.get("layout") == "hf" and (manifest or {}).get("image_text", {}).get("model_type") in PER_ROW_IMAGES:
+        gate, section = crops_vision_encoder_gate(checkpoint, model, vision.get("dtype", "FLOAT"), ep, activations)
+        gates.append(gate)
+        sections["vision"].append(section)
     return gates, sections
 
 

@@ -279,7 +279,8 @@ def validate_export(
             from exporter.validation.image_text import component_weight_gates, image_text_gates
 
             t0 = time.perf_counter()
-            runtime, components = image_text_gates(export_dir, Path(ref_source.path), ep, dtype, activations, steps)
+            runtime, components = image_text_gates(export_dir, Path(ref_source.path), ep, dtype, activations, steps,
+                                                   manifest=manifest)
             timings["image_text"] = time.perf_counter() - t0
             (weight_results, _), timings["weights"] = weights.result()
             weight_results += component_weight_gates(export_dir, manifest, Checkpoint(ref_source.path), activations)
