@@ -271,7 +271,9 @@ def export_model(
 
                 check_image_text_validatable(request.max_seq_len, load_vision_config(source.path),
                                              PARITY_STEPS)
-        if request.layout == hf_layout.LAYOUT:  # a family transformers.js cannot drive: refused before any build
+        # a family transformers.js cannot drive: refused before any build (a traced graph whose cache turns out to be
+        # of two head sizes, for a model type transformers.js has no class for, only once built: check_cache)
+        if request.layout == hf_layout.LAYOUT:
             hf_layout.check_family(source.path, resolve_builder(request, source.path))
         manifest = build_export(request, source, staging, progress, export_id, timings, rope_cache, reference_cache)
         report = None

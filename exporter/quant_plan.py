@@ -58,6 +58,12 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     if budget_bytes is None and kl_target is None:
         raise ExportError("quant-plan needs a size budget (--budget-mb), a KL target (--kl-target), or both")
     source = Path(resolve_source(request.model).path)
+    from exporter.graph.language_model import image_text_type
+
+    if image_text_type(source, request.activations):
+        raise ExportError("quant-plan scores a text decoder's logits on text, and this image-text checkpoint exports as "
+                          "vision, embedding and a decoder on inputs_embeds: choose int8_layers by hand for it, or "
+                          "plan on a text checkpoint of its language model")
     cfg = load_model_config(source, ARCHITECTURES)
     base = request.quant or QuantSpec()
     # Measured on the quality text past the tokens the quality gate scores (MAX_TOKENS), so that the

@@ -107,7 +107,10 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
     if traced_locally(source, request):
         return None  # the estimate is the geometry of hand-built architectures; a traced job is not sized here
     if source.local:
-        config = _model_config(str(source.directory), directory_signature(source.directory))
+        from exporter.graph.language_model import image_text_type
+
+        config = _model_config(str(source.directory), directory_signature(source.directory),
+                               bool(image_text_type(source.directory, request.activations)))
         stored = checkpoint_bytes(source.directory)
     elif fetch_config and (config := _hub_config(source)) is not None:
         from exporter.resources import Geometry

@@ -271,7 +271,8 @@ def test_the_crops_vision_encoder_is_validated_when_exported(repo, tmp_path):
                             layout="hf")
     result = export_model(request, tmp_path / "hf")
     report = json.loads((result.out_dir / contract.REPORT_JSON).read_text())  # the layout carries the export's reports
-    assert contract.REPORT_JSON in json.loads((result.out_dir / contract.MANIFEST_FILE).read_text())["files"]
+    listed = json.loads((result.out_dir / contract.MANIFEST_FILE).read_text())["files"]
+    assert contract.REPORT_JSON in listed and contract.GENAI_CONFIG_FILE not in listed
     gates = [g for g in report["gates"] if "vision_encoder (transformers.js's crops" in g["check"]]
     assert len(gates) == 1 and gates[0]["status"] == "pass" and gates[0]["measured"] <= FEATURE_TOLERANCE
     assert any(row["prompt"].startswith("transformers.js crops") for row in report["components"]["vision"])

@@ -243,3 +243,16 @@ def test_a_farm_export_of_it_is_refused_for_the_hf_layout_saying_how(checkpoint,
     with pytest.raises(ExportError, match="GatedDeltaNet.*export it with layout hf"):
         write_hf_layout(farm, tmp_path / "repo", checkpoint)
     assert not (tmp_path / "repo").exists()
+
+
+def test_a_farm_export_laid_out_carries_its_reports_and_not_its_genai_package(checkpoints, tmp_path):
+    """A validated qwen2_5_vl farm export laid out for transformers.js brings its parity report (what the export was
+    proven against), not its onnxruntime-genai package's genai_config.json, whose decoder file the layout renames."""
+    farm = export_model(ExportRequest(model=str(checkpoints("qwen2_5_vl")), ep="cpu", variant="attn_dynamic",
+                                      max_seq_len=MAX_SEQ_LEN), tmp_path / "farm").out_dir
+    assert (farm / contract.GENAI_CONFIG_FILE).is_file() and (farm / contract.REPORT_JSON).is_file()
+    manifest = write_hf_layout(farm, tmp_path / "hf", checkpoints("qwen2_5_vl"))
+    assert {contract.REPORT_JSON, contract.REPORT_MD} <= set(manifest["files"])
+    assert (tmp_path / "hf" / contract.REPORT_JSON).read_bytes() == (farm / contract.REPORT_JSON).read_bytes()
+    assert contract.GENAI_CONFIG_FILE not in manifest["files"]
+    assert not (tmp_path / "hf" / contract.GENAI_CONFIG_FILE).exists()

@@ -43,6 +43,11 @@ def test_quant_plan_refuses_what_it_cannot_plan_and_the_cli_prints_the_spec(chec
         plan_int8_layers(ExportRequest(model=str(source), dtype="int8"), tmp_path / "a", budget_bytes=10**9)
     with pytest.raises(ExportError, match="needs a size budget"):
         plan_int8_layers(ExportRequest(model=str(source), dtype="int4"), tmp_path / "b")
+    from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+    image_text = make_tiny_vlm_checkpoint("qwen2_5_vl", tmp_path / "vlm")
+    with pytest.raises(ExportError, match="quant-plan scores a text decoder.*image-text checkpoint"):
+        plan_int8_layers(ExportRequest(model=str(image_text), dtype="int4"), tmp_path / "c", budget_bytes=10**9)
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "exporter.cli", "quant-plan", "--model", str(source), "--budget-mb",
                            "100", "--out", str(out)], capture_output=True, text=True)

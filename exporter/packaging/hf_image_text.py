@@ -298,9 +298,10 @@ def write_image_text_layout(export_dir: Path, out_dir: Path, checkpoint_dir: Pat
         if name not in names and "/" not in name and not name.startswith("."):
             shutil.copy2(checkpoint_file(checkpoint_dir, name), out_dir / name)
             names.append(name)
-    graphs = {n for f in EXPORT_FILES.values() for n in (f, contract.data_file(f))}
-    for name in manifest["files"]:  # and the export's own: its reports (parity_report.json / .md), as a text layout's
-        if name not in graphs and name not in names and "/" not in name and (export_dir / name).is_file():
+    # and the export's reports, as a text layout carries them (not its genai package's files: no genai_config.json
+    # here, whose decoder file name the layout does not have)
+    for name in (contract.REPORT_JSON, contract.REPORT_MD, contract.BENCH_FILE):
+        if name in manifest["files"] and name not in names and (export_dir / name).is_file():
             shutil.copy2(export_dir / name, out_dir / name)
             names.append(name)
     layout_manifest = dict(manifest)
@@ -444,7 +445,12 @@ def _crops_settings(checkpoint_dir: Path, model_type: str) -> tuple[dict, dict]:
         raise ExportError(f"{checkpoint_dir}'s processor writes image_seq_len {seq_len} image tokens a crop where the "
                           f"vision graph gives {cfg.tokens_per_image} ((image_size / patch_size)^2 / scale_factor^2): "
                           f"fix image_seq_len in {PROCESSOR_FILE}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{checkpoint_dir}'s tokenizer does not load ({err}): transformers.js's "
+                          f"{CROPS_PROCESSORS[model_type]} writes the image tokens through it; pass the checkpoint "
+                          "with its tokenizer files") from err
     for attribute, token in CROPS_TOKENS.items():
         named = getattr(tokenizer, attribute, None) if model_type == "smolvlm" else None  # idefics3's are fixed
         if named not in (None, token):
