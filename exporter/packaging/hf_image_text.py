@@ -57,6 +57,7 @@ from onnx import TensorProto, helper
 
 from exporter import contract
 from exporter.errors import ExportError
+from exporter.vision.crops import CROPS_FAMILIES
 from exporter.packaging.package import file_entry
 
 ONNX_DIR = "onnx"
@@ -71,6 +72,7 @@ EXPORT_FILES = {contract.VISION: contract.VISION_FILE, contract.EMBEDDING: contr
 # Families whose vision_encoder takes transformers.js's crops and pixel mask (exporter.vision.crops), and the
 # processor_class transformers.js knows each by.
 CROPS_PROCESSORS = {"idefics3": "Idefics3Processor", "smolvlm": "SmolVLMProcessor"}
+assert set(CROPS_PROCESSORS) == set(CROPS_FAMILIES), "one processor class per crops family (exporter.vision.crops)"
 # The token strings transformers.js 4.3.2's Idefics3Processor writes (its fake_image_token, image_token,
 # global_img_token fields), whatever the tokenizer names.
 CROPS_TOKENS = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",

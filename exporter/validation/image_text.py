@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from exporter.validation.gates import GateResult
+from exporter.vision.crops import CROPS_FAMILIES
 from exporter.validation.reference import ReferenceRun, top2_gap
 
 # Max abs error of image features and merged embeddings, as a fraction of the reference's range (max - min).
 FEATURE_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-3, "bf16": 3e-2}
 PROMPTS = ("one image", "two images", "text only")
 # Families whose processor gives pixel_values [batch, images per row, ...] (the tiles of each row's images).
-PER_ROW_IMAGES = ("idefics3", "smolvlm")
+PER_ROW_IMAGES = CROPS_FAMILIES  # (the crops families: one list, exporter.vision.crops)
 
 
 TEXT_TOKENS = 12  # text tokens of each validation prompt, around its images
