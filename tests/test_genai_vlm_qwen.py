@@ -90,16 +90,15 @@ def transformers_run(model, ids: np.ndarray, pixel_values: np.ndarray | None, gr
 
 
 
-@pytest.mark.parametrize("variant", ["gqa", "attn_dynamic"])
-def test_genai_multimodal_generates_transformers_tokens(export, reference, hf_processor, tmp_path, variant):
-    """One image (64 x 48: 16 x 12 patches, 48 image tokens) + text, then text only, through genai's processor
-    and generator; transformers driven with the ids, patches and grid genai's processor made."""
-    model = og.Model(str(export(variant).out_dir))
+def check_image_and_text_prompts(model, reference, hf_processor, image, label: str) -> dict:
+    """One image (64 x 48: 16 x 12 patches, 48 image tokens) + text, then text only, through genai's processor and
+    generator of ``model`` (og.Model); transformers' ``reference`` driven with the ids, patches and grid genai's
+    processor made (its pixels and ids checked against ``hf_processor``'s). Returns {prompt: (ids, transformers'
+    tokens)}."""
     processor = model.create_multimodal_processor()
-    image = png(tmp_path, 48, 64)
-    runs = {}
-    for label in ("one image", "text only"):
-        if label == "one image":
+    runs, first = {}, {}
+    for prompt in ("one image", "text only"):
+        if prompt == "one image":
             inputs = processor(IMAGE_PROMPT, images=og.Images.open(str(image)))
             pixel_values, grid = inputs["pixel_values"].as_numpy(), inputs["image_grid_thw"].as_numpy()
             hf_ids, hf_pixels, hf_grid = hf_image_prompt(hf_processor, IMAGE_PROMPT, image)
@@ -113,23 +112,30 @@ def test_genai_multimodal_generates_transformers_tokens(export, reference, hf_pr
         tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
         ref_tokens, ref_logits = transformers_run(reference, ids, pixel_values, grid, NEW_TOKENS)
         error = worst_of_range(logits, ref_logits)
-        print(f"{variant} {label}: {ids.shape[1]} prompt tokens, genai {tokens}, logits max err {error:.2e} of range"
+        print(f"{label} {prompt}: {ids.shape[1]} prompt tokens, genai {tokens}, logits max err {error:.2e} of range"
               + (f", pixel_values max err {pixel_error:.2e}" if pixel_values is not None else ""))
         assert tokens == ref_tokens
         assert error <= LOGIT_TOLERANCE
-        runs[label] = logits[0]
+        first[prompt], runs[prompt] = logits[0], (ids, ref_tokens)
     # the image's features reach the logits (not a text-only run in disguise)
-    difference = float(np.abs(runs["one image"] - runs["text only"]).max())
-    assert difference > 100 * LOGIT_TOLERANCE * np.ptp(runs["text only"])
+    difference = float(np.abs(first["one image"] - first["text only"]).max())
+    assert difference > 100 * LOGIT_TOLERANCE * np.ptp(first["text only"])
+    return runs
 
 
-def test_two_images_in_one_prompt_generate_transformers_tokens(export, reference, hf_processor, tmp_path):
+@pytest.mark.parametrize("variant", ["gqa", "attn_dynamic"])
+def test_genai_multimodal_generates_transformers_tokens(export, reference, hf_processor, tmp_path, variant):
+    """One image + text, then text only, through genai's processor and generator (check_image_and_text_prompts)."""
+    model = og.Model(str(export(variant).out_dir))
+    check_image_and_text_prompts(model, reference, hf_processor, png(tmp_path, 48, 64), variant)
+
+
+def check_two_images_in_one_prompt(model, reference, tmp_path, label: str) -> None:
     """Two images of different sizes in one prompt: genai's processor makes both images' patches (each image's
     block padded with zero rows to the largest one's, which genai drops before the vision graph), a grid of two rows,
     and expands each vision block to its own image's tokens; genai places each on M-RoPE's streams. transformers,
     driven with the ids, the grids and the patches genai made (its padding rows taken out), gives the same greedy
-    tokens."""
-    model = og.Model(str(export("gqa").out_dir))
+    tokens (``model``: og.Model of the package, ``reference``: transformers' model)."""
     processor = model.create_multimodal_processor()
     prompt = "first " + IMAGE_PROMPT.removeprefix("hello ") + " then <|vision_start|><|image_pad|><|vision_end|> end"
     images = [png(tmp_path, 48, 64, seed=1), png(tmp_path, 32, 24, seed=2)]
@@ -145,9 +151,14 @@ def test_two_images_in_one_prompt_generate_transformers_tokens(export, reference
     tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
     ref_tokens, ref_logits = transformers_run(reference, ids, patches, grid, NEW_TOKENS)
     error = worst_of_range(logits, ref_logits)
-    print(f"two images: {ids.shape[1]} prompt tokens, grids {grid.tolist()}, genai {tokens}, logits max err "
+    print(f"{label} two images: {ids.shape[1]} prompt tokens, grids {grid.tolist()}, genai {tokens}, logits max err "
           f"{error:.2e} of range")
     assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
+
+
+def test_two_images_in_one_prompt_generate_transformers_tokens(export, reference, tmp_path):
+    """check_two_images_in_one_prompt on the gqa package."""
+    check_two_images_in_one_prompt(og.Model(str(export("gqa").out_dir)), reference, tmp_path, "qwen2_5_vl")
 
 
 @pytest.mark.parametrize("height, width, grid", [(100, 80, [1, 16, 14]), (9, 9, [1, 4, 4]), (30, 90, [1, 8, 22])],

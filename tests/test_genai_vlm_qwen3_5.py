@@ -20,31 +20,24 @@ import json
 import re
 import shutil
 
-import numpy as np
 import onnx
 import pytest
 
 from exporter import contract
-from exporter.errors import ExportError
 from exporter.graph.language_model import IMAGE_TEXT_HYBRIDS
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.tiny_checkpoint import HYBRID_ARCHITECTURES, TEXT_HYBRID_ARCHITECTURES
 from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
-from tests.genai_greedy import genai_greedy, genai_multimodal_run, worst_of_range
-from tests.test_genai_vlm_qwen import hf_image_prompt, png, transformers_run
+from tests.genai_greedy import genai_greedy, genai_multimodal_run
+from tests.test_genai_vlm_qwen import (
+    MAX_SEQ_LEN, NEW_TOKENS, TEXT_PROMPT, check_image_and_text_prompts, check_two_images_in_one_prompt, png,
+)
 
 og = pytest.importorskip("onnxruntime_genai")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-MAX_SEQ_LEN = 256
-NEW_TOKENS = 12
-IMAGE_PROMPT = "hello <|vision_start|><|image_pad|><|vision_end|> the quick brown fox"
-TEXT_PROMPT = "hello onnx runtime, the quick brown fox"
-IMAGE_TOKEN = 302  # the tiny checkpoints' <|image_pad|>
-LOGIT_TOLERANCE = 1e-4  # of the logit range, fp32
-PIXEL_TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -74,57 +67,21 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("name, variant", [("qwen3_5", "gqa"), ("qwen3_5_moe", "attn_dynamic")])
 def test_genai_generates_transformers_tokens_on_an_image_and_on_text(family, tmp_path, name, variant):
-    """One image (64 x 48: 16 x 12 patches, 48 image tokens) + text, then the text prompt through genai's processor and
-    through append_tokens (how a text package is driven); transformers driven with the ids, patches and grid genai's
-    processor made."""
+    """One image + text, then the text prompt through genai's processor (check_image_and_text_prompts) and through
+    append_tokens (how a text package is driven)."""
     result, reference, hf_processor = family(name, variant)
     model = og.Model(str(result.out_dir))
-    processor = model.create_multimodal_processor()
-    image = png(tmp_path, 48, 64, seed=3)
-    first = {}
-    for label in ("one image", "text only"):
-        if label == "one image":
-            inputs = processor(IMAGE_PROMPT, images=og.Images.open(str(image)))
-            pixel_values, grid = inputs["pixel_values"].as_numpy(), inputs["image_grid_thw"].as_numpy()
-            hf_ids, hf_pixels, hf_grid = hf_image_prompt(hf_processor, IMAGE_PROMPT, image)
-            pixel_error = float(np.abs(pixel_values - hf_pixels).max())
-            assert grid.tolist() == hf_grid.tolist() == [[1, 12, 16]] and pixel_error <= PIXEL_TOLERANCE
-            assert inputs["input_ids"].as_numpy().tolist() == hf_ids.tolist()
-        else:
-            inputs, pixel_values, grid = processor(TEXT_PROMPT), None, None
-        ids = inputs["input_ids"].as_numpy()
-        assert int((ids == IMAGE_TOKEN).sum()) == (48 if pixel_values is not None else 0)
-        tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
-        ref_tokens, ref_logits = transformers_run(reference, ids, pixel_values, grid, NEW_TOKENS)
-        error = worst_of_range(logits, ref_logits)
-        print(f"{name} {variant} {label}: {ids.shape[1]} prompt tokens, genai {tokens}, logits max err {error:.2e} of "
-              "range" + (f", pixel_values max err {pixel_error:.2e}" if pixel_values is not None else ""))
-        assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
-        first[label] = logits[0]
-        if label == "text only":  # the text API a text package's users drive it with: the same tokens
-            assert genai_greedy(model, ids[0].tolist(), NEW_TOKENS, through_eos=True) == ref_tokens
-    # the image's features reach the logits (not a text-only run in disguise)
-    assert np.abs(first["one image"] - first["text only"]).max() > 100 * LOGIT_TOLERANCE * np.ptp(first["text only"])
+    runs = check_image_and_text_prompts(model, reference, hf_processor, png(tmp_path, 48, 64, seed=3),
+                                        f"{name} {variant}")
+    ids, ref_tokens = runs["text only"]  # the text API a text package's users drive it with: the same tokens
+    assert genai_greedy(model, ids[0].tolist(), NEW_TOKENS, through_eos=True) == ref_tokens
 
 
 def test_two_images_of_different_sizes_in_one_prompt(family, tmp_path):
     """genai's processor pads each image's patches to the largest's (zero rows it drops, one vision run per image);
     transformers on the unpadded patches gives the same tokens."""
     result, reference, _ = family("qwen3_5", "gqa")
-    model = og.Model(str(result.out_dir))
-    prompt = "first <|vision_start|><|image_pad|><|vision_end|> then <|vision_start|><|image_pad|><|vision_end|> end"
-    images = [png(tmp_path, 48, 64, seed=1), png(tmp_path, 32, 24, seed=2)]
-    inputs = model.create_multimodal_processor()(prompt, images=og.Images.open(*(str(p) for p in images)))
-    ids, pixel_values = inputs["input_ids"].as_numpy(), inputs["pixel_values"].as_numpy()
-    grid = inputs["image_grid_thw"].as_numpy()
-    assert grid.tolist() == [[1, 12, 16], [1, 8, 6]] and int((ids == IMAGE_TOKEN).sum()) == 48 + 12
-    block, counts = pixel_values.shape[0] // len(grid), [int(np.prod(g)) for g in grid]
-    patches = np.concatenate([pixel_values[i * block: i * block + n] for i, n in enumerate(counts)])
-    tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
-    ref_tokens, ref_logits = transformers_run(reference, ids, patches, grid, NEW_TOKENS)
-    error = worst_of_range(logits, ref_logits)
-    print(f"qwen3_5 two images: grids {grid.tolist()}, genai {tokens}, logits max err {error:.2e} of range")
-    assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
+    check_two_images_in_one_prompt(og.Model(str(result.out_dir)), reference, tmp_path, "qwen3_5")
 
 
 def test_the_farm_export_is_the_validated_image_text_package(family, tmp_path):

@@ -20,21 +20,17 @@ import pytest
 
 from exporter import contract
 from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
-from tests.genai_greedy import genai_multimodal_run, variant_exports, worst_of_range
-from tests.test_genai_vlm_qwen import hf_image_prompt, png, transformers_run
+from tests.genai_greedy import genai_multimodal_run, variant_exports
+from tests.test_genai_vlm_qwen import (
+    IMAGE_PROMPT, IMAGE_TOKEN, MAX_SEQ_LEN, PIXEL_TOLERANCE, check_image_and_text_prompts, check_two_images_in_one_prompt,
+    png,
+)
 
 og = pytest.importorskip("onnxruntime_genai")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_SEQ_LEN = 256
-NEW_TOKENS = 12
-IMAGE_PROMPT = "hello <|vision_start|><|image_pad|><|vision_end|> the quick brown fox"
-TEXT_PROMPT = "hello onnx runtime, the quick brown fox"
-IMAGE_TOKEN = 302  # the tiny checkpoints' <|image_pad|>
-LOGIT_TOLERANCE = 1e-4  # of the logit range, fp32
-PIXEL_TOLERANCE = 1e-6
 WIDTH = 64 * 3  # the text hidden size 64, times 1 + 2 deepstack maps
 
 
@@ -58,53 +54,17 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("name, variant", [("qwen3_vl", "gqa"), ("qwen3_vl_moe", "attn_dynamic")])
 def test_genai_multimodal_generates_transformers_tokens(family, tmp_path, name, variant):
-    """One image (64 x 48: 16 x 12 patches, 48 image tokens) + text, then text only, through genai's processor and
-    generator; transformers driven with the ids, patches and grid genai's processor made."""
+    """One image + text, then text only, through genai's processor and generator (check_image_and_text_prompts)."""
     export, reference, hf_processor = family(name)
     model = og.Model(str(export(variant).out_dir))
-    processor = model.create_multimodal_processor()
-    image = png(tmp_path, 48, 64, seed=3)
-    first = {}
-    for label in ("one image", "text only"):
-        if label == "one image":
-            inputs = processor(IMAGE_PROMPT, images=og.Images.open(str(image)))
-            pixel_values, grid = inputs["pixel_values"].as_numpy(), inputs["image_grid_thw"].as_numpy()
-            hf_ids, hf_pixels, hf_grid = hf_image_prompt(hf_processor, IMAGE_PROMPT, image)
-            pixel_error = float(np.abs(pixel_values - hf_pixels).max())
-            assert grid.tolist() == hf_grid.tolist() == [[1, 12, 16]] and pixel_error <= PIXEL_TOLERANCE
-            assert inputs["input_ids"].as_numpy().tolist() == hf_ids.tolist()
-        else:
-            inputs, pixel_values, grid = processor(TEXT_PROMPT), None, None
-        ids = inputs["input_ids"].as_numpy()
-        assert int((ids == IMAGE_TOKEN).sum()) == (48 if pixel_values is not None else 0)
-        tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
-        ref_tokens, ref_logits = transformers_run(reference, ids, pixel_values, grid, NEW_TOKENS)
-        error = worst_of_range(logits, ref_logits)
-        print(f"{name} {variant} {label}: {ids.shape[1]} prompt tokens, genai {tokens}, logits max err {error:.2e} of "
-              "range" + (f", pixel_values max err {pixel_error:.2e}" if pixel_values is not None else ""))
-        assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
-        first[label] = logits[0]
-    assert np.abs(first["one image"] - first["text only"]).max() > 100 * LOGIT_TOLERANCE * np.ptp(first["text only"])
+    check_image_and_text_prompts(model, reference, hf_processor, png(tmp_path, 48, 64, seed=3), f"{name} {variant}")
 
 
 def test_two_images_of_different_sizes_in_one_prompt(family, tmp_path):
     """genai pads each image's patches to the largest's (zero rows it drops before the vision graph, one run per image
     into its rows of the wide image_features); transformers on the unpadded patches gives the same tokens."""
     export, reference, _ = family("qwen3_vl")
-    model = og.Model(str(export("gqa").out_dir))
-    prompt = "first <|vision_start|><|image_pad|><|vision_end|> then <|vision_start|><|image_pad|><|vision_end|> end"
-    images = [png(tmp_path, 48, 64, seed=1), png(tmp_path, 32, 24, seed=2)]
-    inputs = model.create_multimodal_processor()(prompt, images=og.Images.open(*(str(p) for p in images)))
-    ids, pixel_values = inputs["input_ids"].as_numpy(), inputs["pixel_values"].as_numpy()
-    grid = inputs["image_grid_thw"].as_numpy()
-    assert grid.tolist() == [[1, 12, 16], [1, 8, 6]] and int((ids == IMAGE_TOKEN).sum()) == 48 + 12
-    block, counts = pixel_values.shape[0] // len(grid), [int(np.prod(g)) for g in grid]
-    patches = np.concatenate([pixel_values[i * block: i * block + n] for i, n in enumerate(counts)])
-    tokens, logits = genai_multimodal_run(model, inputs, NEW_TOKENS)
-    ref_tokens, ref_logits = transformers_run(reference, ids, patches, grid, NEW_TOKENS)
-    error = worst_of_range(logits, ref_logits)
-    print(f"qwen3_vl two images: grids {grid.tolist()}, genai {tokens}, logits max err {error:.2e} of range")
-    assert tokens == ref_tokens and error <= LOGIT_TOLERANCE
+    check_two_images_in_one_prompt(og.Model(str(export("gqa").out_dir)), reference, tmp_path, "qwen3_vl")
 
 
 def test_the_package_says_the_wide_width(family, tmp_path):
