@@ -26,9 +26,9 @@ from exporter.errors import ExportError
 from exporter.pipeline import export_model
 from exporter.request import ExportRequest
 from exporter.vision.tiny_checkpoint import VLM_CONFIGS
-from exporter.vision.tiny_processor import CROPS_PER_SIDE, make_tiny_vlm_repo
+from exporter.vision.tiny_processor import CROPS_PER_SIDE
 from tests.test_hf_layout import transformersjs  # noqa: F401  (the fixture: npm ci of clients/transformersjs)
-from tests.test_hf_layout_vlm import js_generate
+from tests.test_hf_layout_vlm import js_generate, repo  # noqa: F401  (repo: the tiny checkpoints with their processors)
 
 CASES = ["idefics3", "smolvlm"]
 NEW_TOKENS = 12
@@ -36,13 +36,6 @@ MAX_SEQ_LEN = 256
 PIXEL_TOLERANCE = 1e-6  # both rescale and normalize in fp32; the crops' resizes are exact on 2 x 2 pixel blocks
 FEATURE_TOLERANCE = 1e-4  # of the features' range, fp32
 PROMPT = "hello <image> the quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    """repo(case) -> a tiny checkpoint saved with its processor (smolvlm's as its hub repositories hold it)."""
-    root = tmp_path_factory.mktemp("crops-repos")
-    return functools.cache(lambda case: make_tiny_vlm_repo(case, root / case, seed=1))
 
 
 @pytest.fixture(scope="module")
