@@ -4,7 +4,9 @@
 inputs_embeds): every call the decoder makes on token ids goes through the embedding graph first, with
 the features of the images whose tokens those ids hold (queued by ``encode``), or with none (a
 text-only prompt, a decode step). So the decoder's own cache handling (every variant, host arrays or
-device buffers) drives an image prompt unchanged.
+device buffers) drives an image prompt unchanged. Features and embeddings cross between the sessions as host arrays
+of the graphs' own element type, bfloat16 included (``session.run_declared``: IO binding, as onnxruntime's numpy
+bridge has no bfloat16).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from exporter.contract import (
-    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, IMAGE_SIZES, INPUT_IDS, META_DEEPSTACK, META_IMAGE_SIZE,
-    META_IMAGE_TOKEN_ID,
-    META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES, VISION_FILE, numpy_of_ort,
+    EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW, IMAGE_SIZES, INPUT_IDS, INPUTS_EMBEDS, META_DEEPSTACK,
+    META_IMAGE_SIZE, META_IMAGE_TOKEN_ID, META_PATCH_SIZE, META_SPATIAL_MERGE_SIZE, META_TOKENS_PER_IMAGE, PIXEL_VALUES,
+    VISION_FILE, numpy_of_ort,
 )
-from exporter.runtime.session import Decoder
+from exporter.runtime.session import Decoder, run_declared
 
 
 # The bench's image where a family's token count follows the image's size (patch-sequence, padded-images): a square of
@@ -62,18 +64,25 @@ class ImageTextModel:
     def no_images(self) -> np.ndarray:
         return np.zeros((0, self.tokens_per_image, self.hidden), self.features_dtype)
 
+    def _vision(self, feeds: dict, rows: int) -> np.ndarray:
+        """The vision graph on ``feeds``: its ``rows`` feature rows [rows, hidden], in the graph's own type (bf16 too:
+        run_declared). The rows are counted here, as they must be to queue each image's, so that onnxruntime writes
+        them into a host array of that shape: a graph that gives another count fails the run."""
+        return run_declared(self.vision, feeds, {IMAGE_FEATURES: (rows, self.hidden)})[IMAGE_FEATURES]
+
     def image_features(self, pixel_values: np.ndarray) -> np.ndarray:
         """The vision graph: pixel_values [images, channels, size, size] fp32 -> [images, tokens, hidden]
         (the graph gives the rows 2-D, image after image)."""
-        (features,) = self.vision.run(None, {PIXEL_VALUES: np.ascontiguousarray(pixel_values, np.float32)})
+        features = self._vision({PIXEL_VALUES: pixel_values}, len(pixel_values) * self.tokens_per_image)
         return features.reshape(len(pixel_values), self.tokens_per_image, self.hidden)
 
     def embed(self, input_ids: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
         """The embedding graph: ids [batch, seq] and the features of the images their tokens hold (none:
-        text only) -> inputs_embeds [batch, seq, hidden]."""
+        text only) -> inputs_embeds [batch, seq, hidden], in the graph's type (bf16 as ml_dtypes' bfloat16)."""
         features = (self.no_images() if features is None else features).reshape(-1, self.hidden)
-        (embeds,) = self.embedding.run(None, {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features})
-        return embeds
+        input_ids = np.asarray(input_ids)
+        return run_declared(self.embedding, {INPUT_IDS: input_ids, IMAGE_FEATURES: features},
+                            {INPUTS_EMBEDS: (*input_ids.shape, self.hidden)})[INPUTS_EMBEDS]
 
     def encode(self, pixel_values: np.ndarray | None) -> np.ndarray:
         """Run the vision graph and queue its features for the image tokens the decoder is fed next."""
@@ -137,6 +146,7 @@ class PatchSequenceModel(ImageTextModel):
         self._deltas: list[int] = []  # per row: rope_deltas
         self._prefilled = False  # the last call started every row's sequence (attn_static prefills rows one by one)
         self.decoder.positions = self._positions
+        self.decoder.on_new_sequence = self._new_sequence
 
     def no_images(self) -> np.ndarray:
         return np.zeros((0, self.hidden), self.features_dtype)
@@ -150,9 +160,8 @@ class PatchSequenceModel(ImageTextModel):
         """The vision graph: patches [patches, patch_dim] fp32 + grids [images, 3] -> [image tokens, hidden]."""
         if image_grid_thw is None:
             raise ValueError("a patch-sequence vision graph takes image_grid_thw beside pixel_values")
-        (features,) = self.vision.run(None, {PIXEL_VALUES: np.ascontiguousarray(pixel_values, np.float32),
-                                             IMAGE_GRID_THW: np.asarray(image_grid_thw, np.int64)})
-        return features
+        return self._vision({PIXEL_VALUES: pixel_values, IMAGE_GRID_THW: image_grid_thw},
+                            sum(self.image_tokens(g) for g in np.asarray(image_grid_thw)))
 
     def encode(self, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None = None) -> np.ndarray:
         features = self.no_images()
@@ -203,6 +212,11 @@ class PatchSequenceModel(ImageTextModel):
             out[:, r, real[r]] = position_ids
             self._deltas[first + r] = int(position_ids.max()) + 1 - (starts[r] + len(ids))  # transformers' rope_deltas
         return out
+
+    def _new_sequence(self) -> None:
+        """New caches: the rows prefilled next start sequences of their own (not the rows after those of the caches
+        before: the bench prefills twice on fresh caches, an attn_static batch row after row on one)."""
+        self._deltas, self._prefilled = [], False
 
     def clear(self) -> None:
         super().clear()
@@ -261,15 +275,14 @@ class PaddedImagesModel(ImageTextModel):
     def image_features(self, pixel_values: np.ndarray, image_sizes: np.ndarray | None = None) -> np.ndarray:
         """The vision graph: pixel_values [images, channels, H, W] fp32 (+ image_sizes [images, 2]; None: each image
         is the whole array) -> [image tokens, hidden]."""
-        pixel_values = np.ascontiguousarray(pixel_values, np.float32)
+        pixel_values = np.asarray(pixel_values)
         sizes = image_sizes if image_sizes is not None else np.tile(pixel_values.shape[2:], (len(pixel_values), 1))
         sizes = np.asarray(sizes, np.int64)
         padded = np.array(pixel_values.shape[2:])
         if sizes.shape != (len(pixel_values), 2) or (sizes > padded).any() or (sizes < 1).any():
             raise ValueError(f"image_sizes {sizes.tolist()} are not one (height, width) per image within pixel_values' "
                              f"{list(pixel_values.shape[2:])}")
-        (features,) = self.vision.run(None, {PIXEL_VALUES: pixel_values, IMAGE_SIZES: sizes})
-        return features
+        return self._vision({PIXEL_VALUES: pixel_values, IMAGE_SIZES: sizes}, sum(self.image_tokens(s) for s in sizes))
 
     def encode(self, pixel_values: np.ndarray | None, image_sizes: np.ndarray | None = None) -> np.ndarray:
         features = self.no_images()

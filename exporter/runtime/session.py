@@ -72,12 +72,18 @@ def cache_mode(input_names: set[str]) -> str:
     return GQA
 
 
+def ort_bits(array: np.ndarray) -> np.ndarray:
+    """``array`` as ORT's numpy bridge takes it: bfloat16, which the bridge lacks (OrtValue.update_inplace refuses it
+    too), as its uint16 bits; any other dtype as it is."""
+    return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+
+
 def host_ortvalue(array: np.ndarray):
     """numpy -> CPU OrtValue sharing its memory; bfloat16 (which ORT's numpy bridge lacks) via uint16."""
     import onnxruntime as ort
 
     if array.dtype.name == "bfloat16":
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), DTYPES["bf16"].onnx)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(ort_bits(array), DTYPES["bf16"].onnx)
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
@@ -91,6 +97,17 @@ def run_bound(session, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarr
         binding.bind_ortvalue_output(name, host_ortvalue(array))
     session.run_with_iobinding(binding)
     return outputs
+
+
+def run_declared(session, feeds: dict[str, np.ndarray], output_shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """``session`` on host arrays in the element types its graph declares: each input converted to its declared type
+    (an overridable initializer's too), each output written by ORT into a new host array of its declared type and the
+    shape ``output_shapes`` gives (ORT refuses a run whose output is another shape). So a bfloat16 graph runs and
+    hands back ml_dtypes bfloat16 arrays exactly, which session.run cannot (its numpy bridge has no bfloat16)."""
+    declared = {a.name: a.type for a in (*session.get_inputs(), *session.get_overridable_initializers())}
+    typed = {name: np.asarray(value).astype(numpy_of_ort(declared[name]), copy=False) for name, value in feeds.items()}
+    outputs = {o.name: np.empty(output_shapes[o.name], numpy_of_ort(o.type)) for o in session.get_outputs()}
+    return run_bound(session, typed, outputs)
 
 
 @dataclasses.dataclass
@@ -215,6 +232,9 @@ class Decoder:
         # A decoder with multimodal rotary (position_ids [3, batch, seq]): (input_ids, the step's 1-D positions, its
         # attention_mask or None) -> the three streams, set by the same driver (it knows the images' grids).
         self.positions = None
+        # Called whenever new caches are made (a new sequence starts), set by the same driver: what it carries from
+        # step to step (M-RoPE's per-row offsets) starts again.
+        self.on_new_sequence = None
         self.mrope = POSITION_IDS in self.inputs and len(self.inputs[POSITION_IDS].shape) == 3
 
     def _head_sizes(self, config: dict) -> dict[str, int]:
@@ -286,6 +306,7 @@ class Decoder:
 
     def new_state(self, batch: int = 1, buffer: int | None = None) -> CacheState:
         """Empty caches: attn_static's whole buffer (default: the exported max_seq_len), else an empty past."""
+        self._new_sequence()
         width = (buffer or self.max_seq_len) if self.mode == STATIC else 0
         caches = [np.zeros(self._cache_shape(name, batch, width), self.dtype.numpy) for name, _ in self.pairs]
         return CacheState(caches, np.zeros(batch, np.int64), width, np.zeros(batch, np.int64), self.new_states(batch))
@@ -293,6 +314,10 @@ class Decoder:
     def _cache_shape(self, name: str, batch: int, positions: int) -> list[int]:
         """The cache input ``name`` of ``batch`` rows holding ``positions`` positions."""
         return [batch] + [d if isinstance(d, int) else positions for d in self.pair_dims[name][1:]]
+
+    def _new_sequence(self) -> None:
+        if self.on_new_sequence is not None:
+            self.on_new_sequence()
 
     def new_states(self, batch: int) -> dict[str, np.ndarray]:
         """A hybrid's recurrent states at the start of a sequence: zeros."""
@@ -376,8 +401,8 @@ class Decoder:
     def _device_value(self, array: np.ndarray):
         array = np.ascontiguousarray(array)
         if array.dtype.name == "bfloat16":
-            value = self._device_empty(array.shape, self.dtype)
-            value.update_inplace(array.view(np.uint16))
+            value = self._device_empty(array.shape, DTYPES["bf16"])
+            value.update_inplace(ort_bits(array))
             return value
         return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
 
@@ -392,6 +417,7 @@ class Decoder:
 
     def new_caches(self, buffer: int, batch: int = 1) -> dict:
         """Zeroed device cache buffers of ``buffer`` positions (dynamic: an empty past)."""
+        self._new_sequence()
         length = 0 if self.mode == DYNAMIC else buffer
         caches = {name: self._device_value(np.zeros(self._cache_shape(name, batch, length), self.dtype.numpy))
                   for name, _ in self.pairs}
@@ -499,7 +525,8 @@ class Decoder:
                 self._bind_states(binding, caches)
             for name, array in self._embedded(self._bound_feeds(ones, past + i, buffer)).items():
                 if name not in (INPUT_IDS, ATTENTION_MASK) or (self.mode == GQA and not self.grow_mask):
-                    fixed[name].update_inplace(array)  # same address: a captured graph sees the new value
+                    # same address: a captured graph sees the new value (a bf16 inputs_embeds as its bits)
+                    fixed[name].update_inplace(ort_bits(np.ascontiguousarray(array)))
             self._run_device(binding, graph_id)
             if self.mode == DYNAMIC:
                 self._take_presents(binding, caches)
@@ -568,4 +595,5 @@ class Decoder:
         return binding.copy_outputs_to_cpu()[0]
 
 
-__all__ = ["Decoder", "CacheState", "read_metadata", "cache_mode", "run_bound", "host_ortvalue", "session_config_entries"]
+__all__ = ["Decoder", "CacheState", "read_metadata", "cache_mode", "run_bound", "run_declared", "host_ortvalue",
+           "ort_bits", "session_config_entries"]
