@@ -4,6 +4,8 @@
 # Phases:
 #   vlm GEOMETRY LAYERS   benchmarks/vlm_speed.py at a depth-truncated real geometry (qwen2.5-vl-7b, gemma-3-12b):
 #                         ours beside the genai builder's text decoder and mobius (VLM_ARGS: more options)
+#   parity                benchmarks/vlm_cuda.py: every tiny image-text family exported for cuda and put through the
+#                         farm's own validation on the GPU (CASES, DTYPES, VARIANTS: its --cases / --dtypes / --variants)
 # Results go to $OUT.
 set -uo pipefail
 phase=${1:?phase}
@@ -12,4 +14,8 @@ case "$phase" in
   vlm)
     MOBIUS_PATH=/tmp/mobius python3 benchmarks/vlm_speed.py --geometry "$2" --text-layers "$3" ${VLM_ARGS:-} \
       --out "$OUT/vlm_speed_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -60 ;;
+  parity)
+    python3 benchmarks/vlm_cuda.py --cases ${CASES:-gemma3 llava idefics3 smolvlm qwen2_5_vl qwen3_5 qwen3_vl qwen3_vl_moe mistral3} \
+      --dtypes ${DTYPES:-fp16 bf16} --variants ${VARIANTS:-gqa} --out "$OUT/vlm_cuda.json" 2>&1 \
+      | grep -v "Warning\|falling back" | cut -c1-600 | tail -60 ;;
 esac

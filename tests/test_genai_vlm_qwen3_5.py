@@ -138,17 +138,16 @@ def test_the_farm_export_is_the_validated_image_text_package(family, tmp_path):
 
 
 def test_what_the_image_text_export_cannot_be_is_said(family, tmp_path):
-    """attn_static: exported, no genai package, the reason in the manifest (genai feeds no write_indices). bf16: the
-    image-text export is not built in bf16, so a bf16 export is the language model alone, as a bf16 export of this
-    checkpoint always was (a text package), its manifest saying why and what to export for
-    images."""
+    """attn_static: exported, no genai package, the reason in the manifest (genai feeds no write_indices). bf16: a
+    hybrid's bf16 image-text export is not validated on a GPU, so a bf16 export is the language model alone, as a bf16
+    export of this checkpoint always was (a text package), its manifest saying why and what to export for images."""
     result, _, _ = family("qwen3_5", "attn_static")
     assert result.manifest.data["genai"]["package"] is False
     assert "attn_static reads write_indices" in result.manifest.data["genai"]["reason"]
     bf16 = ExportRequest(model=str(result.source.path), dtype="bf16", ep="cuda", max_seq_len=MAX_SEQ_LEN)
     text = export_model(bf16, tmp_path / "bf16", validate=False)
     assert text.manifest.data.get("task") != contract.IMAGE_TEXT_TASK and "image_text" not in text.manifest.data
-    assert re.match(r"the language model alone .*bf16 image-text export is not built yet.*export fp16 or fp32",
+    assert re.match(r"the language model alone .*bf16 image-text export of a Qwen3.5 hybrid is not validated.*export fp16 or fp32",
                     text.manifest.data["language_model_only"])
     assert not (text.out_dir / contract.VISION_FILE).exists()
     genai_config = json.loads((text.out_dir / contract.GENAI_CONFIG_FILE).read_text())

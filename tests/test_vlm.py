@@ -207,11 +207,3 @@ def test_image_text_family_without_vision_graphs_is_refused_by_name(tmp_path):
                                           r"graphs are built for gemma3, llava, idefics3, smolvlm"):
         export_model(ExportRequest(model=str(tmp_path / "ckpt")), tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-
-
-def test_a_bf16_image_text_export_is_refused_saying_why(vlm_checkpoint, tmp_path):
-    """The three sessions hand image features and embeddings to each other through numpy, which has no bfloat16
-    (found on an H200: benchmarks/results/h200/vlm_cuda.json); refused before anything is written."""
-    with pytest.raises(ExportError, match=r"a bf16 image-text export is not built yet: .* numpy has no bfloat16"):
-        export_model(ExportRequest(model=str(vlm_checkpoint("gemma3")), dtype="bf16", ep="cuda"), tmp_path / "out")
-    assert not (tmp_path / "out").exists()

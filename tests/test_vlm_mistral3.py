@@ -326,10 +326,10 @@ def test_a_tower_other_than_pixtral_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(max_seq_len=64), r"max_seq_len 64 is shorter than validation's two-image prompt needs \(30 image tokens \+ "
                            r"7 row-end tokens \+ 12 text tokens \+ 24 decode steps = 73\)"),
-    (dict(dtype="bf16", ep="cuda"), r"a bf16 image-text export is not built yet"),
+    (dict(dtype="bf16", ep="cuda", layout="hf"), r"transformers.js has no file name for bf16 weights"),
     (dict(builder="traced"), r"transformers.exporters does not build the vision and embedding graphs"),
     (dict(layout="hf"), r"no processor_config.json or preprocessor_config.json.*layout farm"),
-], ids=["too-short", "bf16", "traced", "hf-without-processor"])
+], ids=["too-short", "bf16-hf", "traced", "hf-without-processor"])
 def test_requests_it_cannot_serve_are_refused_and_nothing_is_written(tmp_path, change, message):
     checkpoint = _checkpoint(tmp_path)
     with pytest.raises(ExportError, match=message):

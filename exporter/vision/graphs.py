@@ -223,7 +223,12 @@ def build_embedding_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType
     if cfg.embed_scale is not None:
         x = b.op("Mul", [x, b.scalar(cfg.embed_scale)])
     if hidden > cfg.text_hidden_size:  # qwen3_vl: a text token carries no deepstack map (zeros: nothing is added)
-        x = b.op("Pad", [x, b.ints(0, 0, 0, 0, 0, hidden - cfg.text_hidden_size)])
+        # zeros expanded to [batch, seq, maps' width] beside it: onnxruntime-gpu 1.31.1 has no bf16 CUDA Pad (a bf16
+        # export's session failed to initialize: "Provider type for Pad node ... is not set"); Expand and Concat have
+        extra = hidden - cfg.text_hidden_size
+        zeros = b.op("Expand", [b.constant(np.zeros((1, 1, extra), dtype.numpy()), "deepstack_text_zeros"),
+                                b.op("Concat", [b.op("Shape", [ids]), b.ints(extra)], {"axis": 0})])
+        x = b.op("Concat", [x, zeros], {"axis": -1})
     picked = b.op("Gather", [rows, b.op("Reshape", [order, b.op("Shape", [ids])])], {"axis": 0})
     merged = b.op("Where", [b.op("Unsqueeze", [has_feature, b.ints(-1)]), picked, x])
     out = _output(merged, INPUTS_EMBEDS, dtype, [BATCH, SEQ, hidden])
