@@ -18,7 +18,9 @@ from pathlib import Path
 
 from exporter import contract
 from exporter.graph.build import IR_DTYPES, build_model
-from exporter.graph.language_model import TEXT_ONLY_BF16, check_image_text_request, image_text_type
+from exporter.graph.language_model import (
+    TEXT_ONLY_BF16, TEXT_ONLY_MEASURED, check_image_text_request, image_text_type, language_model,
+)
 from exporter.packaging.image_text import write_image_text_graphs
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
@@ -77,7 +79,9 @@ def build_export(
 
     A quantized cuda export without chosen activations first measures the checkpoint's activations
     (``activation_range.choose_activations``: one pass of the streamed reference over the quality
-    gate's text, whose logits are kept in ``reference_cache`` / ``shared_references`` for validation).
+    gate's text, whose logits are kept in ``reference_cache`` / ``shared_references`` for validation;
+    an image-text checkpoint's image-text model: where its activations do not fit fp16, its export computes in bf16,
+    a Qwen3.5 checkpoint's as its language model alone, as a bf16 request of it is).
 
     Returns the manifest in memory (files, versions, op census, where every weight came from);
     nothing is written to ``out_dir / manifest.json``, so a directory without one is never mistaken
@@ -96,9 +100,13 @@ def build_export(
         check_image_text_request(request, source.path)
     builder = contract.BUILDER_HAND if image_text else resolve_builder(request, source.path)
     traced = builder == contract.BUILDER_TRACED
-    activations, chosen = _activations(request, source, traced, reference_cache, shared_references)
+    activations, chosen = _activations(request, source, traced, image_text, reference_cache, shared_references)
     if chosen["by"] == "measurement":
         timings["activation_range"] = time.perf_counter() - t0
+    # measured beyond fp16: a Qwen3.5 checkpoint's export is its language model alone in bf16, as a bf16 request's
+    measured_text_only = bool(image_text) and not image_text_type(source.path, activations)
+    if measured_text_only:
+        image_text = None
     if traced:
         built = trace_model(request, source, activations)
     else:
@@ -148,7 +156,7 @@ def build_export(
         manifest.data["task"] = contract.IMAGE_TEXT_TASK
         manifest.data["image_text"] = components
     elif image_text_type(source.path):  # an image-text checkpoint exported as its language model alone (bf16)
-        manifest.data["language_model_only"] = TEXT_ONLY_BF16
+        manifest.data["language_model_only"] = TEXT_ONLY_MEASURED if measured_text_only else TEXT_ONLY_BF16
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
@@ -180,24 +188,25 @@ def build_export(
     return manifest
 
 
-def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, reference_cache, shared) -> tuple:
-    """(what the export computes in, why): measured for a quantized cuda export without a choice."""
+def _activations(request: ExportRequest, source: ResolvedSource, traced: bool, image_text: str | None,
+                 reference_cache, shared) -> tuple:
+    """(what the export computes in, why): measured for a quantized cuda export without a choice
+    (``image_text``: the checkpoint's image-text type where its image-text export is asked for, measured on
+    its image-text model's language model)."""
     from exporter.graph.architectures import ARCHITECTURES
     from exporter.graph.config import load_model_config
     from exporter.graph.traced import traced_sizes
     from exporter.validation.activation_range import choose_activations
 
-    if image_text_type(source.path, request.activations):
-        # the measurement streams a text reference over the checkpoint: an image-text export computes in the
-        # request's activations (a quantized cuda one in fp16 unless it names bf16)
-        return request.activations, {"by": "request", "why": f"an image-text export of {request.dtype.value} on "
-                                                              f"{request.ep.value} (activations not measured)"}
-    if traced:
+    if image_text:
+        cfg = language_model(source.path).config
+        num_layers, vocab_size = cfg.num_layers, cfg.vocab_size
+    elif traced:
         num_layers, vocab_size = traced_sizes(source.path)
     else:
         cfg = load_model_config(source.path, ARCHITECTURES)
         num_layers, vocab_size = cfg.num_layers, cfg.vocab_size
-    return choose_activations(request, source, num_layers, vocab_size, reference_cache, shared)
+    return choose_activations(request, source, num_layers, vocab_size, reference_cache, shared, image_text)
 
 
 def validate_built(

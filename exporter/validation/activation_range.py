@@ -101,18 +101,35 @@ def watch_peaks(model, num_layers: int):
     return handles, state
 
 
-def measure(checkpoint: Path, ep: str, chunks: list[list[int]], num_layers: int):
-    """(ActivationRange, the reference's logits of each window): one streamed fp32 pass over ``chunks``."""
+def measure(checkpoint: Path, ep: str, chunks: list[list[int]], num_layers: int, image_text: bool = False):
+    """(ActivationRange, the reference's logits of each window): one streamed fp32 pass over ``chunks``.
+    ``image_text``: the checkpoint's image-text model (whole, as its validation loads it) runs the text, and
+    its language model and LM head are watched, what an image-text export's decoder computes (its vision
+    tower, which the text never reaches, is judged at validation by its features' tolerance)."""
     from exporter.validation.gates.quality import reference_logits
-    from exporter.validation.reference import open_reference
 
-    model = open_reference(Path(checkpoint), ep)
-    handles, state = watch_peaks(model.model, num_layers)
+    if image_text:
+        import torch
+
+        from exporter.validation.image_text import language_model_module, open_image_text_reference
+
+        model = open_image_text_reference(Path(checkpoint), ep)
+        # a container of the two, named as a causal LM's modules are ("model.layers.3...", "lm_head"); the
+        # image-text model itself is not changed
+        watched = torch.nn.ModuleDict({"model": language_model_module(model.model),
+                                       "lm_head": model.model.get_output_embeddings()})
+    else:
+        from exporter.validation.reference import open_reference
+
+        model = open_reference(Path(checkpoint), ep)
+        watched = model.model
+    handles, state = watch_peaks(watched, num_layers)
     try:
         logits = reference_logits(model, chunks)
     finally:
         for handle in handles:
             handle.remove()
+        del watched, handles  # the last references to the model's modules: close() gives the device memory back
         model.close()
     found = ActivationRange(state["peak"], state["where"], state["layer_peaks"], sum(len(c) for c in chunks),
                             state["finite"])
@@ -129,10 +146,17 @@ def quality_windows(checkpoint: Path, vocab_size: int, max_seq_len: int | None) 
 
 
 def choose_activations(request, source, num_layers: int, vocab_size: int, reference_cache: Path | None = None,
-                       shared=None):
+                       shared=None, image_text: str | None = None):
     """(the activation dtype, why) for ``request`` on the checkpoint ``source``: the dtype's own
     for float exports and fp32 for quantized cpu ones; on cuda what the request chose, the dtype a
-    GPTQ / AWQ checkpoint's scales are in (other activations would round them), else measured."""
+    GPTQ / AWQ checkpoint's scales are in (other activations would round them), else measured.
+
+    ``image_text``: the model_type of an image-text checkpoint whose image-text export is asked for, measured
+    through its image-text model (its language model's layers). Where its activations do not fit fp16 it gets bf16
+    as a bf16 request would: the image-text export in bf16, or the language model alone where a bf16 request of it
+    is that (``image_text_type``: a Qwen3.5 checkpoint, TEXT_ONLY_BF16)."""
+    from exporter.errors import ExportError
+    from exporter.graph.language_model import image_text_type
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.request import EP, DType
     from exporter.validation import reference
@@ -150,20 +174,20 @@ def choose_activations(request, source, num_layers: int, vocab_size: int, refere
         return scales, {"by": "checkpoint", "why": f"the checkpoint's {checkpoint.prequantized.method} scales are "
                                                     f"{scales.value}: other activations would round them"}
     chunks = quality_windows(Path(source.path), vocab_size, request.max_seq_len)
-    found, logits = measure(Path(source.path), request.ep.value, chunks, num_layers)
+    found, logits = measure(Path(source.path), request.ep.value, chunks, num_layers, image_text=bool(image_text))
     cache_path, cached = reference.cached_window_logits(reference_cache, source.revision, chunks, shared)
     if cached is None:
         reference.store_window_logits(cache_path, chunks, logits, shared)
     fits = found.fits_fp16()
     dtype = DType.FP16 if fits else DType.BF16
     if not fits and (request.layout == "hf" or request.compat):
-        from exporter.errors import ExportError
-
         consumer = "transformers.js" if request.layout == "hf" else "older onnxruntime (compat)"
         raise ExportError(
             f"this model's activations reach {found.peak:.4g} ({found.where}) on real text, too close to fp16's "
             f"largest value ({FP16_MAX:g}) for fp16 activations, and {consumer} has no bf16 kernels for a quantized "
             f"export: export it for ep cpu (fp32 activations), or without {'the hf layout' if request.layout == 'hf' else 'compat'} (bf16)")
+    # an image-text export in bf16, or the language model alone where a bf16 export of the checkpoint is that
+    language_model_alone = not fits and bool(image_text) and not image_text_type(Path(source.path), DType.BF16)
     if not found.finite:
         why = "the fp32 reference itself produced non-finite values on the calibration text: bf16 (fp32's range)"
     elif fits:
@@ -172,7 +196,11 @@ def choose_activations(request, source, num_layers: int, vocab_size: int, refere
     else:
         why = (f"the largest activation on {found.tokens} tokens of text is {found.peak:.4g} ({found.where}): "
                f"within a factor {FP16_HEADROOM:g} of fp16's largest value ({FP16_MAX:g}) or beyond it, so bf16")
-    return dtype, {"by": "measurement", "why": why, **found.to_dict()}
+    if language_model_alone:  # a Qwen3.5 checkpoint: bf16 is its language model alone (TEXT_ONLY_BF16)
+        why += ("; a bf16 image-text export of it is not validated yet, so the export is the language model alone "
+                "(text prompts); export for ep cpu (fp32 activations) for the image-text package")
+    return dtype, {"by": "measurement", "why": why, **found.to_dict(),
+                   **({"measured_on": "the image-text model's language model"} if image_text else {})}
 
 
 __all__ = ["ActivationRange", "choose_activations", "measure", "watch_peaks", "FP16_HEADROOM", "FP16_MAX"]

@@ -96,6 +96,24 @@ def load_image_text_reference(checkpoint: Path):
     return model.eval()
 
 
+def language_model_module(model):
+    """transformers' image-text model's language model (``model.language_model``; idefics3 / smolvlm's
+    ``model.text_model``): the decoder layers the export's model.onnx holds."""
+    return getattr(model.model, "language_model", None) or model.model.text_model
+
+
+def open_image_text_reference(checkpoint: Path, ep: str = "cpu"):
+    """The image-text counterpart of ``reference.open_reference``: transformers' image-text model of
+    ``checkpoint``, whole, in fp32, on the device the export is validated on where this torch reaches it, called
+    as the streamed reference is (``reference.WholeReference``). Text ids alone run its language model as the
+    image-text model runs a text prompt (Qwen's text-only M-RoPE positions included)."""
+    from exporter.runtime.device import cuda_device
+    from exporter.validation.reference import WholeReference
+    from exporter.validation.streamed import reference_device
+
+    return WholeReference(Path(checkpoint), reference_device(ep, cuda_device()), load_image_text_reference(checkpoint))
+
+
 def random_images(count: int, size: int, channels: int = 3, seed: int = 0) -> np.ndarray:
     """``count`` normalized images [count, channels, size, size] fp32, as an image processor gives them."""
     return np.random.default_rng(seed).standard_normal((count, channels, size, size)).astype(np.float32)
@@ -177,9 +195,8 @@ def reference_embeds(model, prompt: list[int], pixels: np.ndarray | None,
     import torch
 
     captured = {}
-    language_model = getattr(model.model, "language_model", None) or model.model.text_model
-    hook = language_model.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs),
-                                                    with_kwargs=True)
+    hook = language_model_module(model).register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
     grids = _grid_kwargs(prompt, image_grid_thw, getattr(model.config, "image_token_id", None), image_sizes)
     try:
         with torch.no_grad():
@@ -273,10 +290,13 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
                      model=None, manifest: dict | None = None) -> tuple[list[GateResult], dict]:
     """Every component of the image-text export in ``export_dir`` against transformers on ``checkpoint``:
     (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
-    A quantized export's end-to-end figures inform (its weights are not the checkpoint's); its vision and
-    embedding graphs, which are not quantized, are judged."""
+    A quantized export's end-to-end figures inform (its weights are not the checkpoint's; its decoder is judged on
+    text by the quality gate, validate.py); its vision and embedding graphs, which are not quantized, are judged.
+    Each prompt's end-to-end section carries the quality gate's mean KL and agreement over its teacher-forced steps,
+    reported: whether image-conditioned quality matches the text's."""
     from exporter.runtime.image_text import PaddedImagesModel, PatchSequenceModel, image_text_decode, open_image_text
     from exporter.validation.gates.parity import parity_gates
+    from exporter.validation.gates.quality import step_figures
 
     quantized = dtype in ("int4", "int8")
     tolerance = FEATURE_TOLERANCE[activations]
@@ -340,6 +360,8 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
         run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens, **extra)
         judged, result = parity_gates(run, ref, activations if quantized else dtype, prompt=label, ep=ep)
         worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
+        # the quality gate's figures on this prompt's steps: does image-conditioned quality match the text's?
+        figures = step_figures(ref.step_logits, run.logits)
         own = image_text_decode(runtime, prompt, pixels, steps, **extra)  # and free-running, as a runtime generates
         for gate in judged:
             if quantized:
@@ -349,8 +371,10 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
         gates += judged
         sections["end_to_end"].append({
             "prompt": label, "images": images, "prompt_tokens": len(prompt), **result.to_dict(),
-            "steps_max_abs_error": worst, "reference_tokens": ref.tokens, "greedy_tokens": own.chosen,
-            "greedy_equal": own.chosen == ref.tokens})
+            "steps_max_abs_error": worst, "steps_kl_mean": figures["kl_mean"], "steps_kl_max": figures["kl_max"],
+            "steps_agreement": figures["agreement"], "steps_agreement_all": figures["agreement_all"],
+            "steps_decisive": figures["decisive_positions"], "reference_tokens": ref.tokens,
+            "greedy_tokens": own.chosen, "greedy_equal": own.chosen == ref.tokens})
     request = (manifest or {}).get("request") or {}
     vision = ((manifest or {}).get("image_text") or {}).get("components", {}).get("vision") or {}
     if request.get("layout") == "hf" and (manifest or {}).get("image_text", {}).get("model_type") in PER_ROW_IMAGES:
@@ -379,11 +403,21 @@ def render_sections(sections: dict) -> list[str]:
               f"{s['tolerance']:.3g} |" for s in sections.get("embedding", [])]
     lines += ["", "## End to end (vision -> embedding -> decoder)", "",
               "| prompt | steps | prefill max abs error | logit range | steps max abs error | mismatches | "
-              "near ties | greedy tokens equal |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "near ties | greedy tokens equal | steps mean KL (nats) | steps agreement (decisive) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {s['prompt']} | {s['steps']} | {s['prefill_max_abs_error']:.3g} | {s['logit_range']:.3g} | "
-              f"{s['steps_max_abs_error']:.3g} | {s['mismatches']} | {len(s['near_ties'])} | {s['greedy_equal']} |"
+              f"{s['steps_max_abs_error']:.3g} | {s['mismatches']} | {len(s['near_ties'])} | {s['greedy_equal']} | "
+              f"{_figure(s.get('steps_kl_mean'))} | {_figure(s.get('steps_agreement'))} "
+              f"({s.get('steps_decisive', '-')}) |"
               for s in sections.get("end_to_end", [])]
+    lines += ["", "Steps mean KL and agreement: the quality gate's figures on each prompt's teacher-forced steps "
+              "against transformers, reported, not judged (a few dozen positions; the quality gate judges text)."]
     return lines
+
+
+def _figure(value) -> str:
+    """A figure of the report as the markdown shows it (a report written before it was measured: '-')."""
+    return "-" if value is None else f"{float(value):.4g}"
 
 
 def component_weight_gates(export_dir: Path, manifest: dict, checkpoint, activations: str) -> list[GateResult]:

@@ -76,10 +76,11 @@ def open_reference(checkpoint: Path, ep: str = "cpu"):
 
 class WholeReference:
     """transformers' whole fp32 model, called as ``StreamedReference`` is (logits back on the CPU in fp32,
-    ``passes`` counted, ``close``)."""
+    ``passes`` counted, ``close``). ``model``: one already loaded (an image-text checkpoint's image-text model,
+    validation/image_text.py), in place of the causal LM ``load_reference`` loads."""
 
-    def __init__(self, checkpoint: Path, device: str = "cpu"):
-        self.model = load_reference(checkpoint).to(device)
+    def __init__(self, checkpoint: Path, device: str = "cpu", model=None):
+        self.model = (load_reference(checkpoint) if model is None else model).to(device)
         self.config, self.device, self.passes = self.model.config, device, 0
 
     @property
@@ -97,6 +98,10 @@ class WholeReference:
 
     def close(self) -> None:
         self.model = None
+        if str(self.device).startswith("cuda"):  # as StreamedReference: the device's next job gets the memory back
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def _stored_dtype(checkpoint: Path):
@@ -211,7 +216,12 @@ def cached_window_logits(cache_dir: Path | None, revision: str, chunks: list[lis
                          shared: SharedReferences | None = None) -> tuple[Path | None, list[np.ndarray] | None]:
     """The quality gate's reference: the logits of the checkpoint ``revision`` over each window of
     ``chunks`` (token ids), where they are kept, and the logits if they are there (locally, or in
-    ``shared``): every quantized dtype and variant of one checkpoint shares them."""
+    ``shared``): every quantized dtype and variant of one checkpoint shares them. An image-text checkpoint's
+    are its image-text model's on the text alone or its language model's as a causal LM (the streamed
+    reference of a language-model-alone export): one model on text ids, not two (Qwen3.5's M-RoPE is plain
+    rotary on text, Gemma 3's mask causal without images; the two classes give the same logits, within 1e-6 of the
+    range, tests/test_image_text_quality.py), so they share one key, and an activation measurement through either
+    is the quality reference of both exports."""
     if cache_dir is None:
         return None, None
     path = Path(cache_dir) / f"windows-{_cache_key(revision, 'windows', chunks, len(chunks))}.npz"

@@ -276,16 +276,28 @@ def validate_export(
         weights = pool.submit(_timed, weight_integrity, model_path, manifest, Checkpoint(ref_source.path), dtype,
                               activations, traced, elsewhere)
         if cfg.get("image_text"):  # vision -> embedding -> decoder against transformers' image-text model
-            from exporter.validation.image_text import component_weight_gates, image_text_gates
+            from exporter.validation.image_text import (
+                component_weight_gates, image_text_gates, load_image_text_reference,
+            )
 
             t0 = time.perf_counter()
+            model = load_image_text_reference(Path(ref_source.path))  # one load: the components and the quality gate
+            timings["reference_load"] = time.perf_counter() - t0
             runtime, components = image_text_gates(export_dir, Path(ref_source.path), ep, dtype, activations, steps,
-                                                   manifest=manifest)
+                                                   model=model, manifest=manifest)
             timings["image_text"] = time.perf_counter() - t0
+            quality = None
+            if dtype in QUANTIZED:  # the end-to-end figures only inform: the decoder is judged on text, as a text export
+                quality = _image_text_quality(export_dir, ep, dtype, activations, ref_source, cfg, model, runtime,
+                                              timings, quality_thresholds, reference_cache, shared_references)
+                if quality is not None and advise:
+                    _advise_quantization(runtime, quality, manifest, dtype, activations, ref_source, cfg,
+                                         quality_thresholds, reference_cache, shared_references, image_text=True)
+            del model
             (weight_results, _), timings["weights"] = weights.result()
             weight_results += component_weight_gates(export_dir, manifest, Checkpoint(ref_source.path), activations)
             return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates + weight_results + runtime,
-                                    timings, components=components)
+                                    timings, quality=quality, components=components)
         runtime: list[GateResult] = []
         # the export's own greedy tokens on a prompt, for the genai gate (None: it will not run)
         own: dict | None = {} if will_check_genai(manifest) else None
@@ -317,17 +329,30 @@ def validate_export(
     return ValidationReport(export_dir, variant, dtype, ep, str(reference), gates, timings, parity, quality, genai)
 
 
+# Why an image-text export's failed int4 verdict comes without advice.
+IMAGE_TEXT_NO_ADVICE = ("no other int4 recipe measured: the advice simulates recipes on the streamed reference of a "
+                        "text export, which an image-text checkpoint's model (vision tower, embedding, language model "
+                        "under its own prefix) is not for most families; try the recipes by hand (--quant-asymmetric, "
+                        "--quant-lm-head-bits 8, --dtype int8) or export for ep cpu with --quant-accuracy-level 0")
+
+
 def _advise_quantization(gates, quality, manifest, dtype, activations, ref_source, cfg, thresholds,
-                         reference_cache, shared) -> bool:
+                         reference_cache, shared, image_text: bool = False) -> bool:
     """An int4 export that fails its quality verdict on real text: measure which int4 recipe would pass
     on this model (validation/quant_advice.py) and say so in each failed check and the report.
     Nothing for an export that passed, one scored on byte tokens (no tokenizer) or whose reference
-    failed its own check (no verdict), or one whose codes came from a GPTQ / AWQ checkpoint."""
+    failed its own check (no verdict), or one whose codes came from a GPTQ / AWQ checkpoint. An
+    image-text export (``image_text``) is not advised: each failed check and the report say so and why."""
     verdicts = ("next-token agreement", "mean KL", "perplexity increase")
     failed = [g for g in gates if g.gate == "quality" and g.status == "fail" and g.check.startswith(verdicts)]
     unmeasured = any(g.gate == "quality" and "measurement check" in g.check and g.status == "fail" for g in gates)
     if (dtype != "int4" or not failed or unmeasured or quality.get("tokenizer") != "checkpoint" or not manifest.get("request")
             or (manifest.get("quantization") or {}).get("imported")):
+        return False
+    if image_text:
+        for gate in failed:
+            gate.message = f"{gate.message}; {IMAGE_TEXT_NO_ADVICE}" if gate.message else IMAGE_TEXT_NO_ADVICE
+        quality["advice"] = {"skipped": IMAGE_TEXT_NO_ADVICE}
         return False
     from exporter.request import DType, ExportRequest
     from exporter.validation import quant_advice, reference
@@ -687,11 +712,31 @@ def _session(make, ep, gate: str, gates: list):
         return None
 
 
+def _image_text_quality(export_dir, ep, dtype, activations, ref_source, cfg, model, gates, timings, thresholds,
+                        reference_cache, shared_references) -> dict | None:
+    """A quantized image-text export: the quality gate of a text export, on the same windows of real text, the
+    export run as its runtime runs a text prompt (ids -> embedding graph -> decoder on inputs_embeds, Qwen's
+    text-only M-RoPE positions: runtime/image_text.py), against transformers' image-text ``model`` (fp32, loaded
+    for the component gates) on the same ids, or the windows' logits kept for this checkpoint (an activation
+    measurement's, another dtype's)."""
+    from exporter.runtime.image_text import open_image_text
+    from exporter.validation.reference import WholeReference
+
+    return _quality(export_dir, ep, dtype, activations, ref_source, cfg,
+                    lambda d, e: open_image_text(d, e, **validation_session_options(dtype)).decoder, gates, timings,
+                    thresholds, reference_cache, shared_references, None, None, PARITY_STEPS,
+                    open_model=lambda: (WholeReference(Path(ref_source.path), "cpu", model), 0.0), image_text=True)
+
+
 def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates, timings, thresholds,
-             reference_cache, shared_references, own, prompt, steps, traced=False) -> dict | None:
+             reference_cache, shared_references, own, prompt, steps, traced=False, open_model=None,
+             image_text=False) -> dict | None:
     """Quantized exports: the quality gate (agreement, KL, perplexity) replaces exact parity. The
     reference's logits over the quality text come from the streamed reference (one pass over the
-    weights for every window of one length) and are kept per checkpoint and text, like parity's."""
+    weights for every window of one length) and are kept per checkpoint and text, like parity's.
+    ``open_model()``: (the reference, seconds it took) in place of the streamed reference; ``image_text``: the
+    export's decoder takes inputs_embeds (``factory`` drives it through its embedding graph), which the overflow
+    probe, feeding token ids, does not run."""
     from exporter.validation import reference
     from exporter.validation.gates.quality import WINDOW, export_logits, quality_gates, reference_logits, score, \
         text_tokens, windows
@@ -703,7 +748,8 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     cache_path, ref = reference.cached_window_logits(reference_cache, ref_source.revision, chunks, shared_references)
     timings["reference_cached"] = float(ref is not None)
     if ref is None:
-        model, timings["reference_load"] = _loaded(checkpoint, ep).pop()
+        model, seconds = open_model() if open_model else _loaded(checkpoint, ep).pop()
+        timings["reference_load"] = timings.get("reference_load", 0.0) + seconds
         try:
             ref = reference_logits(model, chunks)
             timings["reference_passes"] = float(model.passes)
@@ -727,18 +773,22 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     del lm  # the probe below makes a session of its own
     bad = [i for i, logits in enumerate(got) if not np.isfinite(logits).all()]
     if bad:
-        gates.append(_quantized_overflow_gate(dtype, activations, ep, bad, len(chunks),
-                                              _probe_overflow(export_dir, ep, chunks[bad[0]], timings)))
+        finding = None if image_text else _probe_overflow(export_dir, ep, chunks[bad[0]], timings)
+        gates.append(_quantized_overflow_gate(dtype, activations, ep, bad, len(chunks), finding, image_text))
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
 
 
-def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding) -> GateResult:
+def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding, image_text=False) -> GateResult:
     """A quantized export whose logits are not finite: where its activations overflow, and the
-    activation dtype that holds them."""
+    activation dtype that holds them (``image_text``: an image-text export, whose Qwen3.5 form is text alone in bf16)."""
     where = (f"{activations} activations overflow in {finding.overflow_at} (first non-finite value: {finding.op} "
              f"{finding.node})" if finding is not None and finding.overflow_at else "non-finite logits")
-    if activations == "fp16" and ep == "cuda":
+    if activations == "fp16" and ep == "cuda" and image_text:
+        advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; a "
+                  "Qwen3.5 checkpoint's is then its language model alone), or export for cpu, where quantized exports "
+                  "compute in fp32")
+    elif activations == "fp16" and ep == "cuda":
         advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; "
                   "the default where the checkpoint's measured activations come near fp16's largest value)")
     elif activations == "fp16":
