@@ -161,6 +161,20 @@ GEOMETRIES: dict[str, dict] = {
                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
     },
+    # DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite's config.json): 27 layers, the first dense; latent attention without
+    # a query latent (16 heads, kv latent 512, rotary key 64, no-rope 128, values 128); 64 experts of 1408 (6 a token,
+    # softmax, greedy), two shared: its MoE layers are small enough for a CPU comparison with a layer of experts in it.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "n_group": 1, "topk_group": 1, "topk_method": "greedy", "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+        "norm_topk_prob": False, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "hidden_act": "silu", "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    },
     # GLM-4.5-Air: transformers' Glm4MoeConfig defaults, which are its published sizes. 46 layers, the first dense;
     # 96 heads and 8 KV heads of 128, half of each rotated, biased q / k / v; 128 experts of 1408 (8 a token), a shared one.
     "glm-4.5-air": {
