@@ -266,14 +266,17 @@ def _rope_bytes(config: ModelConfig, request: ExportRequest, elem: int) -> int:
 def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_ep: EP | str | None = None,
                        checkpoint_bytes: int | None = None, download: bool = False, local_store: bool = False,
                        bench_contexts=(128, 512), bench_batches=(1,), reference_on_gpu: bool = False,
-                       reference_prefetch: bool | None = None) -> ResourceEstimate:
+                       reference_prefetch: bool | None = None,
+                       whole_reference_parameters: int | None = None) -> ResourceEstimate:
     """The job's peak host memory, GPU memory and disk, each term named.
 
     ``validate_ep``: where validation and the benchmark run (the farm's VALIDATE_EP), by default the
     request's EP. ``checkpoint_bytes``: the checkpoint's safetensors, counted on disk when it is
     downloaded (``download``); ``local_store``: the artifact store is a directory on the same disk.
     ``reference_on_gpu``: the streamed reference runs on the GPU (a CUDA build of torch), which then
-    reads the next layer ahead (``reference_prefetch``)."""
+    reads the next layer ahead (``reference_prefetch``). ``whole_reference_parameters``: an image-text export's
+    checkpoint, whose reference is transformers' whole image-text model in fp32 on the host (validation and the
+    activation measurement hold it whole, its tower included: validation/image_text.py), not a streamed layer."""
     geometry = Geometry.of(config)
     ep = EP(validate_ep) if validate_ep else request.ep
     dtype = request.dtype
@@ -290,6 +293,10 @@ def estimate_resources(config: ModelConfig, request: ExportRequest, *, validate_
     scoring = (2 * logits + 4 * QUALITY_WINDOW * config.vocab_size * 8) if dtype.quantized else 2 * logits
     reference = {"reference layer (fp32)": layer, "reference LM head blocks": head,
                  "reference activations": activations, "reference logits": 3 * logits}
+    if whole_reference_parameters:  # an image-text checkpoint: the whole fp32 model, on the host wherever torch runs
+        reference = {"reference (whole image-text model, fp32)": 4 * whole_reference_parameters,
+                     "reference activations": activations, "reference logits": 3 * logits}
+        reference_on_gpu = False
     if ep is EP.CPU:
         # The CPU EP makes fp32 copies of fp16 / bf16 weights (4 bytes a parameter) and repacks
         # quantized ones; a validation session of fp32 weights maps the file instead (no repacking).

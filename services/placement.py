@@ -98,6 +98,17 @@ def checkpoint_bytes(directory: Path) -> int:
     return sum((directory / name).stat().st_size for name in shard_names(directory))
 
 
+def checkpoint_parameters(directory: Path) -> int:
+    """The checkpoint's parameters, every tensor its safetensors headers list (an image-text checkpoint's tower
+    included)."""
+    import math
+
+    from exporter.packaging.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(Path(directory))
+    return sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
+
+
 def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource,
                  reference_on_gpu: bool = False, fetch_config: bool = False) -> ResourceEstimate | None:
     """The job's needs from its config.json: a local model's, or with ``fetch_config`` (a worker,
@@ -106,12 +117,13 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
 
     if traced_locally(source, request):
         return None  # the estimate is the geometry of hand-built architectures; a traced job is not sized here
-    if source.local:
+    if source.local:  # an image-text one is sized with its whole fp32 reference (estimate_resources)
         from exporter.graph.language_model import image_text_type
 
-        config = _model_config(str(source.directory), directory_signature(source.directory),
-                               bool(image_text_type(source.directory, request.activations)))
+        image_text = bool(image_text_type(source.directory, request.activations))
+        config = _model_config(str(source.directory), directory_signature(source.directory), image_text)
         stored = checkpoint_bytes(source.directory)
+        whole = checkpoint_parameters(source.directory) if image_text else None
     elif fetch_config and (config := _hub_config(source)) is not None:
         from exporter.resources import Geometry
 
@@ -121,7 +133,7 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
     return estimate_resources(
         config, request, validate_ep=settings.validate_ep, checkpoint_bytes=stored, download=not source.local,
         local_store=not settings.s3_endpoint_url, bench_contexts=settings.bench_contexts,
-        bench_batches=settings.bench_batches, reference_on_gpu=reference_on_gpu)
+        bench_batches=settings.bench_batches, reference_on_gpu=reference_on_gpu, whole_reference_parameters=whole)
 
 
 def _hub_config(source: ModelSource):

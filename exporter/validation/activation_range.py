@@ -113,7 +113,7 @@ def measure(checkpoint: Path, ep: str, chunks: list[list[int]], num_layers: int,
 
         from exporter.validation.image_text import language_model_module, open_image_text_reference
 
-        model = open_image_text_reference(Path(checkpoint), ep)
+        model = open_image_text_reference(Path(checkpoint))  # on the host, as validation holds it
         # a container of the two, named as a causal LM's modules are ("model.layers.3...", "lm_head"); the
         # image-text model itself is not changed
         watched = torch.nn.ModuleDict({"model": language_model_module(model.model),
