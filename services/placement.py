@@ -13,6 +13,7 @@ can, or fails it once with the figures: never an out-of-memory kill retried MAX_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -98,9 +99,11 @@ def checkpoint_bytes(directory: Path) -> int:
     return sum((directory / name).stat().st_size for name in shard_names(directory))
 
 
-def checkpoint_parameters(directory: Path) -> int:
+@functools.lru_cache(maxsize=256)
+def checkpoint_parameters(directory: str, signature: tuple) -> int:
     """The checkpoint's parameters, every tensor its safetensors headers list (an image-text checkpoint's tower
-    included)."""
+    included); read once per version of the directory (``signature``: services.sources.directory_signature), as its
+    config is, since the API sizes every request."""
     import math
 
     from exporter.packaging.checkpoint import Checkpoint
@@ -121,9 +124,10 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
         from exporter.graph.language_model import image_text_type
 
         image_text = bool(image_text_type(source.directory, request.activations))
-        config = _model_config(str(source.directory), directory_signature(source.directory), image_text)
+        signature = directory_signature(source.directory)
+        config = _model_config(str(source.directory), signature, image_text)
         stored = checkpoint_bytes(source.directory)
-        whole = checkpoint_parameters(source.directory) if image_text else None
+        whole = checkpoint_parameters(str(source.directory), signature) if image_text else None
     elif fetch_config and (config := _hub_config(source)) is not None:
         from exporter.resources import Geometry
 

@@ -70,9 +70,14 @@ def check_vision_checkpoint(checkpoint_dir: Path) -> VisionConfig:
     """The checkpoint's VisionConfig, refusing (ExportError) before any build what the graphs could not read: a
     setting load_vision_config refuses, modules it cannot find, or a deepstack merger config.json names and the
     checkpoint does not hold (or holds more of than config.json names)."""
+    return _prepare_checked(checkpoint_dir, ir.DataType.FLOAT)[0]
+
+
+def _prepare_checked(checkpoint_dir: Path, dtype: ir.DataType) -> tuple[VisionConfig, VisionFamily, Checkpoint]:
+    """``_prepare``, then check_vision_checkpoint's refusals on what it read (config and headers read once)."""
     from exporter.vision.qwen3_5 import deepstack_merger_prefix
 
-    cfg, family, checkpoint = _prepare(checkpoint_dir, ir.DataType.FLOAT)
+    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
     tower = family.module_names(checkpoint).tower
     if cfg.deepstack_layers or any(n.startswith(f"{tower}deepstack_merger_list.") for n in checkpoint.names()):
         mergers = len(cfg.deepstack_layers)
@@ -88,15 +93,14 @@ def check_vision_checkpoint(checkpoint_dir: Path) -> VisionConfig:
                    f"also holds {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
                 + ": is config.json from this checkpoint? (a checkpoint saved by transformers' Qwen3VL classes holds "
                   "deepstack_merger_list.0 .. D-1, D the length of deepstack_visual_indexes)")
-    return cfg
+    return cfg, family, checkpoint
 
 
 def build_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
     """``pixel_values`` [num_images, channels, image_size, image_size] fp32 -> ``image_features``
     [num_images * tokens_per_image, text hidden] in ``dtype``: what transformers' ``get_image_features``
     gives per image (the tower, then the family's projector), image after image. Weights stay lazy."""
-    check_vision_checkpoint(checkpoint_dir)
-    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
+    cfg, family, checkpoint = _prepare_checked(checkpoint_dir, dtype)
     names = family.module_names(checkpoint)
     b = GraphBuilder(checkpoint, dtype)
     if family.patch_sequence_tower is not None:
@@ -124,8 +128,7 @@ def build_crops_vision_graph(checkpoint_dir: Path, dtype: ir.DataType = ir.DataT
     (same initializer names); it takes the real crops alone, whole."""
     from exporter.vision import crops
 
-    check_vision_checkpoint(checkpoint_dir)
-    cfg, family, checkpoint = _prepare(checkpoint_dir, dtype)
+    cfg, family, checkpoint = _prepare_checked(checkpoint_dir, dtype)
     if cfg.model_type not in crops.CROPS_FAMILIES:
         raise ValueError(f"{cfg.model_type} takes no crops: build_vision_graph builds its vision graph")
     names = family.module_names(checkpoint)
