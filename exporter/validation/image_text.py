@@ -257,6 +257,7 @@ def crops_vision_encoder_gate(checkpoint: Path, model, vision_dtype: str, ep: st
 
     from exporter import contract
     from exporter.packaging.external_data import write_model_files
+    from exporter.runtime.device import cuda_provider
     from exporter.vision.graphs import build_crops_vision_graph
 
     graph = build_crops_vision_graph(checkpoint, ir.DataType[vision_dtype])
@@ -271,7 +272,7 @@ def crops_vision_encoder_gate(checkpoint: Path, model, vision_dtype: str, ep: st
         write_model_files(graph, Path(work), model_file=contract.VISION_FILE)
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        providers = ["CUDAExecutionProvider"] if ep == "cuda" else ["CPUExecutionProvider"]
+        providers = [cuda_provider()] if ep == "cuda" else ["CPUExecutionProvider"]  # the worker's bound GPU
         session = ort.InferenceSession(str(Path(work) / contract.VISION_FILE), options, providers=providers)
         got = session.run(None, {contract.PIXEL_VALUES: pixels, contract.PIXEL_ATTENTION_MASK: mask})[0]
         del session
