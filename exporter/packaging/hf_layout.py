@@ -39,6 +39,7 @@ from exporter.contract import (
     split_cache,
 )
 from exporter.errors import ExportError
+from exporter.graph.config import LATENT_TYPES
 from exporter.packaging.package import file_entry
 from exporter.packaging.source_files import checkpoint_file, side_file_names
 
@@ -212,7 +213,6 @@ TRANSFORMERSJS_REFUSES["nemotron_h"] = (
 # optimum sizes every past per head from config.json and runs neither (LATENT_OPTIMUM, SPLIT_CACHE_OPTIMUM).
 for _type in ("glm4_moe", "seed_oss", "exaone4", "ernie4_5_moe", "deepseek_v2", "glm4_moe_lite"):
     TRANSFORMERSJS_REFUSES[_type] = f"transformers.js 4.3 has no {_type} model (\"Unsupported model type\")"
-LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 LATENT_OPTIMUM = (
     "optimum's ORTModelForCausalLM sizes every empty past (batch, num_key_value_heads, 0, hidden_size / "
     "num_attention_heads) from config.json, where this export caches multi-head latent attention's latent as one KV "
