@@ -18,9 +18,7 @@ from pathlib import Path
 
 from exporter import contract
 from exporter.graph.build import IR_DTYPES, build_model
-from exporter.graph.language_model import (
-    TEXT_ONLY_BF16, TEXT_ONLY_MEASURED, check_image_text_request, image_text_type, language_model,
-)
+from exporter.graph.language_model import check_image_text_request, image_text_type, language_model
 from exporter.packaging.image_text import write_image_text_graphs
 from exporter.errors import ExportError, ValidationFailed
 from exporter.graph.fold import fold_model
@@ -80,8 +78,7 @@ def build_export(
     A quantized cuda export without chosen activations first measures the checkpoint's activations
     (``activation_range.choose_activations``: one pass of the streamed reference over the quality
     gate's text, whose logits are kept in ``reference_cache`` / ``shared_references`` for validation;
-    an image-text checkpoint's image-text model: where its activations do not fit fp16, its export computes in bf16,
-    a Qwen3.5 checkpoint's as its language model alone, as a bf16 request of it is).
+    an image-text checkpoint's image-text model: where its activations do not fit fp16, its export computes in bf16).
 
     Returns the manifest in memory (files, versions, op census, where every weight came from);
     nothing is written to ``out_dir / manifest.json``, so a directory without one is never mistaken
@@ -95,7 +92,7 @@ def build_export(
     progress.stage("build")
     # exportfarm's own graph where it has the architecture (or the request says so), else transformers' trace
     # an image-text checkpoint: three graphs (graph/language_model.py)
-    image_text = image_text_type(source.path, request.activations)
+    image_text = image_text_type(source.path)
     if image_text:
         check_image_text_request(request, source.path)
     builder = contract.BUILDER_HAND if image_text else resolve_builder(request, source.path)
@@ -103,10 +100,6 @@ def build_export(
     activations, chosen = _activations(request, source, traced, image_text, reference_cache, shared_references)
     if chosen["by"] == "measurement":
         timings["activation_range"] = time.perf_counter() - t0
-    # measured beyond fp16: a Qwen3.5 checkpoint's export is its language model alone in bf16, as a bf16 request's
-    measured_text_only = bool(image_text) and not image_text_type(source.path, activations)
-    if measured_text_only:
-        image_text = None
     if traced:
         built = trace_model(request, source, activations)
     else:
@@ -155,8 +148,6 @@ def build_export(
     if image_text:
         manifest.data["task"] = contract.IMAGE_TEXT_TASK
         manifest.data["image_text"] = components
-    elif image_text_type(source.path):  # an image-text checkpoint exported as its language model alone (bf16)
-        manifest.data["language_model_only"] = TEXT_ONLY_MEASURED if measured_text_only else TEXT_ONLY_BF16
     manifest.data["genai"] = genai.manifest_entry()
     if folded.quantization is not None:
         manifest.data["quantization"] = {
@@ -271,7 +262,7 @@ def export_model(
         source = resolve_source(request.model)
         timings = {"resolve": time.perf_counter() - t0}
         # what an image-text export cannot be yet: refused before any build
-        if image_text_type(source.path, request.activations):
+        if image_text_type(source.path):
             check_image_text_request(request, source.path)
             if validate:
                 from exporter.validation.image_text import check_image_text_validatable

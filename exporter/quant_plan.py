@@ -60,7 +60,7 @@ def plan_int8_layers(request: ExportRequest, work: Path, budget_bytes: int | Non
     source = Path(resolve_source(request.model).path)
     from exporter.graph.language_model import image_text_type
 
-    if image_text_type(source, request.activations):
+    if image_text_type(source):
         raise ExportError("quant-plan scores a text decoder's logits on text, and this image-text checkpoint exports as "
                           "vision, embedding and a decoder on inputs_embeds: choose int8_layers by hand for it, or "
                           "plan on a text checkpoint of its language model")

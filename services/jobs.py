@@ -70,10 +70,9 @@ def check_against_local_config(source: ModelSource, request: ExportRequest) -> N
     if traced_locally(source, request):
         check_traced_request(request)  # transformers' config is read by the trace itself, on the worker
     elif source.local:
-        if image_text_type(source.directory, request.activations):  # an image-text export's refusals, before queueing
+        if image_text_type(source.directory):  # an image-text export's refusals, before queueing
             check_image_text_request(request, source.directory)
-        config = _model_config(str(source.directory), directory_signature(source.directory),
-                               bool(image_text_type(source.directory, request.activations)))
+        config = _model_config(str(source.directory), directory_signature(source.directory))
         check_request_against_config(request, request.resolved_variant(), config)
 
 
@@ -84,11 +83,10 @@ def traced_locally(source: ModelSource, request: ExportRequest) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _model_config(directory: str, signature: tuple, image_text: bool = True):
+def _model_config(directory: str, signature: tuple):
     """config.json read through transformers, once per version of the directory (it is not cheap); an image-text
-    checkpoint's: its language model's (the decoder, which the request's limits and the estimate are about), where
-    ``image_text`` (the request exports it as one: image_text_type with its activations)."""
-    if image_text and image_text_type(Path(directory)):
+    checkpoint's: its language model's (the decoder, which the request's limits and the estimate are about)."""
+    if image_text_type(Path(directory)):
         return language_model(Path(directory)).config
     return load_model_config(Path(directory), ARCHITECTURES)
 

@@ -123,9 +123,9 @@ def job_estimate(settings: Settings, request: ExportRequest, source: ModelSource
     if source.local:  # an image-text one is sized with its whole fp32 reference (estimate_resources)
         from exporter.graph.language_model import image_text_type
 
-        image_text = bool(image_text_type(source.directory, request.activations))
+        image_text = bool(image_text_type(source.directory))
         signature = directory_signature(source.directory)
-        config = _model_config(str(source.directory), signature, image_text)
+        config = _model_config(str(source.directory), signature)
         stored = checkpoint_bytes(source.directory)
         whole = checkpoint_parameters(str(source.directory), signature) if image_text else None
     elif fetch_config and (config := _hub_config(source)) is not None:

@@ -372,15 +372,17 @@ def _worker_argv() -> list[str]:
     return [sys.executable, "-m", "services.cli", "worker", "--queues", "cpu", "--loglevel", "INFO"]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
-def test_an_image_text_job_is_sized_with_its_whole_fp32_reference_on_the_host(family, tmp_path):
+@pytest.mark.parametrize("family, language_model", [("gemma3", "gemma3_text"), ("qwen3_5", "qwen3_5_text")])
+def test_an_image_text_job_is_sized_with_its_whole_fp32_reference_on_the_host(family, language_model, tmp_path):
     """An image-text export's validation (and a quantized cuda request's activation measurement) holds transformers'
     whole image-text model in fp32 on the host, its tower included, not the streamed reference's one layer: the
     estimate counts 4 bytes for every parameter of the model transformers builds, on the host, also where torch
-    would run the streamed reference on the GPU; a text request of the same language model is not sized so."""
+    would run the streamed reference on the GPU, in every dtype (a bf16 Qwen3.5 request is its image-text export too);
+    a text checkpoint of its language model is not sized so."""
     import torch
     import transformers
 
+    from exporter.tiny_checkpoint import make_tiny_checkpoint
     from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
     from services.placement import job_estimate
     from services.sources import locate_model
@@ -392,13 +394,13 @@ def test_an_image_text_job_is_sized_with_its_whole_fp32_reference_on_the_host(fa
     settings = Settings(data_dir=tmp_path / "data", models_dir=models)
     source = locate_model(settings, "vlm")
     term = "reference (whole image-text model, fp32)"
-    for dtype, ep in (("fp32", "cpu"), ("int4", "cuda")):
+    for dtype, ep in (("fp32", "cpu"), ("bf16", "cuda"), ("int4", "cuda")):
         request = ExportRequest(model="vlm", dtype=dtype, ep=ep)
         estimate = job_estimate(settings, request, source, reference_on_gpu=ep == "cuda")
         host = estimate.terms["host"]  # the peak stage's terms: validation's, on a checkpoint this small
         assert host.get(term) == 4 * parameters, estimate.to_dict()
         assert estimate.host_bytes >= 4 * parameters and term not in estimate.terms["gpu"]
         assert "reference layer (fp32)" not in str(estimate.to_dict())
-    if family == "qwen3_5":  # bf16: its language model alone (TEXT_ONLY_BF16), sized with the streamed reference
-        text = job_estimate(settings, ExportRequest(model="vlm", dtype="bf16", ep="cuda"), source)
-        assert term not in str(text.to_dict()) and "reference layer (fp32)" in str(text.to_dict())
+    make_tiny_checkpoint(language_model, models / "text")
+    text = job_estimate(settings, ExportRequest(model="text", dtype="bf16", ep="cuda"), locate_model(settings, "text"))
+    assert term not in str(text.to_dict()) and "reference layer (fp32)" in str(text.to_dict())

@@ -1,7 +1,8 @@
 """bf16 image-text exports (issue 48): the runtime hands image features and embeddings from session to session as
 bfloat16 host arrays (exporter.runtime.session.run_declared; onnxruntime's numpy bridge has no bfloat16), exactly,
-through every path the decoder takes (host arrays, device buffers, the bench); and a bf16 export builds with its
-graphs in bf16 where the runtime and onnxruntime-genai expect it.
+through every path the decoder takes (host arrays, device buffers, the bench); and a bf16 export (gemma3's, and the
+Qwen3.5 hybrid's with its recurrent states) builds with its graphs in bf16 where the runtime and onnxruntime-genai
+expect it.
 
 onnxruntime's CPU EP has no bf16 MatMul, Add or Where, so a real bf16 export runs on CUDA only
 (benchmarks/vlm_cuda.py --dtypes bf16, and the last test here where CUDA is present). Here the plumbing runs on
@@ -13,6 +14,7 @@ reached it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import ml_dtypes
@@ -230,26 +232,52 @@ def test_the_bench_times_a_bf16_image_and_its_first_token(kind, tmp_path):
     assert result.image["tokens_per_image"] == {"fixed": 4, "padded": 36, "patch_sequence": 36}[kind]
 
 
-@pytest.fixture(scope="module")
-def bf16_export(tmp_path_factory):
-    """A tiny gemma3 exported in bf16 for cuda, not validated (onnxruntime's CPU EP cannot run its graphs)."""
+@dataclasses.dataclass(frozen=True)
+class Bf16Case:
+    """A tiny image-text checkpoint with its tokenizer and processor, exported in bf16 for cuda."""
+
+    model_type: str  # the image-text type, which its genai package names
+    checkpoint: str  # exporter.vision.tiny_checkpoint's name for it
+    max_seq_len: int  # validation's two-image prompt and its steps fit (where CUDA runs it), and the genai run's
+    image_prompt: str  # a one-image prompt in the placeholder genai's processor expands
+    vision_inputs: dict  # the vision graph's inputs and their types (pixels fp32, as every export takes them)
+    states: dict  # a hybrid's recurrent states: kind -> their type, as its decoder declares them
+
+
+BF16_CASES = [
+    # 640 positions: validation's two-image prompt of 2 x 256 image tokens and its steps (548)
+    Bf16Case("gemma3", "gemma3_genai", 640, "hello <start_of_image> the quick brown fox",
+             {contract.PIXEL_VALUES: "FLOAT"}, {}),
+    # 256: validation's two-image prompt and its steps take 66 positions, the genai run's 64 x 64 image 64 tokens. The
+    # convolution's state is in the model dtype, gated DeltaNet's in fp32 (GatedDeltaNet's state type: task.state_layout)
+    Bf16Case("qwen3_5", "qwen3_5_genai", 256, "hello <|vision_start|><|image_pad|><|vision_end|> the quick brown fox",
+             {contract.PIXEL_VALUES: "FLOAT", contract.IMAGE_GRID_THW: "INT64"},
+             {contract.CONV_STATE: "BFLOAT16", contract.RECURRENT_STATE: "FLOAT"}),
+]
+
+
+@pytest.fixture(scope="module", params=BF16_CASES, ids=lambda case: case.model_type)
+def bf16_export(request, tmp_path_factory):
+    """(the case, its checkpoint, its export in bf16 for cuda), not validated (onnxruntime's CPU EP cannot run its
+    graphs)."""
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
     from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
 
-    root = tmp_path_factory.mktemp("vlm-bf16")
-    source = make_tiny_vlm_checkpoint("gemma3_genai", root / "ckpt")  # with its tokenizer and processor
-    # 640 positions: validation's two-image prompt of 2 x 256 image tokens and its steps (548), where CUDA runs it
-    return source, export_model(ExportRequest(model=str(source), dtype="bf16", ep="cuda", max_seq_len=640),
-                                root / "out", validate=False)
+    case = request.param
+    root = tmp_path_factory.mktemp(f"vlm-bf16-{case.model_type}")
+    source = make_tiny_vlm_checkpoint(case.checkpoint, root / "ckpt")
+    return case, source, export_model(ExportRequest(model=str(source), dtype="bf16", ep="cuda",
+                                                    max_seq_len=case.max_seq_len), root / "out", validate=False)
 
 
 def test_a_bf16_export_writes_its_graphs_in_bf16_and_a_genai_package(bf16_export):
     """Pixels stay fp32 as every export takes them (image processors give fp32; the graph casts, as transformers
     does, and onnxruntime-genai converts its processor's pixels to the vision graph's declared type anyway); features,
-    embeddings, caches and logits are bf16. The genai package names the image-text type: genai passes OrtValues
-    between its sessions, whatever their element type."""
-    _, result = bf16_export
+    embeddings, caches and logits are bf16, a hybrid's recurrent states what its decoder keeps them in. The genai
+    package names the image-text type, and a hybrid's states: genai passes OrtValues between its sessions, whatever
+    their element type."""
+    case, _, result = bf16_export
 
     def types(file):
         graph = onnx.load(str(result.out_dir / file), load_external_data=False).graph
@@ -257,19 +285,25 @@ def test_a_bf16_export_writes_its_graphs_in_bf16_and_a_genai_package(bf16_export
 
     files = (contract.VISION_FILE, contract.EMBEDDING_FILE, contract.MODEL_FILE)
     vision, embedding, decoder = (types(f) for f in files)
-    assert vision == {contract.PIXEL_VALUES: "FLOAT", contract.IMAGE_FEATURES: "BFLOAT16"}
+    assert vision == {**case.vision_inputs, contract.IMAGE_FEATURES: "BFLOAT16"}
     assert embedding == {contract.INPUT_IDS: "INT64", contract.IMAGE_FEATURES: "BFLOAT16",
                          contract.INPUTS_EMBEDS: "BFLOAT16"}
     assert decoder[contract.INPUTS_EMBEDS] == decoder[contract.LOGITS] == "BFLOAT16"
     assert {t for name, t in decoder.items() if name.startswith(("past_key_values.", "present."))} == {"BFLOAT16"}
+    states = {kind: {t for name, t in decoder.items() if name.startswith((f"past_{kind}.", f"present_{kind}."))}
+              for kind in contract.STATE_KINDS}
+    assert {kind: found for kind, found in states.items() if found} == {k: {t} for k, t in case.states.items()}
     manifest = result.manifest.data
-    assert manifest["task"] == contract.IMAGE_TEXT_TASK and "language_model_only" not in manifest
+    assert manifest["task"] == contract.IMAGE_TEXT_TASK and manifest["image_text"]["model_type"] == case.model_type
     components = manifest["image_text"]["components"]
     assert {components[c]["dtype"] for c in (contract.VISION, contract.EMBEDDING)} == {"BFLOAT16"}
     genai = json.loads((result.out_dir / contract.GENAI_CONFIG_FILE).read_text())["model"]
-    assert manifest["genai"]["package"] is True and genai["type"] == "gemma3"
+    assert manifest["genai"]["package"] is True and genai["type"] == case.model_type
     assert [genai[c]["filename"] for c in ("vision", "embedding")] == [contract.VISION_FILE, contract.EMBEDDING_FILE]
     assert genai["decoder"]["inputs"]["inputs_embeds"] == contract.INPUTS_EMBEDS
+    for kind in case.states:  # without them genai feeds the decoder no state (tests/test_genai_vlm_qwen3_5.py)
+        assert genai["decoder"]["inputs"][f"past_{kind}_names"] == f"past_{kind}.%d"
+        assert genai["decoder"]["outputs"][f"present_{kind}_names"] == f"present_{kind}.%d"
     assert genai["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
 
 
@@ -278,7 +312,7 @@ def test_a_bf16_exports_vision_and_embedding_weights_are_the_checkpoints_in_bf16
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.validation.image_text import component_weight_gates
 
-    source, result = bf16_export
+    _, source, result = bf16_export
     gates = component_weight_gates(result.out_dir, result.manifest.data, Checkpoint(source), "bf16")
     assert len(gates) == 2 and all(g.passed for g in gates), [g.message for g in gates]
 
@@ -288,7 +322,7 @@ def test_a_bf16_hf_layout_is_refused_as_a_text_one_is(bf16_export, tmp_path):
     from exporter.pipeline import export_model
     from exporter.request import ExportRequest
 
-    source, _ = bf16_export
+    _, source, _ = bf16_export
     with pytest.raises(ExportError, match="transformers.js has no file name for bf16 weights"):
         export_model(ExportRequest(model=str(source), dtype="bf16", ep="cuda", layout="hf"), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
@@ -299,14 +333,14 @@ def test_a_bf16_export_validates_benches_and_runs_in_genai_on_cuda(bf16_export, 
     """On a CUDA machine: the pipeline's own validation of the bf16 export (its vision features and merged embeddings
     within FEATURE_TOLERANCE["bf16"] of transformers' fp32, end to end within the bf16 parity gates), the bench's image
     figures, and onnxruntime-genai's own processor and generator on the package (fp32 pixels, bf16 features, embeddings
-    and logits from session to session as OrtValues): its greedy tokens on an image prompt are the farm runtime's on
-    genai's own ids and pixels."""
+    and logits from session to session as OrtValues; a hybrid's recurrent states too): its greedy tokens on an image
+    prompt are the farm runtime's on genai's own ids and pixels (and image grid, where the vision graph takes one)."""
     from PIL import Image
 
     from exporter.validation.validate import validate_export
     from tests.genai_greedy import genai_multimodal_run, worst_of_range
 
-    source, result = bf16_export
+    case, source, result = bf16_export
     report = validate_export(result.out_dir, str(source), "cuda")
     assert report.passed, [(g.check, g.message) for g in report.failed]
     bench = run_bench(result.out_dir, "cuda", contexts=[16], steps=4, warmup=1, prefill_lengths=[8])
@@ -318,11 +352,12 @@ def test_a_bf16_export_validates_benches_and_runs_in_genai_on_cuda(bf16_export, 
     png = tmp_path / "image.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(png)
     genai = og.Model(str(result.out_dir))  # its genai_config.json: the cuda provider
-    inputs = genai.create_multimodal_processor()("hello <start_of_image> the quick brown fox",
-                                                 images=og.Images.open(str(png)))
+    inputs = genai.create_multimodal_processor()(case.image_prompt, images=og.Images.open(str(png)))
     ids, pixels = inputs["input_ids"].as_numpy(), inputs["pixel_values"].as_numpy()
     assert pixels.dtype == np.float32  # the vision graph's declared pixel type, which genai's processor feeds
+    grid = inputs[contract.IMAGE_GRID_THW].as_numpy() if contract.IMAGE_GRID_THW in case.vision_inputs else None
     tokens, logits = genai_multimodal_run(genai, inputs, 8)
-    ours = image_text_decode(open_image_text(result.out_dir, "cuda"), ids[0].tolist(), pixels, 8)
-    print(f"genai {tokens}, ours {ours.chosen}, logits {worst_of_range(logits, ours.logits[:8]):.2e} of the range")
+    ours = image_text_decode(open_image_text(result.out_dir, "cuda"), ids[0].tolist(), pixels, 8, image_grid_thw=grid)
+    print(f"{case.model_type}: genai {tokens}, ours {ours.chosen}, "
+          f"logits {worst_of_range(logits, ours.logits[:8]):.2e} of the range")
     assert tokens == ours.chosen

@@ -292,7 +292,7 @@ def build_model(request: ExportRequest, source: ResolvedSource, on_layer=None, r
     variant = request.resolved_variant()
     activations = activations or request.activations
     # An image-text checkpoint: the decoder is its language model, taking inputs_embeds (graph/language_model.py)
-    language = language_model(source.path) if image_text_type(source.path, activations) else None
+    language = language_model(source.path) if image_text_type(source.path) else None
     cfg = language.config if language else load_model_config(source.path, ARCHITECTURES)
     check_request_against_config(request, variant, cfg, activations)
     arch = language.architecture if language else ARCHITECTURES[cfg.architecture]

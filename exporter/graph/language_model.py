@@ -50,40 +50,24 @@ class LanguageModel:
 # so the farm layout's genai package is that type (tests/test_genai_vlm_qwen3_5.py), as genai's own builder makes a
 # Qwen3.5 decoder on inputs_embeds unless told otherwise. Until then the farm layout exported the language model alone
 # as genai's text type; genai runs the image-text package on a text prompt too (append_tokens included), with the
-# same tokens.
+# same tokens. A bf16 export of them is the image-text package too, as every family's (image_text_type says where it
+# was validated; the hf layout refuses bf16, as for a text export).
 IMAGE_TEXT_HYBRIDS = ("qwen3_5", "qwen3_5_moe")
 
 
-def image_text_type(checkpoint_dir: Path, activations=None) -> str | None:
+def image_text_type(checkpoint_dir: Path) -> str | None:
     """The model_type of an image-text checkpoint (config.json has a vision_config), None for a text one.
     gemma4's image-text checkpoints are not: the exporter takes their language model alone (LANGUAGE_MODEL_OF);
-    qwen3_5's are (IMAGE_TEXT_HYBRIDS), but for ``activations`` bf16 (the request's): a hybrid's tower and recurrent
-    decoder in bf16 are not validated on a GPU (six other families' bf16 image-text exports are:
-    benchmarks/results/h100/vlm_cuda_issue48_stop56.json), and their language model alone is what a bf16 export of them
-    always was, so that is kept, its manifest saying so (TEXT_ONLY_BF16)."""
+    Qwen3.5's are (IMAGE_TEXT_HYBRIDS), in every dtype: a tiny qwen3_5's bf16 image-text export, like qwen3_vl's and
+    qwen3_vl_moe's, passes the farm's gates on an H100 (benchmarks/results/h100/vlm_cuda_issue48_stop57.json; six other
+    families' in benchmarks/results/h100/vlm_cuda_issue48_stop56.json)."""
     raw = read_raw_config(Path(checkpoint_dir))
     model_type = raw.get("model_type")
     if not isinstance(raw.get("vision_config"), dict):
         return None
-    if model_type in IMAGE_TEXT_HYBRIDS and getattr(activations, "value", activations) == "bf16":
-        return None
     if model_type not in LANGUAGE_MODEL_OF or model_type in IMAGE_TEXT_HYBRIDS:
         return model_type
     return None
-
-
-# The manifest's word on a bf16 export of an IMAGE_TEXT_HYBRIDS checkpoint, which is its language model alone.
-TEXT_ONLY_BF16 = ("the language model alone (text prompts): a bf16 image-text export of a Qwen3.5 hybrid is not "
-                  "validated on a GPU yet (other families' are); export fp16 or fp32 for the image-text package "
-                  "(vision, embedding and this decoder on inputs_embeds)")
-
-
-# The manifest's word on a quantized cuda export of an IMAGE_TEXT_HYBRIDS checkpoint whose activations, measured, did
-# not fit fp16 (activation_range.choose_activations): bf16, so its language model alone, as TEXT_ONLY_BF16.
-TEXT_ONLY_MEASURED = ("the language model alone (text prompts): this checkpoint's activations, measured on real text "
-                      "(quantization.activations_chosen), do not fit fp16, so this quantized cuda export computes in "
-                      "bf16, and a bf16 image-text export of a Qwen3.5 hybrid is not validated on a GPU yet; export "
-                      "for ep cpu (fp32 activations) for the image-text package")
 
 
 # Qwen3-VL's "deepstack" (transformers' Qwen3VLTextModel._deepstack_process): feature maps from the vision layers in

@@ -64,7 +64,7 @@ def resolve_builder(request: ExportRequest, checkpoint_dir: Path) -> str:
     if request.builder == TRACED:
         return contract.BUILDER_TRACED
     # an image-text checkpoint's three graphs are hand-built (graph/language_model.py refuses what they cannot be)
-    if model_type in ARCHITECTURES or image_text_type(Path(checkpoint_dir), request.activations):
+    if model_type in ARCHITECTURES or image_text_type(Path(checkpoint_dir)):
         return contract.BUILDER_HAND
     if request.builder == HAND:
         raise ExportError(f"exportfarm has no hand-built architecture for model_type {model_type!r} (it has "

@@ -152,11 +152,9 @@ def choose_activations(request, source, num_layers: int, vocab_size: int, refere
     GPTQ / AWQ checkpoint's scales are in (other activations would round them), else measured.
 
     ``image_text``: the model_type of an image-text checkpoint whose image-text export is asked for, measured
-    through its image-text model (its language model's layers). Where its activations do not fit fp16 it gets bf16
-    as a bf16 request would: the image-text export in bf16, or the language model alone where a bf16 request of it
-    is that (``image_text_type``: a Qwen3.5 checkpoint, TEXT_ONLY_BF16)."""
+    through its image-text model (its language model's layers). Where its activations do not fit fp16 its image-text
+    export computes in bf16, as a bf16 request's does."""
     from exporter.errors import ExportError
-    from exporter.graph.language_model import image_text_type
     from exporter.packaging.checkpoint import Checkpoint
     from exporter.request import EP, DType
     from exporter.validation import reference
@@ -186,8 +184,6 @@ def choose_activations(request, source, num_layers: int, vocab_size: int, refere
             f"this model's activations reach {found.peak:.4g} ({found.where}) on real text, too close to fp16's "
             f"largest value ({FP16_MAX:g}) for fp16 activations, and {consumer} has no bf16 kernels for a quantized "
             f"export: export it for ep cpu (fp32 activations), or without {'the hf layout' if request.layout == 'hf' else 'compat'} (bf16)")
-    # an image-text export in bf16, or the language model alone where a bf16 export of the checkpoint is that
-    language_model_alone = not fits and bool(image_text) and not image_text_type(Path(source.path), DType.BF16)
     if not found.finite:
         why = "the fp32 reference itself produced non-finite values on the calibration text: bf16 (fp32's range)"
     elif fits:
@@ -196,9 +192,6 @@ def choose_activations(request, source, num_layers: int, vocab_size: int, refere
     else:
         why = (f"the largest activation on {found.tokens} tokens of text is {found.peak:.4g} ({found.where}): "
                f"within a factor {FP16_HEADROOM:g} of fp16's largest value ({FP16_MAX:g}) or beyond it, so bf16")
-    if language_model_alone:  # a Qwen3.5 checkpoint: bf16 is its language model alone (TEXT_ONLY_BF16)
-        why += ("; a bf16 image-text export of it is not validated yet, so the export is the language model alone "
-                "(text prompts); export for ep cpu (fp32 activations) for the image-text package")
     return dtype, {"by": "measurement", "why": why, **found.to_dict(),
                    **({"measured_on": "the image-text model's language model"} if image_text else {})}
 

@@ -774,21 +774,17 @@ def _quality(export_dir, ep, dtype, activations, ref_source, cfg, factory, gates
     bad = [i for i, logits in enumerate(got) if not np.isfinite(logits).all()]
     if bad:
         finding = None if image_text else _probe_overflow(export_dir, ep, chunks[bad[0]], timings)
-        gates.append(_quantized_overflow_gate(dtype, activations, ep, bad, len(chunks), finding, image_text))
+        gates.append(_quantized_overflow_gate(dtype, activations, ep, bad, len(chunks), finding))
     timings["quality"] = time.perf_counter() - t0
     return result.to_dict()
 
 
-def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding, image_text=False) -> GateResult:
+def _quantized_overflow_gate(dtype, activations, ep, bad, windows, finding) -> GateResult:
     """A quantized export whose logits are not finite: where its activations overflow, and the
-    activation dtype that holds them (``image_text``: an image-text export, whose Qwen3.5 form is text alone in bf16)."""
+    activation dtype that holds them."""
     where = (f"{activations} activations overflow in {finding.overflow_at} (first non-finite value: {finding.op} "
              f"{finding.node})" if finding is not None and finding.overflow_at else "non-finite logits")
-    if activations == "fp16" and ep == "cuda" and image_text:
-        advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; a "
-                  "Qwen3.5 checkpoint's is then its language model alone), or export for cpu, where quantized exports "
-                  "compute in fp32")
-    elif activations == "fp16" and ep == "cuda":
+    if activations == "fp16" and ep == "cuda":
         advice = ("compute in bf16, which has fp32's range: quant activations bf16 (CLI --quant-activations bf16; "
                   "the default where the checkpoint's measured activations come near fp16's largest value)")
     elif activations == "fp16":
