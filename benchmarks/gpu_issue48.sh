@@ -4,6 +4,10 @@
 # Phases:
 #   vlm GEOMETRY LAYERS   benchmarks/vlm_speed.py at a depth-truncated real geometry (qwen2.5-vl-7b, gemma-3-12b):
 #                         ours beside the genai builder's text decoder and mobius (VLM_ARGS: more options)
+#   check GEOMETRY LAYERS benchmarks/vlm_decode_check.py: the same geometry's ours and genai-builder packages (exported
+#                         by vlm_speed.py --export-only) decoded by genai and by decode_check.py's plain harness, with
+#                         the GPU kernels of each (CHECK_ARGS: more options); then which weight Transposes of the
+#                         builder's decoder onnxruntime leaves unfolded on cuda and cpu (benchmarks/folded_constants.py)
 #   parity                benchmarks/vlm_cuda.py: every tiny image-text family exported for cuda and put through the
 #                         farm's own validation on the GPU (CASES, DTYPES, VARIANTS: its --cases / --dtypes / --variants)
 # Results go to $OUT.
@@ -14,6 +18,13 @@ case "$phase" in
   vlm)
     MOBIUS_PATH=/tmp/mobius python3 benchmarks/vlm_speed.py --geometry "$2" --text-layers "$3" ${VLM_ARGS:-} \
       --out "$OUT/vlm_speed_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -60 ;;
+  check)
+    python3 benchmarks/vlm_speed.py --geometry "$2" --text-layers "$3" --peers genai --export-only \
+      --out "$OUT/vlm_speed_exports_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-400 | tail -8
+    python3 benchmarks/vlm_decode_check.py --geometry "$2" --text-layers "$3" ${CHECK_ARGS:-} \
+      --out "$OUT/vlm_decode_check_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -30
+    python3 benchmarks/folded_constants.py "/tmp/vlm-speed/$2-L$3-genai/model.onnx" --providers cuda cpu \
+      --out "$OUT/folded_constants_genai_$2.json" 2>&1 | cut -c1-600 | tail -4 ;;
   parity)
     python3 benchmarks/vlm_cuda.py --cases ${CASES:-gemma3 llava idefics3 smolvlm qwen2_5_vl qwen3_5 qwen3_vl qwen3_vl_moe mistral3} \
       --dtypes ${DTYPES:-fp16 bf16} --variants ${VARIANTS:-gqa} --out "$OUT/vlm_cuda.json" 2>&1 \
