@@ -23,7 +23,7 @@ case "$phase" in
       --out "$OUT/vlm_speed_exports_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-400 | tail -8
     python3 benchmarks/vlm_decode_check.py --geometry "$2" --text-layers "$3" ${CHECK_ARGS:-} \
       --out "$OUT/vlm_decode_check_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -30
-    python3 benchmarks/folded_constants.py "/tmp/vlm-speed/$2-L$3-genai/model.onnx" --providers cuda cpu \
+    python3 benchmarks/folded_constants.py "/tmp/vlm-speed/$2-L$3-genai/model.onnx" --providers cuda \
       --out "$OUT/folded_constants_genai_$2.json" 2>&1 | cut -c1-600 | tail -4 ;;
   parity)
     python3 benchmarks/vlm_cuda.py --cases ${CASES:-gemma3 llava idefics3 smolvlm qwen2_5_vl qwen3_5 qwen3_vl qwen3_vl_moe mistral3} \

@@ -42,16 +42,18 @@ def main() -> None:
         for dtype in args.dtypes:
             for variant in args.variants:
                 run = {"case": case, "dtype": dtype, "variant": variant}
+                out = args.work / f"{case}-{dtype}-{variant}"
                 try:
-                    out = export_model(ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant,
-                                                     max_seq_len=192), args.work / f"{case}-{dtype}-{variant}",
-                                       validate=True, overwrite=True).out_dir
-                    report = json.loads((out / "parity_report.json").read_text())
-                    run.update(status=report["status"], failed_gates=report["failed_gates"],
-                               components=report.get("components"))
+                    export_model(ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant,
+                                               max_seq_len=192), out, validate=True, overwrite=True)
                 except Exception as err:  # a failed validation raises with the report's verdict: keep what it says
                     run["error"] = f"{type(err).__name__}: {str(err)[:800]}"
                     traceback.print_exc(limit=2)
+                report_file = out / "parity_report.json"
+                if report_file.is_file():  # written whether validation passed or not: every figure kept
+                    report = json.loads(report_file.read_text())
+                    run.update(status=report["status"], failed_gates=report["failed_gates"],
+                               components=report.get("components"))
                 results["runs"].append(run)
                 print(json.dumps({k: v for k, v in run.items() if k != "components"}), flush=True)
                 args.out.write_text(json.dumps(results, indent=1) + "\n")
