@@ -1,0 +1,144 @@
+"""How far transformers' own image-text model moves from its fp32 run when it computes in bf16 or fp16, on the farm's
+validation prompts (issue 48): the yardstick for an export that fails the GPU gates in a reduced dtype. Where
+transformers' own run departs as far, the checkpoint (not the export) is what rounding moves.
+
+For each prompt of exporter/validation/image_text.py (one image, two images, text only: the same ids, pixels and grids
+validation builds), on this machine's CPU with torch:
+- prefill: the last position's logits of the bf16 / fp16 model against the fp32 model's, max abs error and its fraction
+  of the fp32 range (validation's tolerance for the export: 20% of the range);
+- teacher-forced steps: the fp32 run's greedy continuation fed back to every dtype, and the steps whose argmax differs
+  from fp32's, with fp32's top-2 gap there (validation calls a step decisive where that gap is not a near tie);
+- the experts chosen: for a model with a router (``mlp.gate``), the fraction of (layer, token) routings whose top-k set
+  differs from fp32's at prefill.
+
+    python benchmarks/reference_drift.py --case qwen3_5_moe_genai --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, help="exporter.vision.tiny_checkpoint's name of a tiny checkpoint")
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/reference-drift"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+
+    from exporter.validation.image_text import (
+        PROMPTS, _grid_kwargs, image_prompt, load_image_text_reference, random_images, validation_patches,
+    )
+    from exporter.vision.tiny_checkpoint import make_tiny_vlm_checkpoint
+
+    torch.set_num_threads(2)
+    checkpoint = make_tiny_vlm_checkpoint(args.case, args.work / args.case)
+    reference = load_image_text_reference(checkpoint)
+    config = reference.config
+    text = config.get_text_config()
+    vision = config.vision_config
+    image_token, vocab = config.image_token_id, text.vocab_size
+    merge = getattr(vision, "spatial_merge_size", None)
+    models = {"fp32": reference}
+    for name in args.dtypes:
+        models[name] = load_image_text_reference(checkpoint).to({"bf16": torch.bfloat16, "fp16": torch.float16}[name])
+
+    def routings(model, inputs, margins: list | None = None) -> list[np.ndarray]:
+        """Each router's top-k expert sets at prefill (sorted ids per token), in layer order; ``margins`` gets each
+        router's per-token gap between its k-th and (k+1)-th router logit (how far from choosing another expert)."""
+        chosen, hooks = [], []
+
+        def keep(module, _, out):
+            if not (isinstance(out, tuple) and len(out) == 3):
+                return
+            chosen.append(np.sort(out[2].reshape(-1, module.top_k).cpu().numpy(), axis=-1))
+            if margins is not None:
+                ranked = np.sort(out[0].float().cpu().numpy(), axis=-1)[:, ::-1]
+                margins.append(ranked[:, module.top_k - 1] - ranked[:, module.top_k])
+
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate") and hasattr(module, "top_k"):
+                hooks.append(module.register_forward_hook(keep))
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return chosen
+
+    result = {"benchmark": "reference_drift", "command": "python benchmarks/reference_drift.py " + " ".join(sys.argv[1:]),
+              "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.node(),
+              "torch": torch.__version__, "case": args.case, "model_type": config.model_type,
+              "how": __doc__.split("For each prompt", 1)[1].strip(), "prompts": {}}
+    for images, label in zip((1, 2, 0), PROMPTS):
+        grid = None
+        if images and merge:
+            patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+            pixels, grid = validation_patches(images, merge, patch_dim, seed=images)
+            tokens = [int(np.prod(g)) // merge ** 2 for g in grid]
+        elif images:
+            pixels = random_images(images, vision.image_size, seed=images)
+            tokens = config.mm_tokens_per_image
+        else:
+            pixels, tokens = None, 0
+        prompt = image_prompt(images, tokens, image_token, vocab, seed=images)
+        extra = {} if pixels is None else {"pixel_values": torch.from_numpy(pixels),
+                                           **_grid_kwargs(prompt, grid, image_token)}
+        with torch.no_grad():
+            out = reference.generate(input_ids=torch.tensor([prompt]), **extra, max_new_tokens=args.steps,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+        full = out[0].tolist()  # the prompt and fp32's greedy continuation, fed to every dtype (teacher-forced)
+        ids = torch.tensor([full[:-1]])
+        mask_ids = {} if grid is None else {"mm_token_type_ids": (ids == image_token).int()}
+        logits, experts, margins = {}, {}, []
+        for name, model in models.items():
+            dtype = next(model.parameters()).dtype
+            inputs = {"input_ids": ids, **{k: v for k, v in extra.items() if k != "mm_token_type_ids"}, **mask_ids}
+            if "pixel_values" in inputs:
+                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+            with torch.no_grad():
+                logits[name] = model(**inputs).logits[0, len(prompt) - 1:].float().numpy()
+            prompt_inputs = {**inputs, "input_ids": torch.tensor([prompt]),
+                             **({} if grid is None else {"mm_token_type_ids": (torch.tensor([prompt]) == image_token).int()})}
+            experts[name] = routings(model, prompt_inputs, margins if name == "fp32" else None)
+        fp32 = logits["fp32"]
+        top2 = np.sort(fp32, axis=-1)[:, -2:]
+        gaps = top2[:, 1] - top2[:, 0]
+        span = float(np.ptp(fp32[0]))
+        entry = {"prompt_tokens": len(prompt), "fp32_prefill_range": span}
+        if margins:  # the fp32 router logits' top-k boundary, smallest over tokens, per layer; and the last token's
+            entry["fp32_router_margin_min_per_layer"] = [round(float(m.min()), 4) for m in margins]
+            entry["fp32_router_margin_last_token_per_layer"] = [round(float(m[-1]), 4) for m in margins]
+        for name in args.dtypes:
+            got = logits[name]
+            differing = [int(i) for i in np.nonzero(got.argmax(-1) != fp32.argmax(-1))[0]]
+            routed = experts["fp32"]
+            flips = (sum(int((a != b).any(axis=-1).sum()) for a, b in zip(routed, experts[name])) /
+                     max(1, sum(len(a) for a in routed))) if routed else None
+            entry[name] = {"prefill_max_abs_error": float(np.abs(got[0] - fp32[0]).max()),
+                           "prefill_error_of_range": float(np.abs(got[0] - fp32[0]).max() / span),
+                           "steps_differing": differing, "fp32_gaps_there": [round(float(gaps[i]), 3) for i in differing],
+                           "routing_sets_changed": flips}
+        result["prompts"][label] = entry
+        print(label, json.dumps(entry), flush=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
