@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 TOLERANCE = 0.03
+PROFILED_STEPS = 16  # decode steps under the profiler, after the timed ones, where ``kernels`` asks for them
 _NUMPY = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
           "tensor(int32)": np.int32}
 _ONNX_BF16 = 16
@@ -60,9 +61,17 @@ def measure(model_dir: Path, *, graph: bool, buffer: int, ctx: int, steps: int =
     # genai's builder makes sliding-window layers' caches ring buffers of the window (GQA sliding_window_cache=1,
     # its dim "past_sliding_length"): bound at that capacity, the tokens kept below it (no wrap)
     window = (decoder.get("sliding_window") or {}).get("window_size")
-    if any("sliding" in str(inputs[n].shape[2]) for n in caches) and ctx + warmup + steps + 16 >= window:
-        raise ValueError(f"{graph_file}: its sliding-window caches hold {window} positions; measure a context "
-                         f"below {window - warmup - steps - 16}")
+    positions = ctx + warmup + steps + (PROFILED_STEPS if kernels is not None else 0)  # the cache positions written
+    if positions > buffer:
+        raise ValueError(f"{positions} positions (context {ctx}, {warmup} + {steps} steps and the profiled ones) do not "
+                         f"fit a cache buffer of {buffer}: pass a larger buffer")
+    if any("sliding" in str(inputs[n].shape[2]) for n in caches):
+        if window is None:
+            raise ValueError(f"{graph_file} has sliding-window caches and its genai_config.json no "
+                             "decoder.sliding_window.window_size to size them")
+        if positions >= window:
+            raise ValueError(f"{graph_file}: its sliding-window caches hold {window} positions; measure a context "
+                             f"below {window - (positions - ctx)}")
 
     def shape_of(name: str) -> list[int]:
         dims = list(inputs[name].shape)
@@ -102,7 +111,12 @@ def measure(model_dir: Path, *, graph: bool, buffer: int, ctx: int, steps: int =
 
     def feeds(tokens: np.ndarray, past: int, mask_width: int) -> dict[str, np.ndarray]:
         n = tokens.shape[1]
-        out = {"input_ids": tokens.astype(np.int64)} if embeds is None else {"inputs_embeds": rows(n)}
+        token = {"input_ids": tokens.astype(np.int64)} if embeds is None else {"inputs_embeds": rows(n)}
+        return {**token, **where_in_cache(past, n, mask_width)}
+
+    def where_in_cache(past: int, n: int, mask_width: int) -> dict[str, np.ndarray]:
+        """The inputs that place ``n`` new tokens after ``past`` cached ones (the token inputs aside)."""
+        out = {}
         if static:
             out["position_ids"] = np.arange(past, past + n, dtype=np.int64)[None]
             out["write_indices"] = np.array([past], np.int64)
@@ -143,10 +157,10 @@ def measure(model_dir: Path, *, graph: bool, buffer: int, ctx: int, steps: int =
 
     def step(i: int) -> None:
         start = time.perf_counter()
-        for name, array in feeds(token, ctx + i, buffer).items():
+        for name, array in where_in_cache(ctx + i, 1, buffer).items():  # the same token at every step
             if name == "attention_mask" and not graph:  # genai without a graph: the mask grows
-                binding.bind_ortvalue_input(name, device(feeds(token, ctx + i, ctx + i + 1)[name]))
-            elif name not in ("input_ids", "inputs_embeds"):  # the same token at every step
+                binding.bind_ortvalue_input(name, device(where_in_cache(ctx + i, 1, ctx + i + 1)[name]))
+            else:
                 fixed[name].update_inplace(array)
         session.run_with_iobinding(binding, run_options)
         if i >= warmup:
@@ -155,17 +169,16 @@ def measure(model_dir: Path, *, graph: bool, buffer: int, ctx: int, steps: int =
     for i in range(warmup + steps):
         step(i)
     if kernels is not None:  # more steps, under the profiler (their times are not kept: the profiler slows them)
-        profiled = min(steps, 16)
         kept = list(times)
-        kernels.update(gpu_kernels(lambda: [step(warmup + steps + i) for i in range(profiled)], profiled))
+        kernels.update(gpu_kernels(lambda: [step(warmup + steps + i) for i in range(PROFILED_STEPS)], PROFILED_STEPS))
         times[:] = kept
     return float(np.median(times))
 
 
 def gpu_kernels(run, steps: int, top: int = 12) -> dict:
     """The GPU work of ``run()`` (``steps`` decode steps) as CUPTI recorded it through torch's profiler: kernels,
-    copies and sets summed by name, per step in microseconds (the ``top`` largest named, the rest summed), and the
-    count of kernels a step."""
+    copies and sets summed by name (cut to 160 characters), per step in microseconds (the ``top`` largest named, the
+    rest summed), and the count of kernels a step."""
     import tempfile
 
     import torch

@@ -7,7 +7,7 @@
 #   check GEOMETRY LAYERS benchmarks/vlm_decode_check.py: the same geometry's ours and genai-builder packages (exported
 #                         by vlm_speed.py --export-only) decoded by genai and by decode_check.py's plain harness, with
 #                         the GPU kernels of each (CHECK_ARGS: more options); then which weight Transposes of the
-#                         builder's decoder onnxruntime leaves unfolded on cuda and cpu (benchmarks/folded_constants.py)
+#                         builder's decoder onnxruntime leaves unfolded on cuda (benchmarks/folded_constants.py)
 #   parity                benchmarks/vlm_cuda.py: every tiny image-text family exported for cuda and put through the
 #                         farm's own validation on the GPU (CASES, DTYPES, VARIANTS: its --cases / --dtypes / --variants)
 # Results go to $OUT.

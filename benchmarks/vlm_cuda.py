@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -43,6 +44,7 @@ def main() -> None:
             for variant in args.variants:
                 run = {"case": case, "dtype": dtype, "variant": variant}
                 out = args.work / f"{case}-{dtype}-{variant}"
+                shutil.rmtree(out, ignore_errors=True)  # a report left by an earlier run is not this run's
                 try:
                     export_model(ExportRequest(model=str(source), dtype=dtype, ep="cuda", variant=variant,
                                                max_seq_len=192), out, validate=True, overwrite=True)

@@ -50,7 +50,9 @@ def genai_decode(package: "vlm_speed.Package", ids: list[int], steps: int, profi
         times.append((time.perf_counter() - start) * 1000.0)
     out = {"ms_per_token": float(np.median(times[4:])), "steps": steps}
     if profile:
-        out["kernels"] = decode_check.gpu_kernels(lambda: [generator.generate_next_token() for _ in range(16)], 16)
+        profiled = decode_check.PROFILED_STEPS
+        out["kernels"] = decode_check.gpu_kernels(lambda: [generator.generate_next_token() for _ in range(profiled)],
+                                                  profiled)
     del generator
     return out
 
@@ -62,12 +64,12 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--buffer", type=int, default=0, help="plain harness cache positions (default: ctx + 512)")
+    parser.add_argument("--buffer", type=int, default=0,
+                        help="plain harness cache positions (default: the prompt's tokens + 512)")
     parser.add_argument("--ep", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlm-speed"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    buffer = args.buffer or args.ctx + 512
 
     import onnxruntime as ort
 
@@ -83,9 +85,11 @@ def main() -> int:
     profile = args.ep == "cuda"
     result = {"benchmark": "vlm_decode_check", "command": "python benchmarks/vlm_decode_check.py " + " ".join(sys.argv[1:]),
               "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.node(),
-              "geometry": args.geometry, "text_layers": args.text_layers, "ctx": args.ctx, "buffer": buffer,
+              "geometry": args.geometry, "text_layers": args.text_layers, "ctx": args.ctx,
               "how": __doc__.split("times their decoders again:", 1)[1].strip(), "packages": {}}
     ids = vlm_speed.text_prompt(checkpoint, args.ctx)
+    buffer = args.buffer or len(ids) + 512
+    result.update(prompt_tokens=len(ids), buffer=buffer)
     for short, folder in folders.items():
         config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
         entry = result["packages"][labels[short]] = {

@@ -235,3 +235,25 @@ def test_cli_refuses_a_directory_that_is_not_an_export(measured, tmp_path, capsy
     (tmp_path / "manifest.json").write_text("{not json")
     assert main(["diff", str(tmp_path), str(tmp_path)]) == 2
     assert "manifest.json is not valid JSON" in capsys.readouterr().err
+
+
+def test_a_language_model_alone_against_an_image_text_package_is_shown_not_judged(measured, tmp_path):
+    """A bf16 Qwen3.5 export made before stop 57 was its language model alone (manifest language_model_only); its
+    re-export is the image-text package: other graphs, so node count and I/O changes are shown, not regressions."""
+    old = _copy(measured("attn_static"), tmp_path / "alone")
+    new = _copy(old, tmp_path / "image-text")
+    _edit(old / "manifest.json", lambda m: m.update(language_model_only="the language model alone (text prompts)"))
+    nodes = json.loads((old / "manifest.json").read_text())["node_count"]
+
+    def image_text(manifest):
+        manifest["task"] = "image-text-to-text"
+        manifest["op_census"]["Identity"] = nodes
+        manifest["node_count"] += nodes
+
+    _edit(new / "manifest.json", image_text)
+    diff = diff_exports(ExportArtifacts.from_dir(old), ExportArtifacts.from_dir(new))
+    assert not diff.comparable and diff.regressions == [] and not diff.node_count["flagged"]
+    assert diff.not_comparable == ["task differs (its language model alone -> image-text-to-text)"]
+    plain = _copy(measured("attn_static"), tmp_path / "plain")  # a text export's manifest has no task: text generation
+    diff = diff_exports(ExportArtifacts.from_dir(plain), ExportArtifacts.from_dir(new))
+    assert diff.not_comparable == ["task differs (text generation -> image-text-to-text)"]

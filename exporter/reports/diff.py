@@ -10,7 +10,7 @@ What counts as a regression (``Thresholds``; ``None`` switches a check off):
   yardstick (transformers on the checkpoint's weights): a validation gate failing in the new
   export that did not fail in the old one, and more decisive token mismatches than before;
 - performance and structure, judged only when the two exports are *comparable* (same variant,
-  dtype and execution provider; latency also needs both benchmarks run on the same EP): decode
+  dtype, execution provider and task: a text export, an image-text package; latency also needs both benchmarks run on the same EP): decode
   ms/token up by more than ``latency_pct`` at any context measured by both, node count up by more
   than ``node_count_pct``, weight bytes up by more than ``size_pct`` (same variant and dtype, the
   weights should not grow: a growth means e.g. a tied table stored twice), and any change of the
@@ -100,7 +100,7 @@ class ExportArtifacts:
 class ExportDiff:
     old: dict  # identity: label, export_id, variant, dtype, ep, onnxruntime, created_at, status, checkpoint
     new: dict
-    comparable: bool  # same variant, dtype and ep: performance/structure changes are judged
+    comparable: bool  # same variant, dtype, ep and task: performance/structure changes are judged
     not_comparable: list[str]  # why not (empty when comparable)
     op_census: dict[str, dict]  # op -> {old, new, delta}; changed ops only
     node_count: dict  # {old, new, delta, pct, flagged}
@@ -261,6 +261,12 @@ def diff_exports(old: ExportArtifacts, new: ExportArtifacts, thresholds: Thresho
     notes: list[str] = []
 
     not_comparable = [f"{k} differs ({ido[k]} -> {idn[k]})" for k in ("variant", "dtype", "ep") if ido[k] != idn[k]]
+    # an image-text checkpoint once exported as its language model alone (a bf16 Qwen3.5 before stop 57, its manifest's
+    # language_model_only) and now as the image-text package: other graphs, not a regression of the same one
+    tasks = [m.get("task") or ("its language model alone" if m.get("language_model_only") else "text generation")
+             for m in (mo, mn)]
+    if tasks[0] != tasks[1]:
+        not_comparable.append(f"task differs ({tasks[0]} -> {tasks[1]})")
     comparable = not not_comparable
     if not comparable:
         notes.append("not comparable for regression: " + ", ".join(not_comparable)
