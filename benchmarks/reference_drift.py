@@ -9,7 +9,10 @@ validation builds), on this machine's CPU with torch:
 - teacher-forced steps: the fp32 run's greedy continuation fed back to every dtype, and the steps whose argmax differs
   from fp32's, with fp32's top-2 gap there (validation calls a step decisive where that gap is not a near tie);
 - the experts chosen: for a model with a router (``mlp.gate``), the fraction of (layer, token) routings whose top-k set
-  differs from fp32's at prefill.
+  differs from fp32's at prefill, each router's smallest top-k margin (the gap between a token's k-th and (k+1)-th
+  router logit), and what one flipped choice does: the fp32 model run again with one (layer, token)'s k-th expert
+  replaced by its (k+1)-th (weights renormalized over the new pair), the last position's logits against the unflipped
+  run, for every (layer, token) of the prompt.
 
     python benchmarks/reference_drift.py --case qwen3_5_moe_genai --out r.json
 """
@@ -81,6 +84,41 @@ def main() -> int:
                 hook.remove()
         return chosen
 
+    def one_flip_moves(model, inputs, last: int) -> list[dict]:
+        """For every (router, token): swap the token's k-th expert for its (k+1)-th and rerun; how far the logits at
+        position ``last`` move (max abs), beside that routing's fp32 margin. Sorted by margin."""
+        routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+        with torch.no_grad():
+            base = model(**inputs).logits[0, last].float().numpy()
+        rows = []
+        for layer, router in enumerate(routers):
+            seen = {}
+            hook = router.register_forward_hook(lambda m, i, out: seen.update(logits=out[0].detach().float()))
+            with torch.no_grad():
+                model(**inputs)
+            hook.remove()
+            ranked = torch.sort(seen["logits"], dim=-1, descending=True)
+            k, plain = router.top_k, router.forward
+            for token in range(ranked.values.shape[0]):
+                def flipped(hidden, token=token):
+                    logits, scores, chosen = plain(hidden)
+                    chosen, scores = chosen.clone(), scores.clone()
+                    chosen[token, k - 1] = ranked.indices[token, k]
+                    kept = torch.softmax(logits.float(), -1)[token, chosen[token]]
+                    scores[token] = (kept / kept.sum()).to(scores.dtype)
+                    return logits, scores, chosen
+
+                router.forward = flipped
+                try:
+                    with torch.no_grad():
+                        moved = model(**inputs).logits[0, last].float().numpy()
+                finally:
+                    router.forward = plain
+                rows.append({"layer": layer, "token": token,
+                             "margin": round(float(ranked.values[token, k - 1] - ranked.values[token, k]), 4),
+                             "last_logits_move": round(float(np.abs(moved - base).max()), 4)})
+        return sorted(rows, key=lambda row: row["margin"])
+
     result = {"benchmark": "reference_drift", "command": "python benchmarks/reference_drift.py " + " ".join(sys.argv[1:]),
               "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.node(),
               "torch": torch.__version__, "case": args.case, "model_type": config.model_type,
@@ -121,6 +159,10 @@ def main() -> int:
         gaps = top2[:, 1] - top2[:, 0]
         span = float(np.ptp(fp32[0]))
         entry = {"prompt_tokens": len(prompt), "fp32_prefill_range": span}
+        if margins:  # what one flipped expert choice does to the prompt's last logits, smallest margins first
+            flips = one_flip_moves(reference, {"input_ids": torch.tensor([prompt]), **extra}, len(prompt) - 1)
+            entry["one_flip_smallest_margins"] = flips[:4]
+            entry["one_flip_largest_move"] = max(flips, key=lambda row: row["last_logits_move"])
         if margins:  # the fp32 router logits' top-k boundary, smallest over tokens, per layer; and the last token's
             entry["fp32_router_margin_min_per_layer"] = [round(float(m.min()), 4) for m in margins]
             entry["fp32_router_margin_last_token_per_layer"] = [round(float(m[-1]), 4) for m in margins]
