@@ -60,44 +60,33 @@ def main() -> int:
     for name in args.dtypes:
         models[name] = load_image_text_reference(checkpoint).to({"bf16": torch.bfloat16, "fp16": torch.float16}[name])
 
-    def routings(model, inputs, margins: list | None = None) -> list[np.ndarray]:
-        """Each router's top-k expert sets at prefill (sorted ids per token), in layer order; ``margins`` gets each
-        router's per-token gap between its k-th and (k+1)-th router logit (how far from choosing another expert)."""
-        chosen, hooks = [], []
+    def routers(model) -> list:
+        """The model's top-k routers (``mlp.gate``), in layer order."""
+        return [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
 
-        def keep(module, _, out):
-            if not (isinstance(out, tuple) and len(out) == 3):
-                return
-            chosen.append(np.sort(out[2].reshape(-1, module.top_k).cpu().numpy(), axis=-1))
-            if margins is not None:
-                ranked = np.sort(out[0].float().cpu().numpy(), axis=-1)[:, ::-1]
-                margins.append(ranked[:, module.top_k - 1] - ranked[:, module.top_k])
-
-        for name, module in model.named_modules():
-            if name.endswith("mlp.gate") and hasattr(module, "top_k"):
-                hooks.append(module.register_forward_hook(keep))
+    def route(model, inputs) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """One pass: each router's (top-k expert sets, sorted ids per token; its router logits, fp32)."""
+        seen, hooks = [], []
+        for router in routers(model):
+            hooks.append(router.register_forward_hook(lambda m, _, out: seen.append(
+                (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float()))))
         try:
             with torch.no_grad():
                 model(**inputs)
         finally:
             for hook in hooks:
                 hook.remove()
-        return chosen
+        return seen
 
-    def one_flip_moves(model, inputs, last: int) -> list[dict]:
-        """For every (router, token): swap the token's k-th expert for its (k+1)-th and rerun; how far the logits at
-        position ``last`` move (max abs), beside that routing's fp32 margin. Sorted by margin."""
-        routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    def one_flip_moves(model, inputs, last: int, router_logits: list[torch.Tensor]) -> list[dict]:
+        """For every (router, token): swap the token's k-th expert for its (k+1)-th (``router_logits``: each router's
+        on these inputs) and rerun; how far the logits at position ``last`` move (max abs), beside that routing's
+        margin. Sorted by margin."""
         with torch.no_grad():
             base = model(**inputs).logits[0, last].float().numpy()
         rows = []
-        for layer, router in enumerate(routers):
-            seen = {}
-            hook = router.register_forward_hook(lambda m, i, out: seen.update(logits=out[0].detach().float()))
-            with torch.no_grad():
-                model(**inputs)
-            hook.remove()
-            ranked = torch.sort(seen["logits"], dim=-1, descending=True)
+        for layer, (router, logits_seen) in enumerate(zip(routers(model), router_logits)):
+            ranked = torch.sort(logits_seen, dim=-1, descending=True)
             k, plain = router.top_k, router.forward
             for token in range(ranked.values.shape[0]):
                 def flipped(hidden, token=token):
@@ -119,6 +108,15 @@ def main() -> int:
                              "last_logits_move": round(float(np.abs(moved - base).max()), 4)})
         return sorted(rows, key=lambda row: row["margin"])
 
+    def feed(model, ids: list[int], pixels: np.ndarray | None, grid: np.ndarray | None) -> dict:
+        """The model's inputs for ``ids``: the pixels in its dtype, a patch-sequence model's grids and image-token
+        map (validation's own _grid_kwargs)."""
+        if pixels is None:
+            return {"input_ids": torch.tensor([ids])}
+        return {"input_ids": torch.tensor([ids]),
+                "pixel_values": torch.from_numpy(pixels).to(next(model.parameters()).dtype),
+                **_grid_kwargs(ids, grid, image_token)}
+
     result = {"benchmark": "reference_drift", "command": "python benchmarks/reference_drift.py " + " ".join(sys.argv[1:]),
               "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.node(),
               "torch": torch.__version__, "case": args.case, "model_type": config.model_type,
@@ -135,42 +133,38 @@ def main() -> int:
         else:
             pixels, tokens = None, 0
         prompt = image_prompt(images, tokens, image_token, vocab, seed=images)
-        extra = {} if pixels is None else {"pixel_values": torch.from_numpy(pixels),
-                                           **_grid_kwargs(prompt, grid, image_token)}
         with torch.no_grad():
-            out = reference.generate(input_ids=torch.tensor([prompt]), **extra, max_new_tokens=args.steps,
+            out = reference.generate(**feed(reference, prompt, pixels, grid), max_new_tokens=args.steps,
                                      do_sample=False, eos_token_id=None, pad_token_id=0)
         full = out[0].tolist()  # the prompt and fp32's greedy continuation, fed to every dtype (teacher-forced)
-        ids = torch.tensor([full[:-1]])
-        mask_ids = {} if grid is None else {"mm_token_type_ids": (ids == image_token).int()}
-        logits, experts, margins = {}, {}, []
+        logits, experts = {}, {}
         for name, model in models.items():
-            dtype = next(model.parameters()).dtype
-            inputs = {"input_ids": ids, **{k: v for k, v in extra.items() if k != "mm_token_type_ids"}, **mask_ids}
-            if "pixel_values" in inputs:
-                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
             with torch.no_grad():
-                logits[name] = model(**inputs).logits[0, len(prompt) - 1:].float().numpy()
-            prompt_inputs = {**inputs, "input_ids": torch.tensor([prompt]),
-                             **({} if grid is None else {"mm_token_type_ids": (torch.tensor([prompt]) == image_token).int()})}
-            experts[name] = routings(model, prompt_inputs, margins if name == "fp32" else None)
+                logits[name] = model(**feed(model, full[:-1], pixels, grid)).logits[0, len(prompt) - 1:].float().numpy()
+            experts[name] = route(model, feed(model, prompt, pixels, grid))
         fp32 = logits["fp32"]
         top2 = np.sort(fp32, axis=-1)[:, -2:]
         gaps = top2[:, 1] - top2[:, 0]
         span = float(np.ptp(fp32[0]))
         entry = {"prompt_tokens": len(prompt), "fp32_prefill_range": span}
-        if margins:  # what one flipped expert choice does to the prompt's last logits, smallest margins first
-            flips = one_flip_moves(reference, {"input_ids": torch.tensor([prompt]), **extra}, len(prompt) - 1)
+        if experts["fp32"]:  # what one flipped expert choice does to the prompt's last logits, smallest margins first
+            router_logits = [seen for _, seen in experts["fp32"]]
+            flips = one_flip_moves(reference, feed(reference, prompt, pixels, grid), len(prompt) - 1, router_logits)
             entry["one_flip_smallest_margins"] = flips[:4]
             entry["one_flip_largest_move"] = max(flips, key=lambda row: row["last_logits_move"])
-        if margins:  # the fp32 router logits' top-k boundary, smallest over tokens, per layer; and the last token's
-            entry["fp32_router_margin_min_per_layer"] = [round(float(m.min()), 4) for m in margins]
-            entry["fp32_router_margin_last_token_per_layer"] = [round(float(m[-1]), 4) for m in margins]
+            # the fp32 router logits' top-k boundary, smallest over tokens, per layer; and the last token's
+            layers = range(len(router_logits))
+            entry["fp32_router_margin_min_per_layer"] = [min(r["margin"] for r in flips if r["layer"] == layer)
+                                                         for layer in layers]
+            entry["fp32_router_margin_last_token_per_layer"] = [
+                next(r["margin"] for r in flips if r["layer"] == layer and r["token"] == len(prompt) - 1)
+                for layer in layers]
         for name in args.dtypes:
             got = logits[name]
             differing = [int(i) for i in np.nonzero(got.argmax(-1) != fp32.argmax(-1))[0]]
-            routed = experts["fp32"]
-            flips = (sum(int((a != b).any(axis=-1).sum()) for a, b in zip(routed, experts[name])) /
+            routed = [sets for sets, _ in experts["fp32"]]
+            changed = [sets for sets, _ in experts[name]]
+            flips = (sum(int((a != b).any(axis=-1).sum()) for a, b in zip(routed, changed)) /
                      max(1, sum(len(a) for a in routed))) if routed else None
             entry[name] = {"prefill_max_abs_error": float(np.abs(got[0] - fp32[0]).max()),
                            "prefill_error_of_range": float(np.abs(got[0] - fp32[0]).max() / span),
