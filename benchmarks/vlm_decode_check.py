@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -35,26 +33,15 @@ import vlm_speed  # noqa: E402
 
 
 def genai_decode(package: "vlm_speed.Package", ids: list[int], steps: int, profile: bool) -> dict:
-    """One text-prompt run in genai's Generator: median ms per decode step; with ``profile``, 16 more steps' kernels."""
-    og = package.og
-    params = og.GeneratorParams(package.model)
-    total = len(ids) + steps + 24
-    params.set_search_options(do_sample=False, max_length=max(total, package.max_length), min_length=total)
-    generator = og.Generator(package.model, params)
-    generator.append_tokens(np.asarray([ids], dtype=np.int32))
-    generator.generate_next_token()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        generator.generate_next_token()
-        times.append((time.perf_counter() - start) * 1000.0)
-    out = {"ms_per_token": float(np.median(times[4:])), "steps": steps}
-    if profile:
-        profiled = decode_check.PROFILED_STEPS
-        out["kernels"] = decode_check.gpu_kernels(lambda: [generator.generate_next_token() for _ in range(profiled)],
-                                                  profiled)
-    del generator
-    return out
+    """One text-prompt run in genai's Generator as vlm_speed.py drives it: median ms per decode step past the first
+    4; with ``profile``, the kernels of decode_check.PROFILED_STEPS more steps."""
+    profiled = decode_check.PROFILED_STEPS
+
+    def kernels(generator) -> dict:
+        return decode_check.gpu_kernels(lambda: [generator.generate_next_token() for _ in range(profiled)], profiled)
+
+    run = package.text(ids, steps, warmup=4, **({"after": kernels, "after_steps": profiled} if profile else {}))
+    return {"ms_per_token": run["decode_ms"], "steps": steps, **({"kernels": run["after"]} if profile else {})}
 
 
 def main() -> int:

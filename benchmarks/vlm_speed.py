@@ -200,12 +200,15 @@ class Package:
         self.processor = self.model.create_multimodal_processor() if multimodal else None
         self.config = json.loads((folder / "genai_config.json").read_text())
 
-    def _generate(self, feed, prompt_len: int, steps: int) -> dict:
+    def _generate(self, feed, prompt_len: int, steps: int, warmup: int = 2, after=None, after_steps: int = 0) -> dict:
+        """``feed``, the first token timed with it, then ``steps`` decode steps (median ms over those past
+        ``warmup``); ``after(generator)``: run on the same generator after them, its ``after_steps`` steps counted
+        into the lengths, its result kept as "after"."""
         og = self.og
         params = og.GeneratorParams(self.model)
         # One max_length for every package (the export's context): the builder's Gemma-3 decoder refuses a KV
         # capacity below its sliding window; min_length keeps an end-of-sequence token from stopping the loop.
-        total = prompt_len + steps + 1
+        total = prompt_len + steps + 1 + after_steps
         params.set_search_options(do_sample=False, max_length=max(total, self.max_length), min_length=total)
         generator = og.Generator(self.model, params)
         start = time.perf_counter()
@@ -218,12 +221,16 @@ class Package:
             generator.generate_next_token()
             times.append(time.perf_counter() - start)
         tokens = [int(t) for t in generator.get_sequence(0)][prompt_len: prompt_len + 8]
+        out = {"first_token_ms": first * 1000, "decode_ms": float(np.median(times[warmup:]) * 1000),
+               "prompt_tokens": prompt_len, "tokens": tokens}
+        if after is not None:
+            out["after"] = after(generator)
         del generator
-        return {"first_token_ms": first * 1000, "decode_ms": float(np.median(times[2:]) * 1000),
-                "prompt_tokens": prompt_len, "tokens": tokens}
+        return out
 
-    def text(self, ids: list[int], steps: int) -> dict:
-        return self._generate(lambda g: g.append_tokens(np.asarray([ids], dtype=np.int32)), len(ids), steps)
+    def text(self, ids: list[int], steps: int, **more) -> dict:
+        """A text prompt by append_tokens (``more``: _generate's warmup / after / after_steps)."""
+        return self._generate(lambda g: g.append_tokens(np.asarray([ids], dtype=np.int32)), len(ids), steps, **more)
 
     def image(self, prompt: str, image: Path, steps: int) -> dict:
         start = time.perf_counter()
