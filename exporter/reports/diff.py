@@ -11,11 +11,12 @@ What counts as a regression (``Thresholds``; ``None`` switches a check off):
   export that did not fail in the old one, and more decisive token mismatches than before;
 - performance and structure, judged only when the two exports are *comparable* (same variant,
   dtype, execution provider and task: a text export, an image-text package; latency also needs
-  both benchmarks run on the same EP): decode ms/token up by more than ``latency_pct`` at any context measured by both, node count up by more
-  than ``node_count_pct``, weight bytes up by more than ``size_pct`` (same variant and dtype, the
-  weights should not grow: a growth means e.g. a tied table stored twice), and any change of the
-  graph's inputs/outputs (a runtime driving the old contract breaks). Across variants these
-  numbers differ by design, so they are shown but not judged, and the summary says so.
+  both benchmarks run on the same EP): decode ms/token up by more than ``latency_pct`` at any
+  context measured by both, node count up by more than ``node_count_pct``, weight bytes up by more
+  than ``size_pct`` (same variant and dtype, the weights should not grow: a growth means e.g. a
+  tied table stored twice), and any change of the graph's inputs/outputs (a runtime driving the
+  old contract breaks). Across variants these numbers differ by design, so they are shown but not
+  judged, and the summary says so.
 
 Prefill throughput, parity error figures and kernel choices are reported, never judged: the
 validation gates own the error bounds, and a kernel change that matters shows up as latency.
