@@ -257,3 +257,17 @@ def test_a_language_model_alone_against_an_image_text_package_is_shown_not_judge
     plain = _copy(measured("attn_static"), tmp_path / "plain")  # a text export's manifest has no task: text generation
     diff = diff_exports(ExportArtifacts.from_dir(plain), ExportArtifacts.from_dir(new))
     assert diff.not_comparable == ["task differs (text generation -> image-text-to-text)"]
+
+
+def test_steps_a_router_near_tie_explains_are_not_counted_as_matching_tokens():
+    """A step whose token differs but that validation's routing replay explains (routing_tie_mismatches) is neither a
+    mismatch nor a matching token; a report from before the replay (no such key) counts as it did."""
+    from exporter.reports.diff import parity_figures
+
+    parity = {"steps": 24, "mismatches": [], "tie_mismatches": [3], "near_ties": [3, 9], "prefill_max_abs_error": 0.1,
+              "logit_range": 14.0}
+    before = parity_figures(ExportArtifacts({}, {"status": "passed", "failed_gates": [], "parity": parity}))
+    assert before["token_matches"] == 23 and before["mismatches"] == 0
+    explained = {**parity, "routing_tie_mismatches": [16], "routing_ties": [{"step": 16}, {"step": 0}]}
+    after = parity_figures(ExportArtifacts({}, {"status": "passed", "failed_gates": [], "parity": explained}))
+    assert after["token_matches"] == 22 and after["mismatches"] == 0

@@ -104,6 +104,40 @@ def test_fp16_export_passes_except_near_ties(vlm_export, case, variant):
         assert not run["mismatches"]  # a differing token only at a near tie (run["tie_mismatches"])
     for section in report["components"]["vision"] + report["components"]["embedding"]:
         assert section["max_abs_error_of_range"] <= 3e-3
+    # transformers in fp16 is measured beside a prompt that departs, and none did
+    assert not [g for g in report["gates"] if g["check"].startswith("transformers in fp16 beside")]
+
+
+def test_a_departed_fp16_export_is_read_beside_transformers_in_fp16(vlm_checkpoint, tmp_path):
+    """An fp16 export judged against another checkpoint's weights departs on every prompt: each prompt's report then
+    holds transformers in fp16 on that prompt's images and tokens (its figures as transformers gives them, computed
+    here on their own), and the failure says the departure is the export's, since fp16 holds the model."""
+    import torch
+
+    from exporter.validation.image_text import PROMPTS, image_prompt, load_image_text_reference
+
+    request = ExportRequest(model=str(vlm_checkpoint("gemma3")), dtype="fp16", ep="cpu", variant="gqa",
+                            max_seq_len=MAX_SEQ_LEN)
+    result = export_model(request, tmp_path / "export", validate=False)
+    other = make_tiny_vlm_checkpoint("gemma3", tmp_path / "other", seed=2)
+    gates, sections = image_text_gates(result.out_dir, other, "cpu", "fp16", "fp16", 6)
+    beside = {g.check.rsplit(", ", 1)[1]: g for g in gates if g.check.startswith("transformers in fp16 beside the export")}
+    assert set(beside) == set(PROMPTS)
+    assert all(g.status == "info" and g.details["transformers"]["device"] == "cpu" for g in beside.values())
+    [prefill] = [g for g in gates if g.check == "prefill logits max abs error vs transformers, text only"]
+    assert prefill.status == "fail" and "the export's departure is its own" in prefill.message, prefill.message
+    # the text-only prompt's yardstick, recomputed: transformers' fp16 and fp32 models on the prompt and the
+    # reference's tokens in one pass
+    [text] = [s for s in sections["end_to_end"] if s["prompt"] == "text only"]
+    config = load_image_text_reference(other).config
+    prompt = image_prompt(0, 0, config.image_token_id, config.get_text_config().vocab_size, seed=0)
+    ids = torch.tensor([prompt + text["reference_tokens"][:-1]])
+    with torch.no_grad():
+        want = load_image_text_reference(other)(input_ids=ids).logits[0, len(prompt) - 1:].float().numpy()
+        got = load_image_text_reference(other, "fp16")(input_ids=ids).logits[0, len(prompt) - 1:].float().numpy()
+    yard = beside["text only"].details["transformers"]
+    assert yard["prefill_max_abs_error"] == pytest.approx(float(np.abs(got[0] - want[0]).max()), abs=1e-4)
+    assert yard["step_errors"] == pytest.approx(np.abs(got - want).max(axis=-1).tolist(), abs=1e-4)
 
 
 # gemma3 ties its LM head to the embedding table: quantized, the head reads codes while the embedding graph reads

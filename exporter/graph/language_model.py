@@ -60,9 +60,10 @@ def image_text_type(checkpoint_dir: Path) -> str | None:
     gemma4's image-text checkpoints are not: the exporter takes their language model alone (LANGUAGE_MODEL_OF);
     Qwen3.5's are (IMAGE_TEXT_HYBRIDS), in every dtype: a tiny qwen3_5's bf16 image-text export, like qwen3_vl's and
     qwen3_vl_moe's, passes the farm's gates on an H100 (benchmarks/results/h100/vlm_cuda_issue48_stop57.json; six other
-    families' in benchmarks/results/h100/vlm_cuda_issue48_stop56.json). The tiny qwen3_5_moe's fp16 and bf16 ones do
-    not (vlm_cuda_issue48_stop57_qwen3_5_moe.json; README, "Image-text models"): validation quarantines such an
-    export, as it would its language model alone, whose bf16 form failed there too (results/h100/hybrid_cuda_parity.json)."""
+    families' in benchmarks/results/h100/vlm_cuda_issue48_stop56.json). The tiny qwen3_5_moe's fp16 one passes with two
+    steps named router near ties (validation/routing.py); its bf16 one does not, told that bf16 is unsafe for it and to
+    export fp16 (h100/vlm_cuda_issue48_stop58.json; README, "Image-text models"): validation quarantines such an export,
+    as it would its language model alone."""
     raw = read_raw_config(Path(checkpoint_dir))
     model_type = raw.get("model_type")
     if not isinstance(raw.get("vision_config"), dict):

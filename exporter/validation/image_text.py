@@ -12,12 +12,14 @@ graphs start at pixel_values), the same array to both sides. transformers is loa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from exporter.validation.gates import GateResult
 from exporter.vision.crops import CROPS_FAMILIES
 from exporter.validation.reference import ReferenceRun, top2_gap
+from exporter.validation.yardstick import TORCH_DTYPES
 
 # Max abs error of image features and merged embeddings, as a fraction of the reference's range (max - min).
 FEATURE_TOLERANCE = {"fp32": 1e-4, "fp16": 3e-3, "bf16": 3e-2}
@@ -87,12 +89,13 @@ def pixtral_image_run(rows: int, cols: int, image_token_id: int, break_token_id:
     return run[:-1] + [end_token_id]
 
 
-def load_image_text_reference(checkpoint: Path):
-    """transformers' image-text model of ``checkpoint``, fp32, in eval."""
+def load_image_text_reference(checkpoint: Path, dtype: str = "fp32"):
+    """transformers' image-text model of ``checkpoint``, in eval, in fp32 (or ``dtype``: fp16 / bf16, the yardstick's)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch_dtype)
     return model.eval()
 
 
@@ -287,21 +290,38 @@ def crops_vision_encoder_gate(checkpoint: Path, model, vision_dtype: str, ep: st
                   "images": 3, "shape": list(got.shape), "max_abs_error_of_range": error, "tolerance": tolerance}
 
 
+class PromptDecode(NamedTuple):
+    """One validation prompt's runs, kept to be judged once every prompt has run."""
+
+    position: int  # where its gates go in the gate list
+    label: str
+    images: int
+    prompt: list[int]
+    pixels: np.ndarray | None
+    extra: dict  # image_grid_thw / image_sizes
+    run: object  # the export teacher-forced on the reference's tokens (parity.ExportRun)
+    ref: ReferenceRun
+    own: object  # the export free-running (parity.ExportRun)
+
+
 def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, activations: str, steps: int,
                      model=None, manifest: dict | None = None) -> tuple[list[GateResult], dict]:
     """Every component of the image-text export in ``export_dir`` against transformers on ``checkpoint``:
-    (gates, the report's sections by component). ``model``: transformers' model, where the caller holds it.
+    (gates, the report's sections by component). ``model``: transformers' fp32 model, where the caller holds it; a
+    list holding it hands it over (it is freed here once its runs are done, before a yardstick loads another).
     A quantized export's end-to-end figures inform (its weights are not the checkpoint's; its decoder is judged on
     text by the quality gate, validate.py); its vision and embedding graphs, which are not quantized, are judged.
     Each prompt's end-to-end section carries the quality gate's mean KL and agreement over its teacher-forced steps,
-    reported: whether image-conditioned quality matches the text's."""
+    reported: whether image-conditioned quality matches the text's. A half-precision export that departs on a prompt is
+    read beside transformers in its dtype there (``image_text_yardsticks``)."""
     from exporter.runtime.image_text import PaddedImagesModel, PatchSequenceModel, image_text_decode, open_image_text
     from exporter.validation.gates.parity import parity_gates
     from exporter.validation.gates.quality import step_figures
 
     quantized = dtype in ("int4", "int8")
+    decodes: list[PromptDecode] = []
     tolerance = FEATURE_TOLERANCE[activations]
-    model = model if model is not None else load_image_text_reference(checkpoint)
+    model = model.pop() if isinstance(model, list) else model if model is not None else load_image_text_reference(checkpoint)
     runtime = open_image_text(export_dir, ep, prepack=False, spin=False)
     tpi, image_token, vocab = runtime.tokens_per_image, runtime.image_token_id, runtime.decoder.vocab
     patch_sequence = isinstance(runtime, PatchSequenceModel)  # qwen2_5_vl: patches + image_grid_thw, M-RoPE
@@ -359,30 +379,146 @@ def image_text_gates(export_dir: Path, checkpoint: Path, ep: str, dtype: str, ac
         ref = reference_generate(model, prompt, pixels, steps, **extra)
         # teacher-forced on transformers' tokens
         run = image_text_decode(runtime, prompt, pixels, steps, ref.tokens, **extra)
-        judged, result = parity_gates(run, ref, activations if quantized else dtype, prompt=label, ep=ep)
-        worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
-        # the quality gate's figures on this prompt's steps: does image-conditioned quality match the text's?
-        figures = step_figures(ref.step_logits, run.logits)
         own = image_text_decode(runtime, prompt, pixels, steps, **extra)  # and free-running, as a runtime generates
-        for gate in judged:
-            if quantized:
-                gate.informational = True
-                gate.message = ("quantized weights: reported against fp32 transformers, not judged"
-                                + (f" ({gate.message})" if gate.message else ""))
-        gates += judged
-        sections["end_to_end"].append({
-            "prompt": label, "images": images, "prompt_tokens": len(prompt), **result.to_dict(),
-            "steps_max_abs_error": worst, "steps_kl_mean": figures["kl_mean"], "steps_kl_max": figures["kl_max"],
-            "steps_agreement": figures["agreement"], "steps_agreement_all": figures["agreement_all"],
-            "steps_decisive": figures["decisive_positions"], "reference_tokens": ref.tokens,
-            "greedy_tokens": own.chosen, "greedy_equal": own.chosen == ref.tokens})
+        decodes.append(PromptDecode(len(gates), label, images, prompt, pixels, extra, run, ref, own))
     request = (manifest or {}).get("request") or {}
     vision = ((manifest or {}).get("image_text") or {}).get("components", {}).get("vision") or {}
     if request.get("layout") == "hf" and (manifest or {}).get("image_text", {}).get("model_type") in PER_ROW_IMAGES:
         gate, section = crops_vision_encoder_gate(checkpoint, model, vision.get("dtype", "FLOAT"), ep, activations)
         gates.append(gate)
         sections["vision"].append(section)
+    # Where a half-precision export departs on a prompt: a mixture of experts' departure that one flipped near-tie
+    # expert choice explains is shown so by replaying transformers' fp32 with it (routing.py), while the fp32 model is
+    # here; then transformers in the export's dtype on the prompt says whether the dtype or the export departed, as for
+    # a text export (yardstick.py). Both for departed prompts only: neither changes the verdict of a prompt that passes.
+    departed = [d for d in decodes if not quantized and dtype in TORCH_DTYPES
+                and not all(g.passed for g in parity_gates(d.run, d.ref, dtype, prompt=d.label, ep=ep)[0])]
+    routing_ties = {d.label: explain_routing(model, dtype, d) for d in departed}
+    del runtime, model  # their memory (and the sessions' on the GPU), before transformers in the export's dtype
+    yardsticks = image_text_yardsticks(checkpoint, dtype, ep, departed) if departed else {}
+    added = 0
+    for d in decodes:
+        run, ref = d.run, d.ref
+        judged, result = parity_gates(run, ref, activations if quantized else dtype, *yardsticks.get(d.label, ()),
+                                      prompt=d.label, ep=ep, routing_ties=routing_ties.get(d.label))
+        worst = max(float(np.abs(got - want).max()) for got, want in zip(run.logits, ref.step_logits))
+        # the quality gate's figures on this prompt's steps: does image-conditioned quality match the text's?
+        figures = step_figures(ref.step_logits, run.logits)
+        for gate in judged:
+            if quantized:
+                gate.informational = True
+                gate.message = ("quantized weights: reported against fp32 transformers, not judged"
+                                + (f" ({gate.message})" if gate.message else ""))
+        gates[d.position + added:d.position + added] = judged
+        added += len(judged)
+        sections["end_to_end"].append({
+            "prompt": d.label, "images": d.images, "prompt_tokens": len(d.prompt), **result.to_dict(),
+            "steps_max_abs_error": worst, "steps_kl_mean": figures["kl_mean"], "steps_kl_max": figures["kl_max"],
+            "steps_agreement": figures["agreement"], "steps_agreement_all": figures["agreement_all"],
+            "steps_decisive": figures["decisive_positions"], "reference_tokens": ref.tokens,
+            "greedy_tokens": d.own.chosen, "greedy_equal": d.own.chosen == ref.tokens})
     return gates, sections
+
+
+def yardstick_device(model, ep: str) -> str:
+    """Where transformers' ``model`` (in a half precision) runs beside a departed export: the export's GPU (as a text
+    export's yardstick, yardstick.cached_measure) where it fits the free memory with a quarter to spare and a GiB for
+    activations, else the host."""
+    import torch
+
+    from exporter.runtime.device import cuda_device
+    from exporter.validation.streamed import reference_device
+
+    device = reference_device(ep, cuda_device())
+    if device == "cpu":
+        return device
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) * 1.25 + (1 << 30)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return device if need <= free else "cpu"
+
+
+def image_text_yardsticks(checkpoint: Path | None, dtype: str, ep: str, decodes: list[PromptDecode]) -> dict:
+    """transformers' image-text model of ``checkpoint`` loaded in ``dtype`` (as a user of transformers loads it: modules
+    transformers keeps in fp32 stay fp32) on each departed prompt of ``decodes``, and where that is not sound the
+    other half precision: {prompt: (its Drift, the other's or None)}. A yardstick is not a gate: one that cannot run
+    (no checkpoint, a failure) is logged and the export judged without it ({})."""
+    import logging
+
+    from exporter import checkpoints
+    from exporter.validation import yardstick
+    from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
+
+    def measured(in_dtype: str, rows: list[PromptDecode]) -> dict:
+        model = load_image_text_reference(checkpoint, in_dtype)
+        device = yardstick_device(model, ep)
+        model.to(device)
+        return {d.label: image_text_drift(model, in_dtype, device, d) for d in rows}
+
+    if checkpoint is None:
+        return {}
+    try:
+        same = measured(dtype, decodes)
+        unsound = [d for d in decodes if not yardstick.sound(same[d.label], d.ref, PREFILL_TOLERANCE[dtype],
+                                                               NEAR_TIE_MARGIN[dtype])]
+        other = measured(yardstick.OTHER[dtype], unsound) if unsound else {}
+        return {label: (drift, other.get(label)) for label, drift in same.items()}
+    except Exception as err:
+        if checkpoints.is_stop(err):
+            raise  # a cancel or a lost lease, not a failure of this step
+        logging.getLogger(__name__).warning("transformers in %s could not run beside the export: %s", dtype, err)
+        return {}
+
+
+def image_text_drift(model, dtype: str, device: str, decode: PromptDecode):
+    """transformers' image-text ``model`` (in ``dtype`` on ``device``) fed ``decode``'s prompt, its images and its
+    reference's tokens in one pass (teacher-forced, as yardstick.measure feeds a text model): its Drift from the
+    reference."""
+    import torch
+
+    from exporter.validation.yardstick import drift
+
+    with torch.no_grad():
+        logits = model(**teacher_forced_inputs(model, device, decode)).logits[0, len(decode.prompt) - 1:]
+    result = drift("transformers", dtype, list(logits.float().cpu().numpy()), decode.ref)
+    result.device = device
+    return result
+
+
+def teacher_forced_inputs(model, device: str, decode: PromptDecode) -> dict:
+    """transformers' ``model``'s inputs for ``decode``'s prompt, its images and its reference's tokens, in one pass on
+    ``device``. A generated token that is the image token would ask that pass for an image's features: refused
+    (ValueError)."""
+    import torch
+
+    prompt, extra = decode.prompt, decode.extra
+    image_token = getattr(model.config, "image_token_id", None)
+    fed = list(decode.ref.tokens[:-1])
+    if image_token in fed:
+        raise ValueError(f"the reference generated the image token ({image_token}): one teacher-forced pass would take "
+                         "it for an image's")
+    inputs = {"input_ids": torch.tensor([list(prompt) + fed], device=device)}
+    pixel_values = _pixels_for(model, decode.pixels)
+    if pixel_values is not None:
+        inputs["pixel_values"] = pixel_values.to(device, model.dtype)
+        for name, value in _grid_kwargs(prompt, extra.get("image_grid_thw"), image_token, extra.get("image_sizes")).items():
+            if name == "mm_token_type_ids":  # the fed tokens are text
+                value = torch.nn.functional.pad(value, (0, len(fed)))
+            inputs[name] = value.to(device)
+    return inputs
+
+
+def explain_routing(model, dtype: str, decode: PromptDecode) -> dict:
+    """Which departures of ``decode`` flipped near-tie expert choices of transformers' fp32 ``model`` explain
+    (routing.explain_run): {step: RoutingTie}."""
+    from exporter.validation import routing
+
+    if not routing.routers(model):
+        return {}
+    try:
+        inputs = teacher_forced_inputs(model, "cpu", decode)
+    except ValueError:  # a generated image token: no one pass to replay
+        return {}
+    return routing.explain_run(model, inputs, decode.run, decode.ref, dtype)
 
 
 def render_sections(sections: dict) -> list[str]:
@@ -413,7 +549,9 @@ def render_sections(sections: dict) -> list[str]:
               for s in sections.get("end_to_end", [])]
     lines += ["", "Steps mean KL and agreement: the quality gate's figures on each prompt's teacher-forced steps "
               "against transformers, reported, not judged (a few dozen positions; the quality gate judges text)."]
-    return lines
+    from exporter.validation.routing import render_ties
+
+    return lines + render_ties([(s["prompt"], s) for s in sections.get("end_to_end", [])])
 
 
 def _figure(value) -> str:

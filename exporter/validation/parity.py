@@ -20,6 +20,9 @@ class ParityResult:
     near_ties: list[int]  # steps where the reference's top-1/top-2 gap is below the margin
     tie_mismatches: list[int]  # differing steps that are near ties (not counted as failures)
     tokens: list[int]
+    # departures that flipped near-tie expert choices explain (validation/routing.py: RoutingTie.to_dict), not failures
+    routing_ties: list[dict] = dataclasses.field(default_factory=list)
+    routing_tie_mismatches: list[int] = dataclasses.field(default_factory=list)  # differing steps among them
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

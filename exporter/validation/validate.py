@@ -158,6 +158,9 @@ def render_markdown(data: dict) -> str:
     if parity:
         lines += ["", f"Near ties (reference top-1/top-2 gap below the margin): {len(parity['near_ties'])} "
                   f"at steps {parity['near_ties']}; tokens that differed there: {parity['tie_mismatches']}."]
+        from exporter.validation.routing import render_ties
+
+        lines += render_ties([(p.get("prompt", "random tokens"), p) for p in [parity, *parity.get("prompts", [])]])
     if data.get("components"):
         from exporter.validation.image_text import render_sections
 
@@ -283,6 +286,8 @@ def validate_export(
             t0 = time.perf_counter()
             model = load_image_text_reference(Path(ref_source.path))  # one load: the components and the quality gate
             timings["reference_load"] = time.perf_counter() - t0
+            if dtype not in QUANTIZED:  # handed over: freed once its runs are done (before a yardstick loads)
+                model = [model]
             runtime, components = image_text_gates(export_dir, Path(ref_source.path), ep, dtype, activations, steps,
                                                    model=model, manifest=manifest)
             timings["image_text"] = time.perf_counter() - t0
@@ -608,16 +613,21 @@ def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cac
         batch = batch_gate(lm, len(refs[0].prefill_logits), dtype, steps)
         timings["batch"] = time.perf_counter() - t0
     del lm
-    results = []
-    for (label, prompt), ref, run in zip(prompts, refs, runs):
-        yardsticks = _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared_references, timings)
-        finding = None
-        if not all(np.isfinite(logits).all() for logits in run.logits[: len(ref.tokens)]):
-            finding = _locate_overflow(export_dir, ep, prompt, run, ref, timings)
-        parity_results, result = parity_gates(run, ref, dtype, *yardsticks, overflow=finding, prompt=label,
-                                               ep=ep)
-        gates += parity_results
-        results.append(result.to_dict())
+    results, opened = [], []
+    try:
+        for (label, prompt), ref, run in zip(prompts, refs, runs):
+            yardsticks = _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared_references, timings)
+            finding = None
+            if not all(np.isfinite(logits).all() for logits in run.logits[: len(ref.tokens)]):
+                finding = _locate_overflow(export_dir, ep, prompt, run, ref, timings)
+            ties = _routing_ties(dtype, run, ref, ref_source, ep, opened, timings) if finding is None else {}
+            parity_results, result = parity_gates(run, ref, dtype, *yardsticks, overflow=finding, prompt=label,
+                                                   ep=ep, routing_ties=ties)
+            gates += parity_results
+            results.append(result.to_dict())
+    finally:
+        for model in opened:
+            model.close()
     if batch is not None:
         gates.append(batch)
     timings["parity"] = parity_s
@@ -669,6 +679,41 @@ def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timing
     finally:
         timings["yardstick"] = timings.get("yardstick", 0.0) + time.perf_counter() - t0
     return same, other
+
+
+def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings) -> dict:
+    """A half-precision export's departures on this prompt that flipped near-tie expert choices of transformers'
+    fp32 model explain (routing.explain_run, on the reference opened once into ``opened`` where a prompt departs):
+    {step: RoutingTie}. Not where one pass is not the reference's run (a longrope model crossing its switch)."""
+    from exporter.validation import reference, routing
+    from exporter.validation.parity import judge
+
+    if dtype not in PREFILL_TOLERANCE or dtype == "fp32":
+        return {}
+    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
+    if not result.mismatches and result.prefill_max_abs_error <= PREFILL_TOLERANCE[dtype] * result.logit_range:
+        return {}
+    t0 = time.perf_counter()
+    try:
+        if not opened:
+            opened.append(reference.open_reference(ref_source.path, ep))
+        model = opened[0]
+        switch = reference._rope_switch(model.config)
+        if switch is not None and len(ref.prompt) <= switch < len(ref.prompt) + len(ref.tokens):
+            return {}
+        import torch
+
+        inputs = {"input_ids": torch.tensor([list(ref.prompt) + list(ref.tokens[:-1])])}
+        return routing.explain_run(model, inputs, run, ref, dtype)
+    except Exception as err:  # it explains, it is not a gate: the export is judged without it
+        if checkpoints.is_stop(err):
+            raise
+        import logging
+
+        logging.getLogger(__name__).warning("the routing replay could not run: %s", err)
+        return {}
+    finally:
+        timings["routing_replay"] = timings.get("routing_replay", 0.0) + time.perf_counter() - t0
 
 
 def _locate_overflow(export_dir, ep, prompt, run, ref, timings):
