@@ -10,6 +10,8 @@
 #                         builder's decoder onnxruntime leaves unfolded on cuda (benchmarks/folded_constants.py)
 #   parity                benchmarks/vlm_cuda.py: every tiny image-text family exported for cuda and put through the
 #                         farm's own validation on the GPU (CASES, DTYPES, VARIANTS: its --cases / --dtypes / --variants)
+#   routing               benchmarks/moe_routing_check.py: the tiny qwen3_5_moe's expert choices in our cuda exports
+#                         (DTYPES) beside transformers' fp32 and transformers in each dtype on the GPU
 # Results go to $OUT.
 set -uo pipefail
 phase=${1:?phase}
@@ -25,6 +27,9 @@ case "$phase" in
       --out "$OUT/vlm_decode_check_$2.json" 2>&1 | grep -v "Warning\|falling back" | cut -c1-600 | tail -30
     python3 benchmarks/folded_constants.py "/tmp/vlm-speed/$2-L$3-genai/model.onnx" --providers cuda \
       --out "$OUT/folded_constants_genai_$2.json" 2>&1 | cut -c1-600 | tail -4 ;;
+  routing)
+    python3 benchmarks/moe_routing_check.py --case qwen3_5_moe_genai --ep cuda --dtypes ${DTYPES:-bf16 fp16} \
+      --out "$OUT/moe_routing_check_qwen3_5_moe_cuda.json" 2>&1 | grep -v "Warning\|falling back\|plugin EP" | cut -c1-1500 | tail -30 ;;
   parity)
     python3 benchmarks/vlm_cuda.py --cases ${CASES:-gemma3 llava idefics3 smolvlm qwen2_5_vl qwen3_5 qwen3_vl qwen3_vl_moe mistral3} \
       --dtypes ${DTYPES:-fp16 bf16} --variants ${VARIANTS:-gqa} --out "$OUT/vlm_cuda.json" 2>&1 \

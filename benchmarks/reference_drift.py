@@ -32,6 +32,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def routers(model) -> list:
+    """The model's top-k routers (``mlp.gate``: transformers' (router logits, scores, expert ids) modules), in layer
+    order."""
+    return [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+
+
+def route(model, inputs) -> list:
+    """One pass of ``model`` on ``inputs``: each router's (top-k expert sets, sorted ids per token; its router logits
+    as fp32 on the host)."""
+    import torch
+
+    seen, hooks = [], []
+    for router in routers(model):
+        hooks.append(router.register_forward_hook(lambda m, _, out: seen.append(
+            (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float().cpu()))))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", required=True, help="exporter.vision.tiny_checkpoint's name of a tiny checkpoint")
@@ -58,25 +82,7 @@ def main() -> int:
     merge = getattr(vision, "spatial_merge_size", None)
     models = {"fp32": reference}
     for name in args.dtypes:
-        models[name] = load_image_text_reference(checkpoint).to({"bf16": torch.bfloat16, "fp16": torch.float16}[name])
-
-    def routers(model) -> list:
-        """The model's top-k routers (``mlp.gate``), in layer order."""
-        return [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
-
-    def route(model, inputs) -> list[tuple[np.ndarray, torch.Tensor]]:
-        """One pass: each router's (top-k expert sets, sorted ids per token; its router logits, fp32)."""
-        seen, hooks = [], []
-        for router in routers(model):
-            hooks.append(router.register_forward_hook(lambda m, _, out: seen.append(
-                (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float()))))
-        try:
-            with torch.no_grad():
-                model(**inputs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return seen
+        models[name] = load_image_text_reference(checkpoint, name)  # loaded in that dtype, as transformers' users do
 
     def one_flip_moves(model, inputs, last: int, router_logits: list[torch.Tensor]) -> list[dict]:
         """For every (router, token): swap the token's k-th expert for its (k+1)-th (``router_logits``: each router's
