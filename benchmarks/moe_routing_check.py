@@ -35,7 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.reference_drift import route, routers  # noqa: E402
+from benchmarks.reference_drift import route  # noqa: E402
+from exporter.validation.routing import routers  # noqa: E402
 
 PROBE = "probe_router_logits."
 
@@ -110,7 +111,7 @@ def forced_logits(model, inputs: dict, sets: list[np.ndarray], last: int) -> np.
     import torch
 
     patched = []
-    for router, chosen_sets in zip(routers(model), sets):
+    for (_, router), chosen_sets in zip(routers(model), sets):
         plain = router.forward
 
         def forward(hidden, plain=plain, chosen_sets=torch.from_numpy(chosen_sets)):
@@ -120,13 +121,13 @@ def forced_logits(model, inputs: dict, sets: list[np.ndarray], last: int) -> np.
             return logits, (kept / kept.sum(-1, keepdim=True)).to(scores.dtype), picked
 
         router.forward = forward
-        patched.append((router, plain))
+        patched.append(router)
     try:
         with torch.no_grad():
             return model(**inputs).logits[0, last].float().cpu().numpy()
     finally:
-        for router, plain in patched:
-            router.forward = plain
+        for router in patched:
+            vars(router).pop("forward", None)  # (no instance attribute, no reference cycle left behind)
 
 
 def main() -> int:

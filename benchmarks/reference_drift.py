@@ -32,19 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def routers(model) -> list:
-    """The model's top-k routers (``mlp.gate``: transformers' (router logits, scores, expert ids) modules), in layer
-    order."""
-    return [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
-
-
 def route(model, inputs) -> list:
-    """One pass of ``model`` on ``inputs``: each router's (top-k expert sets, sorted ids per token; its router logits
-    as fp32 on the host)."""
+    """One pass of ``model`` on ``inputs`` (any dtype): each router's (top-k expert sets, sorted ids per token; its
+    router logits as fp32 on the host)."""
     import torch
 
+    from exporter.validation.routing import routers
+
     seen, hooks = [], []
-    for router in routers(model):
+    for _, router in routers(model):
         hooks.append(router.register_forward_hook(lambda m, _, out: seen.append(
             (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float().cpu()))))
     try:
@@ -84,35 +80,19 @@ def main() -> int:
     for name in args.dtypes:
         models[name] = load_image_text_reference(checkpoint, name)  # loaded in that dtype, as transformers' users do
 
-    def one_flip_moves(model, inputs, last: int, router_logits: list[torch.Tensor]) -> list[dict]:
-        """For every (router, token): swap the token's k-th expert for its (k+1)-th (``router_logits``: each router's
-        on these inputs) and rerun; how far the logits at position ``last`` move (max abs), beside that routing's
-        margin. Sorted by margin."""
-        with torch.no_grad():
-            base = model(**inputs).logits[0, last].float().numpy()
-        rows = []
-        for layer, (router, logits_seen) in enumerate(zip(routers(model), router_logits)):
-            ranked = torch.sort(logits_seen, dim=-1, descending=True)
-            k, plain = router.top_k, router.forward
-            for token in range(ranked.values.shape[0]):
-                def flipped(hidden, token=token):
-                    logits, scores, chosen = plain(hidden)
-                    chosen, scores = chosen.clone(), scores.clone()
-                    chosen[token, k - 1] = ranked.indices[token, k]
-                    kept = torch.softmax(logits.float(), -1)[token, chosen[token]]
-                    scores[token] = (kept / kept.sum()).to(scores.dtype)
-                    return logits, scores, chosen
+    def one_flip_moves(model, inputs, last: int) -> list[dict]:
+        """For every (router, token): the token's k-th expert swapped for its (k+1)-th and the model rerun
+        (validation's own replay, exporter.validation.routing); how far the logits at position ``last`` move (max abs),
+        beside that routing's margin. Sorted by margin."""
+        from exporter.validation import routing
 
-                router.forward = flipped
-                try:
-                    with torch.no_grad():
-                        moved = model(**inputs).logits[0, last].float().numpy()
-                finally:
-                    router.forward = plain
-                rows.append({"layer": layer, "token": token,
-                             "margin": round(float(ranked.values[token, k - 1] - ranked.values[token, k]), 4),
-                             "last_logits_move": round(float(np.abs(moved - base).max()), 4)})
-        return sorted(rows, key=lambda row: row["margin"])
+        base, seen, renormalize = routing.router_logits(model, inputs)
+        rows = []
+        for flip in routing.near_ties(model, seen, last, float("inf")):
+            moved, _ = routing.replay(model, inputs, [flip], renormalize)
+            rows.append({"layer": flip.layer, "token": flip.token, "margin": flip.margin,
+                         "last_logits_move": round(float(np.abs(moved[last] - base[last]).max()), 4)})
+        return sorted(rows, key=lambda row: (row["margin"], row["layer"], row["token"]))
 
     def feed(model, ids: list[int], pixels: np.ndarray | None, grid: np.ndarray | None) -> dict:
         """The model's inputs for ``ids``: the pixels in its dtype, a patch-sequence model's grids and image-token
@@ -155,7 +135,7 @@ def main() -> int:
         entry = {"prompt_tokens": len(prompt), "fp32_prefill_range": span}
         if experts["fp32"]:  # what one flipped expert choice does to the prompt's last logits, smallest margins first
             router_logits = [seen for _, seen in experts["fp32"]]
-            flips = one_flip_moves(reference, feed(reference, prompt, pixels, grid), len(prompt) - 1, router_logits)
+            flips = one_flip_moves(reference, feed(reference, prompt, pixels, grid), len(prompt) - 1)
             entry["one_flip_smallest_margins"] = flips[:4]
             entry["one_flip_largest_move"] = max(flips, key=lambda row: row["last_logits_move"])
             # the fp32 router logits' top-k boundary, smallest over tokens, per layer; and the last token's

@@ -3,44 +3,56 @@ position (its prefill's last position, or a teacher-forced step), whether expert
 makes by a near tie, taken the other way, give the export's logits there.
 
 A token whose k-th and (k+1)-th router logits are closer than the dtype's near-tie margin (the bar a step's
-top-1/top-2 gap is held to, gates.parity.NEAR_TIE_MARGIN) is routed by rounding: transformers' own half precision
-flips such choices as the export does, and one flip can move the logits as far as a fault would (the tiny qwen3_5_moe
-on the H100, benchmarks/results/h100/moe_routing_check_qwen3_5_moe_cuda.json: a bf16 export's choice at a 0.052 margin
-moves the last logits 3.3 on a range of 14.7; transformers' fp32 with that one choice flipped gives the export's within
-0.27). The replay shows it rather than assuming it: transformers' fp32 model runs again on the same inputs with such
-a (layer, token)'s k-th expert replaced by its (k+1)-th, the experts weighted by the fp32 softmax as the router weights
-them (renormalized where it renormalizes). A departure is a routing near tie where that run's logits at its position
-choose the export's token and are within the dtype's tolerance of the export's and within half the distance of the
-unflipped fp32 logits from the export's (the flips take fp32 most of the way). Candidates go smallest margin first, each
-replayed on top of the flips that explained an earlier departure (a flip the export made moves every later position:
-a later departure may need it and one more), a flip kept only where it explains a departure; once one is kept, the
-candidates are the near ties of the run with it (a flip moves the router logits of the tokens after it); at most
-MAX_REPLAYS forward passes.
+top-1/top-2 gap is held to, gates.parity.NEAR_TIE_MARGIN) is routed by rounding, and one such choice taken the other
+way can move the logits as far as a fault would: the tiny qwen3_5_moe's bf16 export on the H100 picks the other expert
+at a 0.052 margin and its last logits move 3.3 on a range of 14.7; transformers' fp32 forced to the export's choices
+(read from the export's own router logits, benchmarks/moe_routing_check.py) gives the export's within 0.27
+(benchmarks/results/h100/moe_routing_check_qwen3_5_moe_cuda.json; transformers' own bf16 kept that choice, and flips
+others). Validation cannot read the export's choices (the decoder has no router output), so it replays candidates:
+transformers' fp32 model runs again on the same inputs with near-tie choices taken the other way (the k-th expert
+replaced by the (k+1)-th, weighted by the fp32 softmax as the router weights them, renormalized where it
+renormalizes), smallest margin first, each on top of the flips kept so far (a flip moves every later position: a
+later departure may need it and one more); a flip is kept where it explains a departure, and the candidates are then
+the near ties of the run with the kept flips. A departure is explained where the replay chooses the export's token
+there and its logits are within the dtype's tolerance of the export's and nearer than half the unflipped fp32's
+distance. Then one replay with every kept flip must agree with the export at every step from the first flip on
+but the departures left unexplained (within the tolerance; the export's token wherever the reference's top-1/top-2 gap
+is not a near tie), or nothing is explained. What this shows: choices that rounding may take either way reproduce the export's logits; not that the
+export took them. At most MAX_REPLAYS + 2 forward passes (the plain run, the candidates, the final check).
 
 Routers are transformers' top-k router modules (``...mlp.gate`` with ``top_k``, giving router logits, the chosen
-experts' weights and their ids: qwen3_5_moe, qwen3_vl_moe, qwen3_moe, mixtral and most others); a router whose weights
-are not its softmax's (sigmoid or biased routing) is not replayed.
+experts' weights and their ids: qwen3_5_moe, qwen3_vl_moe, qwen3_moe, mixtral and others). One whose chosen experts are
+not the top k of its logits (grouped or biased routing) or whose weights are not its softmax's is not replayed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
+
+from exporter import checkpoints
 
 MAX_REPLAYS = 16
 
 
 @dataclasses.dataclass
 class Flip:
-    """One expert choice taken the other way: router ``layer``'s k-th expert at ``token`` replaced by its (k+1)-th."""
+    """One expert choice taken the other way: the router of decoder layer ``layer`` at ``token`` runs ``flipped``
+    instead of ``experts`` (its k-th expert replaced by its (k+1)-th)."""
 
-    layer: int  # the router, in layer order
+    layer: int  # the decoder layer
+    router: int  # the router's index among the model's routers
     token: int  # the position
-    margin: float  # the fp32 router's k-th minus (k+1)-th logit there
-    experts: list[int]  # the fp32 choice
+    margin: float  # the router's k-th minus (k+1)-th logit there, in the run it was found in
+    experts: list[int]  # that run's choice
     flipped: list[int]  # the replay's
 
+    @property
+    def swap(self) -> tuple[int, int]:
+        """(the expert taken out, the expert put in)."""
+        return (set(self.experts) - set(self.flipped)).pop(), (set(self.flipped) - set(self.experts)).pop()
 
 
 @dataclasses.dataclass
@@ -61,21 +73,41 @@ class RoutingTie:
 
 
 def describe(tie: dict) -> str:
-    """A RoutingTie (as its report dict) in a clause: "router near ties (layer 0's experts at token 7, [1, 3] in fp32
-    by 0.0524, as [0, 1]): transformers' fp32 with them flipped gives the export's logits within 0.273, where unflipped
-    they are 3.32 away (tolerance 2.94)"."""
-    flips = "; ".join(f"layer {f['layer']}'s experts at token {f['token']}, {f['experts']} in fp32 by {f['margin']:.3g}, "
-                      f"as {f['flipped']}" for f in tie["flips"])
+    """A RoutingTie (as its report dict) in a clause: "router near ties (decoder layer 0's experts at token 7, [1, 3]
+    by a margin of 0.0524, as [0, 1]): transformers' fp32 with them flipped gives the export's logits within 0.273,
+    where unflipped they are 3.32 away (tolerance 2.94)"."""
+    flips = "; ".join(f"decoder layer {f['layer']}'s experts at token {f['token']}, {f['experts']} by a margin of "
+                      f"{f['margin']:.3g}, as {f['flipped']}" for f in tie["flips"])
     return (f"router near ties ({flips}): transformers' fp32 with them flipped gives the export's logits within "
             f"{tie['replay_error']:.3g}, where unflipped they are {tie['departure']:.3g} away (tolerance "
             f"{tie['tolerance']:.3g})")
 
 
-def routers(model) -> list:
-    """transformers' top-k routers of ``model`` (``mlp.gate`` modules with ``top_k``), in layer order; ``model`` may be
-    the streamed reference (streamed.StreamedReference: its transformers model's)."""
+def routers(model) -> list[tuple[int, object]]:
+    """transformers' top-k routers of ``model`` (``mlp.gate`` modules with ``top_k``) with their decoder layers, in
+    layer order; ``model`` may be the streamed reference (streamed.StreamedReference: its transformers model's)."""
     root = model if hasattr(model, "named_modules") else model.model
-    return [m for name, m in root.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    found = []
+    for name, module in root.named_modules():
+        if name.endswith("mlp.gate") and hasattr(module, "top_k"):
+            layer = re.search(r"layers\.(\d+)\.", name)
+            found.append((int(layer.group(1)) if layer else len(found), module))
+    return found
+
+
+def departures(run, ref, dtype: str) -> dict[int, np.ndarray]:
+    """Where an export's teacher-forced ``run`` (parity.ExportRun) departs from ``ref`` (reference.ReferenceRun) as the
+    parity gates judge it with the dtype's fixed margins: step -> the export's logits there, for its prefill beyond the
+    dtype's tolerance (step 0) and each step whose token differs where the reference's top-1/top-2 gap is not a near
+    tie."""
+    from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
+    from exporter.validation.parity import judge
+
+    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
+    found = {step: run.logits[step] for step in result.mismatches}
+    if result.prefill_max_abs_error > PREFILL_TOLERANCE[dtype] * result.logit_range:
+        found[0] = run.logits[0]
+    return found
 
 
 def _weights(logits, chosen, renormalize: bool):
@@ -85,149 +117,188 @@ def _weights(logits, chosen, renormalize: bool):
     return kept / kept.sum(-1, keepdim=True) if renormalize else kept
 
 
-def router_logits(model, inputs: dict, flips: list[tuple[int, int, int]] = (),
-                  renormalize: list[bool] | None = None) -> tuple[np.ndarray, list[tuple[np.ndarray, bool]]] | None:
-    """One pass of ``model`` (with ``flips``, as ``replay``): (its logits [positions, vocab], each router's logits
-    [tokens, experts] (fp32) and whether it renormalizes its top-k weights); None where the model has no router, or one
-    whose weights are not its softmax's (not replayed)."""
+def _replayable(logits, scores, chosen) -> bool | None:
+    """Whether a router's output renormalizes its top-k weights (True / False), None where it cannot be replayed: its
+    chosen experts are not its logits' top k, or its weights are not its softmax's."""
+    import torch
+
+    k = chosen.shape[-1]
+    if scores.shape != chosen.shape or logits.ndim != 2:
+        return None
+    top = torch.topk(logits.float(), k, dim=-1).indices
+    if not torch.equal(torch.sort(chosen, -1).values, torch.sort(top, -1).values):
+        return None
+    for renormalize in (True, False):
+        if torch.allclose(scores.float(), _weights(logits, chosen, renormalize), atol=1e-4):
+            return renormalize
+    return None
+
+
+def router_logits(model, inputs: dict) -> tuple[np.ndarray, list[np.ndarray], list[bool]] | None:
+    """One pass of ``model``: (its logits [positions, vocab], each router's logits [tokens, experts] in fp32, whether
+    each renormalizes its top-k weights); None where the model has no router or one that cannot be replayed."""
     import torch
 
     found = routers(model)
     if not found:
         return None
     seen: list = []
-    if flips:
-        def record(_, __, out):
-            seen.append((out[0].detach().float().cpu().numpy(), renormalize[len(seen)]))
-
-        hooks = [router.register_forward_hook(record) for router in found]
-        try:
-            logits = replay(model, inputs, flips, renormalize)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return logits, seen
 
     def record(_, __, out):
         logits, scores, chosen = out
-        kinds = [renormalize for renormalize in (True, False)
-                 if torch.allclose(scores.float(), _weights(logits, chosen, renormalize), atol=1e-4)]
-        seen.append((logits.detach().float().cpu().numpy(), kinds[0] if kinds else None))
+        seen.append((logits.detach().float().cpu().numpy(), _replayable(logits, scores, chosen)))
 
-    hooks = [router.register_forward_hook(record) for router in found]
+    hooks = [router.register_forward_hook(record) for _, router in found]
     try:
         with torch.no_grad():
             logits = model(**inputs).logits[0].float().cpu().numpy()
     finally:
         for hook in hooks:
             hook.remove()
-    return None if any(kind is None for _, kind in seen) else (logits, seen)
+    if len(seen) != len(found) or any(kind is None for _, kind in seen):
+        return None
+    return logits, [lg for lg, _ in seen], [kind for _, kind in seen]
 
 
-def replay(model, inputs: dict, flips: list[tuple[int, int, int]], renormalize: list[bool]) -> np.ndarray:
-    """``model``'s logits [positions, vocab] on ``inputs`` with each (layer, token, expert) of ``flips``: that
-    router's k-th expert at that token replaced by ``expert`` (``renormalize``: per router, as routing.router_logits
-    found it)."""
+def replay(model, inputs: dict, flips: list[Flip], renormalize: list[bool]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``model`` on ``inputs`` with ``flips`` taken (``renormalize``: per router, as router_logits found it): (its
+    logits [positions, vocab], each router's logits [tokens, experts]). A flip whose expert is not chosen there, or
+    whose replacement already is, raises ValueError."""
     import torch
 
     found = routers(model)
+    seen: list = []
     patched = []
-    for layer in sorted({layer for layer, _, _ in flips}):
-        router, plain = found[layer], found[layer].forward
-        mine = [(token, expert) for at, token, expert in flips if at == layer]
-
-        def forward(hidden, router=router, plain=plain, mine=mine, renormalize=renormalize[layer]):
-            logits, scores, chosen = plain(hidden)
-            chosen = chosen.clone()
-            for token, expert in mine:
-                chosen[token, router.top_k - 1] = expert
-            return logits, _weights(logits, chosen, renormalize).to(scores.dtype), chosen
-
-        router.forward = forward
-        patched.append((router, plain))
     try:
-        with torch.no_grad():
-            return model(**inputs).logits[0].float().cpu().numpy()
+        for index, (_, router) in enumerate(found):
+            mine = [f for f in flips if f.router == index]
+            if not mine:
+                continue
+            plain = router.forward
+
+            def forward(hidden, plain=plain, mine=mine, renormalize=renormalize[index]):
+                logits, scores, chosen = plain(hidden)
+                chosen = chosen.clone()
+                for flip in mine:
+                    out, into = flip.swap
+                    row = chosen[flip.token]
+                    column = (row == out).nonzero()
+                    if len(column) != 1 or bool((row == into).any()):
+                        raise ValueError(f"router {flip.router} at token {flip.token} does not choose {out} alone")
+                    chosen[flip.token, int(column[0, 0])] = into
+                return logits, _weights(logits, chosen, renormalize).to(scores.dtype), chosen
+
+            patched.append(router)
+            router.forward = forward  # an instance attribute, removed below (no reference cycle left behind)
+        hooks = [router.register_forward_hook(lambda _, __, out: seen.append(out[0].detach().float().cpu().numpy()))
+                 for _, router in found]
+        try:
+            with torch.no_grad():
+                logits = model(**inputs).logits[0].float().cpu().numpy()
+        finally:
+            for hook in hooks:
+                hook.remove()
     finally:
-        for router, plain in patched:
-            router.forward = plain
+        for router in patched:
+            vars(router).pop("forward", None)
+    return logits, seen
 
 
-def explain(model, inputs: dict, first: int, departures: dict[int, np.ndarray], tie_margin: float,
+def near_ties(model, seen: list[np.ndarray], last: int, tie_margin: float, done: list[Flip] = ()) -> list[Flip]:
+    """The choices of a run whose router logits are ``seen`` at tokens up to ``last`` whose k-th and (k+1)-th logits
+    are closer than ``tie_margin``, as flips, smallest margin first; not at a (router, token) ``done`` flips."""
+    found = routers(model)
+    taken = {(f.router, f.token) for f in done}
+    ties = []
+    for index, ((layer, router), logits) in enumerate(zip(found, seen)):
+        k = router.top_k
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        ranked = np.take_along_axis(logits, order, axis=-1)
+        for token in range(min(len(logits), last + 1)):
+            margin = float(ranked[token, k - 1] - ranked[token, k])
+            if margin < tie_margin and (index, token) not in taken:
+                ties.append(Flip(layer, index, token, round(margin, 4), sorted(int(e) for e in order[token, :k]),
+                                 sorted(int(e) for e in [*order[token, :k - 1], order[token, k]])))
+    return sorted(ties, key=lambda f: f.margin)
+
+
+def explain(model, inputs: dict, first: int, export: list[np.ndarray], ref, steps: list[int], tie_margin: float,
             tolerance: float) -> dict[int, RoutingTie]:
-    """Which ``departures`` (step -> the export's logits there; step i sits at position ``first`` + i of ``inputs``'
-    tokens) flipped near-tie expert choices of the fp32 ``model`` explain: {step: RoutingTie}. ``tie_margin``: the
-    largest router margin that counts as a near tie; ``tolerance``: the max abs logit error a replay may leave."""
-    passed = router_logits(model, inputs) if departures else None
+    """Which departed ``steps`` flipped near-tie expert choices of the fp32 ``model`` explain: {step: RoutingTie}.
+    ``export``: the export's logits at every step of ``ref`` (reference.ReferenceRun), step i at position ``first`` + i
+    of ``inputs``' tokens; ``tie_margin``: the largest router margin that counts as a near tie (and the reference's
+    top-1/top-2 gap below which a step's token is not held to the export's); ``tolerance``: the largest max abs logit
+    error a replay may leave."""
+    passed = router_logits(model, inputs) if steps else None
     if passed is None:
         return {}
-    plain, seen = passed
-    last = first + max(departures)
-    renormalize = [kind for _, kind in seen]
-    k = [router.top_k for router in routers(model)]
+    plain, seen, renormalize = passed
+    last = first + max(steps)
 
-    def near_ties(seen: list, done: list[Flip]) -> list[Flip]:
-        """The near-tie choices of a run whose router logits are ``seen``, smallest margin first, but ``done``'s."""
-        taken = {(f.layer, f.token) for f in done}
-        ties = []
-        for layer, (logits, _) in enumerate(seen):
-            order = np.argsort(-logits, axis=-1, kind="stable")
-            ranked = np.take_along_axis(logits, order, axis=-1)
-            top = k[layer]
-            for token in range(min(len(logits), last + 1)):
-                margin = float(ranked[token, top - 1] - ranked[token, top])
-                if margin < tie_margin and (layer, token) not in taken:
-                    ties.append(Flip(layer, token, round(margin, 4), sorted(int(e) for e in order[token, :top]),
-                                     sorted(int(e) for e in [*order[token, :top - 1], order[token, top]])))
-        return sorted(ties, key=lambda f: f.margin)
-
-    def flips(chosen: list[Flip]) -> list[tuple[int, int, int]]:
-        return [(f.layer, f.token, (set(f.flipped) - set(f.experts)).pop()) for f in chosen]
+    def explains(logits: np.ndarray, step: int) -> tuple[bool, float, float]:
+        position = first + step
+        error = float(np.abs(logits[position] - export[step]).max())
+        departure = float(np.abs(plain[position] - export[step]).max())
+        chosen = int(np.argmax(logits[position])) == int(np.argmax(export[step]))
+        return chosen and error <= tolerance and error < departure / 2, error, departure
 
     kept: list[Flip] = []
-    found: dict[int, RoutingTie] = {}
-    pool = near_ties(seen, kept)
+    explained: set[int] = set()
+    pool = near_ties(model, seen, last, tie_margin)
     for _ in range(MAX_REPLAYS):
-        if not pool or len(found) == len(departures):
+        if not pool or len(explained) == len(steps):
             break
+        checkpoints.checkpoint()
         flip = pool.pop(0)
-        trial = kept + [flip]
-        logits, seen = router_logits(model, inputs, flips(trial), renormalize)
-        for step, export in departures.items():
-            position = first + step
-            if step in found or flip.token > position:
-                continue
-            error = float(np.abs(logits[position] - export).max())
-            departure = float(np.abs(plain[position] - export).max())
-            if error <= min(tolerance, departure / 2) and int(np.argmax(logits[position])) == int(np.argmax(export)):
-                found[step] = RoutingTie(step, [f for f in trial if f.token <= position], error, departure, tolerance)
-        if any(tie.flips[-1] is flip for tie in found.values()):
-            kept = trial
-            pool = near_ties(seen, kept)  # the choices as the run with the kept flips makes them
+        try:
+            logits, trial_seen = replay(model, inputs, kept + [flip], renormalize)
+        except ValueError:
+            continue
+        newly = {step for step in steps if step not in explained and flip.token <= first + step
+                 and explains(logits, step)[0]}
+        if newly:
+            explained |= newly
+            kept.append(flip)
+            pool = near_ties(model, trial_seen, last, tie_margin, kept)  # the choices as the run with them makes them
+    if not kept:
+        return {}
+    # One run with every kept flip: it must explain each departure it is named for and agree with the export at every
+    # step from the first flip on, or nothing is explained.
+    checkpoints.checkpoint()
+    logits, _ = replay(model, inputs, kept, renormalize)
+    start = min(f.token for f in kept) - first
+    for step in range(max(0, start), len(export)):
+        if step in steps and step not in explained:
+            continue  # a departure no flip explains stays one (the gates fail it), whatever the flips do there
+        position = first + step
+        if float(np.abs(logits[position] - export[step]).max()) > tolerance:
+            return {}
+        if ref.gaps[step] >= tie_margin and int(np.argmax(logits[position])) != int(np.argmax(export[step])):
+            return {}
+    found = {}
+    for step in sorted(explained):
+        ok, error, departure = explains(logits, step)
+        if ok:
+            found[step] = RoutingTie(step, [f for f in kept if f.token <= first + step], error, departure, tolerance)
     return found
 
 
 def explain_run(model, inputs: dict, run, ref, dtype: str) -> dict[int, RoutingTie]:
     """The departures of an export's teacher-forced ``run`` (parity.ExportRun) from ``ref`` (reference.ReferenceRun)
-    that flipped near-tie expert choices of transformers' fp32 ``model`` explain: its prefill beyond the dtype's
-    tolerance (step 0) and its differing steps where the reference is decisive. ``inputs``: ``model``'s inputs for the
-    prompt and the reference's tokens in one pass. {} for a model without top-k routers, and where the replay cannot
-    run (logged: it explains, it is not a gate)."""
+    that flipped near-tie expert choices of transformers' fp32 ``model`` explain (``departures``, ``explain``).
+    ``inputs``: ``model``'s inputs for the prompt and the reference's tokens in one pass. {} for a model without
+    replayable routers, and where the replay cannot run (logged: it explains, it is not a gate)."""
     import logging
 
-    from exporter import checkpoints
     from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
-    from exporter.validation.parity import judge
 
-    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
-    tolerance = PREFILL_TOLERANCE[dtype] * result.logit_range
-    departures = {step: run.logits[step] for step in result.mismatches}
-    if result.prefill_max_abs_error > tolerance:
-        departures[0] = run.logits[0]
-    if not departures or not routers(model):
+    found = departures(run, ref, dtype)
+    if not found or not routers(model):
         return {}
+    span = float(ref.prefill_logits.max() - ref.prefill_logits.min())
     try:
-        return explain(model, inputs, len(ref.prompt) - 1, departures, NEAR_TIE_MARGIN[dtype], tolerance)
+        return explain(model, inputs, len(ref.prompt) - 1, run.logits[: len(ref.tokens)], ref, sorted(found),
+                       NEAR_TIE_MARGIN[dtype], PREFILL_TOLERANCE[dtype] * span)
     except Exception as err:
         if checkpoints.is_stop(err):
             raise  # a cancel or a lost lease, not a failure of this step
@@ -240,7 +311,7 @@ def render_ties(runs: list[tuple[str, dict]]) -> list[str]:
     ties = [(prompt, tie) for prompt, run in runs for tie in run.get("routing_ties") or ()]
     if not ties:
         return []
-    return ["", "Router near ties (departures from fp32 that flipped near-tie expert choices explain, replayed on "
-            "transformers' fp32 model; not failures):", ""] + [
+    return ["", "Router near ties (departures from fp32 that near-tie expert choices taken the other way reproduce, "
+            "replayed on transformers' fp32 model; not failures):", ""] + [
         f"- {prompt}, {'prefill' if tie['step'] == 0 else 'step ' + str(tie['step'])}: {describe(tie)}"
         for prompt, tie in ties]

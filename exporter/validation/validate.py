@@ -465,7 +465,8 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         loading = pool.submit(_loaded, ref_source.path, ep) if missing and reference_beside_session(ep) else None
         probe()
         return _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
-                       reference_cache, shared_references, gates, timings, own, factory, traced), None
+                       reference_cache, shared_references, gates, timings, own, factory, traced,
+                       experts=bool(cfg.get("moe"))), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
@@ -543,13 +544,14 @@ def reference_beside_session(ep: str) -> bool:
 
 
 def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading, reference_cache,
-            shared_references, gates, timings, own, factory, traced=False) -> dict | None:
+            shared_references, gates, timings, own, factory, traced=False, experts=False) -> dict | None:
     """For each prompt, the export decodes teacher-forced on the reference's tokens and is judged;
     without a cached reference it decodes freely first and transformers checks those tokens (the
     streamed model set up by ``loading``, a future of ``_loaded``, or here), from a departure on
     checking the export's continuation of the reference's own tokens. A half-precision export is
     read beside transformers in its own dtype (``yardstick``); an export whose logits are not
-    finite is probed for where they stop being finite (``overflow``). Returns the first prompt's
+    finite is probed for where they stop being finite (``overflow``); a mixture of experts' (``experts``)
+    departures are replayed for router near ties (``_routing_ties``). Returns the first prompt's
     result, with the others' under ``prompts``. ``making``: the future of ``_timed(factory, export_dir,
     ep)``, the export's session being made; ``factory`` makes the peer's."""
     from exporter.validation import reference
@@ -620,7 +622,8 @@ def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cac
             finding = None
             if not all(np.isfinite(logits).all() for logits in run.logits[: len(ref.tokens)]):
                 finding = _locate_overflow(export_dir, ep, prompt, run, ref, timings)
-            ties = _routing_ties(dtype, run, ref, ref_source, ep, opened, timings) if finding is None else {}
+            ties = (_routing_ties(dtype, run, ref, ref_source, ep, opened, timings)
+                    if experts and finding is None else {})
             parity_results, result = parity_gates(run, ref, dtype, *yardsticks, overflow=finding, prompt=label,
                                                    ep=ep, routing_ties=ties)
             gates += parity_results
@@ -686,12 +689,8 @@ def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings) -> dic
     fp32 model explain (routing.explain_run, on the reference opened once into ``opened`` where a prompt departs):
     {step: RoutingTie}. Not where one pass is not the reference's run (a longrope model crossing its switch)."""
     from exporter.validation import reference, routing
-    from exporter.validation.parity import judge
 
-    if dtype not in PREFILL_TOLERANCE or dtype == "fp32":
-        return {}
-    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
-    if not result.mismatches and result.prefill_max_abs_error <= PREFILL_TOLERANCE[dtype] * result.logit_range:
+    if dtype not in ("fp16", "bf16") or not routing.departures(run, ref, dtype):
         return {}
     t0 = time.perf_counter()
     try:
