@@ -13,12 +13,14 @@ transformers' fp32 model runs again on the same inputs with near-tie choices tak
 replaced by the (k+1)-th, weighted by the fp32 softmax as the router weights them, renormalized where it
 renormalizes), smallest margin first, each on top of the flips kept so far (a flip moves every later position: a
 later departure may need it and one more); a flip is kept where it explains a departure, and the candidates are then
-the near ties of the run with the kept flips. A departure is explained where the replay chooses the export's token
-there and its logits are within the dtype's tolerance of the export's and nearer than half the unflipped fp32's
-distance. Then one replay with every kept flip must agree with the export at every step from the first flip on
-but the departures left unexplained (within the tolerance; the export's token wherever the reference's top-1/top-2 gap
-is not a near tie), or nothing is explained. What this shows: choices that rounding may take either way reproduce the export's logits; not that the
-export took them. At most MAX_REPLAYS + 2 forward passes (the plain run, the candidates, the final check).
+the near ties of the run with the kept flips. A departure is explained where a replay chooses the export's token there
+(or the reference's gap there is a near tie) and its logits are within the dtype's tolerance of the export's and
+nearer than half the unflipped fp32's distance. A trial is kept only where it explains a departure, still explains the
+ones explained before, keeps each kept flip a near tie between the same two experts in its own run (an earlier flip
+moves the router logits after it), and leaves the export no worse off than plain fp32 at every other step it reaches
+(its logits within the tolerance or nearer the export's than fp32's, the export's token wherever fp32 chose it). What
+this shows: choices that rounding may take either way reproduce the export's logits; not that the export took them.
+At most MAX_REPLAYS + 1 forward passes.
 
 Routers are transformers' top-k router modules (``...mlp.gate`` with ``top_k``, giving router logits, the chosen
 experts' weights and their ids: qwen3_5_moe, qwen3_vl_moe, qwen3_moe, mixtral and others). One whose chosen experts are
@@ -35,6 +37,9 @@ import numpy as np
 from exporter import checkpoints
 
 MAX_REPLAYS = 16
+# Attributes of routers that choose by something besides their logits' top k (a bias, groups, statics): not replayed
+# whatever one input shows (deepseek_v3 / glm4_moe's e_score_correction_bias and n_group, ernie4_5_moe's moe_statics).
+BIASED_ROUTER_ATTRIBUTES = ("e_score_correction_bias", "n_group", "moe_statics", "expert_bias")
 
 
 @dataclasses.dataclass
@@ -90,20 +95,20 @@ def routers(model) -> list[tuple[int, object]]:
     found = []
     for name, module in root.named_modules():
         if name.endswith("mlp.gate") and hasattr(module, "top_k"):
-            layer = re.search(r"layers\.(\d+)\.", name)
+            layer = re.search(r"layers\.(\d+)\.", name)  # (a name without one: its index among the routers)
             found.append((int(layer.group(1)) if layer else len(found), module))
     return found
 
 
-def departures(run, ref, dtype: str) -> dict[int, np.ndarray]:
+def departures(run, ref, dtype: str, gap_margin: float | None = None) -> dict[int, np.ndarray]:
     """Where an export's teacher-forced ``run`` (parity.ExportRun) departs from ``ref`` (reference.ReferenceRun) as the
-    parity gates judge it with the dtype's fixed margins: step -> the export's logits there, for its prefill beyond the
-    dtype's tolerance (step 0) and each step whose token differs where the reference's top-1/top-2 gap is not a near
-    tie."""
+    parity gates judge it: step -> the export's logits there, for its prefill beyond the dtype's tolerance (step 0) and
+    each step whose token differs where the reference's top-1/top-2 gap is not a near tie (below ``gap_margin``: the
+    gates' margin, by default the dtype's fixed one)."""
     from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
     from exporter.validation.parity import judge
 
-    result = judge(run, ref, NEAR_TIE_MARGIN[dtype])
+    result = judge(run, ref, NEAR_TIE_MARGIN[dtype] if gap_margin is None else gap_margin)
     found = {step: run.logits[step] for step in result.mismatches}
     if result.prefill_max_abs_error > PREFILL_TOLERANCE[dtype] * result.logit_range:
         found[0] = run.logits[0]
@@ -140,7 +145,7 @@ def router_logits(model, inputs: dict) -> tuple[np.ndarray, list[np.ndarray], li
     import torch
 
     found = routers(model)
-    if not found:
+    if not found or any(hasattr(router, a) for _, router in found for a in BIASED_ROUTER_ATTRIBUTES):
         return None
     seen: list = []
 
@@ -222,31 +227,63 @@ def near_ties(model, seen: list[np.ndarray], last: int, tie_margin: float, done:
     return sorted(ties, key=lambda f: f.margin)
 
 
+def _holding(flips: list[Flip], seen: list[np.ndarray], tie_margin: float) -> list[Flip] | None:
+    """``flips`` as the run whose router logits are ``seen`` makes them (their margins that run's), None where one is no
+    longer that run's near tie between the same two experts (an earlier flip moved it)."""
+    held = []
+    for flip in flips:
+        logits = seen[flip.router][flip.token]
+        k = len(flip.experts)
+        order = np.argsort(-logits, kind="stable")
+        margin = float(logits[order[k - 1]] - logits[order[k]])
+        if sorted(int(e) for e in order[:k]) != flip.experts or int(order[k]) != flip.swap[1] or not margin < tie_margin:
+            return None
+        held.append(dataclasses.replace(flip, margin=round(margin, 4)))
+    return held
+
+
 def explain(model, inputs: dict, first: int, export: list[np.ndarray], ref, steps: list[int], tie_margin: float,
-            tolerance: float) -> dict[int, RoutingTie]:
+            tolerance: float, gap_margin: float | None = None) -> dict[int, RoutingTie]:
     """Which departed ``steps`` flipped near-tie expert choices of the fp32 ``model`` explain: {step: RoutingTie}.
     ``export``: the export's logits at every step of ``ref`` (reference.ReferenceRun), step i at position ``first`` + i
-    of ``inputs``' tokens; ``tie_margin``: the largest router margin that counts as a near tie (and the reference's
-    top-1/top-2 gap below which a step's token is not held to the export's); ``tolerance``: the largest max abs logit
-    error a replay may leave."""
+    of ``inputs``' tokens; ``tie_margin``: the largest router margin that counts as a near tie; ``gap_margin``: the
+    reference's top-1/top-2 gap below which a step's token is a near tie (default ``tie_margin``); ``tolerance``: the
+    largest max abs logit error a replay may leave.
+
+    A trial (the kept flips and one more) is kept where it explains a departure not explained yet, still explains
+    those explained before, keeps each kept flip a near tie of its run, and leaves the export no worse off than plain
+    fp32 at every other step it reaches (its logits within the tolerance or nearer the export's than fp32's; the
+    export's token wherever fp32 chose it); departures no trial explains are not held to anything."""
     passed = router_logits(model, inputs) if steps else None
     if passed is None:
         return {}
     plain, seen, renormalize = passed
-    last = first + max(steps)
+    gap_margin = tie_margin if gap_margin is None else gap_margin
 
-    def explains(logits: np.ndarray, step: int) -> tuple[bool, float, float]:
-        position = first + step
-        error = float(np.abs(logits[position] - export[step]).max())
-        departure = float(np.abs(plain[position] - export[step]).max())
-        chosen = int(np.argmax(logits[position])) == int(np.argmax(export[step]))
-        return chosen and error <= tolerance and error < departure / 2, error, departure
+    def error(logits: np.ndarray, step: int) -> float:
+        return float(np.abs(logits[first + step] - export[step]).max())
+
+    def token(logits: np.ndarray, step: int) -> int:
+        return int(np.argmax(logits[first + step]))
+
+    def explains(logits: np.ndarray, step: int) -> bool:
+        chosen = token(logits, step) == int(np.argmax(export[step])) or ref.gaps[step] < gap_margin
+        return chosen and error(logits, step) <= tolerance and error(logits, step) < error(plain, step) / 2
+
+    def no_worse(logits: np.ndarray, step: int) -> bool:
+        if not error(logits, step) <= max(tolerance, error(plain, step)):  # (a NaN is worse)
+            return False
+        export_token = int(np.argmax(export[step]))
+        return token(logits, step) == export_token or token(plain, step) != export_token or ref.gaps[step] < gap_margin
 
     kept: list[Flip] = []
     explained: set[int] = set()
-    pool = near_ties(model, seen, last, tie_margin)
+    best = None  # the last kept trial's logits
+    pool = near_ties(model, seen, first + max(steps), tie_margin)
     for _ in range(MAX_REPLAYS):
-        if not pool or len(explained) == len(steps):
+        left = [step for step in steps if step not in explained]
+        pool = [f for f in pool if f.token <= first + max(left)] if left else []
+        if not pool:
             break
         checkpoints.checkpoint()
         flip = pool.pop(0)
@@ -254,51 +291,37 @@ def explain(model, inputs: dict, first: int, export: list[np.ndarray], ref, step
             logits, trial_seen = replay(model, inputs, kept + [flip], renormalize)
         except ValueError:
             continue
-        newly = {step for step in steps if step not in explained and flip.token <= first + step
-                 and explains(logits, step)[0]}
-        if newly:
-            explained |= newly
-            kept.append(flip)
-            pool = near_ties(model, trial_seen, last, tie_margin, kept)  # the choices as the run with them makes them
-    if not kept:
-        return {}
-    # One run with every kept flip: it must explain each departure it is named for and agree with the export at every
-    # step from the first flip on, or nothing is explained.
-    checkpoints.checkpoint()
-    logits, _ = replay(model, inputs, kept, renormalize)
-    start = min(f.token for f in kept) - first
-    for step in range(max(0, start), len(export)):
-        if step in steps and step not in explained:
-            continue  # a departure no flip explains stays one (the gates fail it), whatever the flips do there
-        position = first + step
-        if float(np.abs(logits[position] - export[step]).max()) > tolerance:
-            return {}
-        if ref.gaps[step] >= tie_margin and int(np.argmax(logits[position])) != int(np.argmax(export[step])):
-            return {}
-    found = {}
-    for step in sorted(explained):
-        ok, error, departure = explains(logits, step)
-        if ok:
-            found[step] = RoutingTie(step, [f for f in kept if f.token <= first + step], error, departure, tolerance)
-    return found
+        held = _holding(kept + [flip], trial_seen, tie_margin)
+        newly = {step for step in left if flip.token <= first + step and explains(logits, step)}
+        if held is None or not newly or not all(explains(logits, step) for step in explained):
+            continue
+        start = max(0, min(f.token for f in held) - first)
+        if not all(no_worse(logits, step) for step in range(start, len(export)) if step not in steps):
+            continue
+        kept, best = held, logits
+        explained |= newly
+        pool = near_ties(model, trial_seen, first + max(steps), tie_margin, kept)  # the choices as that run makes them
+    return {step: RoutingTie(step, [f for f in kept if f.token <= first + step], error(best, step), error(plain, step),
+                             tolerance) for step in sorted(explained)}
 
 
-def explain_run(model, inputs: dict, run, ref, dtype: str) -> dict[int, RoutingTie]:
+def explain_run(model, inputs: dict, run, ref, dtype: str, gap_margin: float | None = None) -> dict[int, RoutingTie]:
     """The departures of an export's teacher-forced ``run`` (parity.ExportRun) from ``ref`` (reference.ReferenceRun)
     that flipped near-tie expert choices of transformers' fp32 ``model`` explain (``departures``, ``explain``).
-    ``inputs``: ``model``'s inputs for the prompt and the reference's tokens in one pass. {} for a model without
-    replayable routers, and where the replay cannot run (logged: it explains, it is not a gate)."""
+    ``inputs``: ``model``'s inputs for the prompt and the reference's tokens in one pass; ``gap_margin``: the near-tie
+    margin the parity gates judge tokens by (a sound yardstick's measured one; default the dtype's fixed one). {} for a
+    model without replayable routers, and where the replay cannot run (logged: it explains, it is not a gate)."""
     import logging
 
     from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE
 
-    found = departures(run, ref, dtype)
+    found = departures(run, ref, dtype, gap_margin)
     if not found or not routers(model):
         return {}
     span = float(ref.prefill_logits.max() - ref.prefill_logits.min())
     try:
         return explain(model, inputs, len(ref.prompt) - 1, run.logits[: len(ref.tokens)], ref, sorted(found),
-                       NEAR_TIE_MARGIN[dtype], PREFILL_TOLERANCE[dtype] * span)
+                       NEAR_TIE_MARGIN[dtype], PREFILL_TOLERANCE[dtype] * span, gap_margin)
     except Exception as err:
         if checkpoints.is_stop(err):
             raise  # a cancel or a lost lease, not a failure of this step

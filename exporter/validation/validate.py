@@ -466,7 +466,7 @@ def _runtime_gates(export_dir, model_path, variant, dtype, activations, ep, cfg,
         probe()
         return _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cached, loading,
                        reference_cache, shared_references, gates, timings, own, factory, traced,
-                       experts=bool(cfg.get("moe"))), None
+                       experts=bool(cfg.get("moe")) or _names_experts(Path(ref_source.path))), None
     finally:
         # Not waited for: a run that ended before it needed the model (no session, an error) does
         # not sit out the load, whose model nobody then holds once it is done.
@@ -622,7 +622,7 @@ def _parity(making, export_dir, ep, dtype, ref_source, prompts, steps, peer, cac
             finding = None
             if not all(np.isfinite(logits).all() for logits in run.logits[: len(ref.tokens)]):
                 finding = _locate_overflow(export_dir, ep, prompt, run, ref, timings)
-            ties = (_routing_ties(dtype, run, ref, ref_source, ep, opened, timings)
+            ties = (_routing_ties(dtype, run, ref, ref_source, ep, opened, timings, yardsticks[0])
                     if experts and finding is None else {})
             parity_results, result = parity_gates(run, ref, dtype, *yardsticks, overflow=finding, prompt=label,
                                                    ep=ep, routing_ties=ties)
@@ -684,13 +684,30 @@ def _yardsticks(dtype, run, ref, ref_source, ep, reference_cache, shared, timing
     return same, other
 
 
-def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings) -> dict:
+def _names_experts(checkpoint: Path) -> bool:
+    """Whether the checkpoint's config (or its text config) names routed experts: a traced export's metadata has no
+    moe section."""
+    from exporter.graph.config import read_raw_config
+
+    raw = read_raw_config(checkpoint)
+    return any(isinstance(c.get(key), int) and c[key] > 1 for c in (raw, raw.get("text_config") or {})
+               for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
+
+
+def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings, same=None) -> dict:
     """A half-precision export's departures on this prompt that flipped near-tie expert choices of transformers'
     fp32 model explain (routing.explain_run, on the reference opened once into ``opened`` where a prompt departs):
-    {step: RoutingTie}. Not where one pass is not the reference's run (a longrope model crossing its switch)."""
-    from exporter.validation import reference, routing
+    {step: RoutingTie}; ``same``: transformers in the export's dtype (its measured near-tie margin, where sound, is the
+    one the gates judge tokens by). Not where one pass is not the reference's run (a longrope model crossing its
+    switch)."""
+    from exporter.validation import reference, routing, yardstick
 
-    if dtype not in ("fp16", "bf16") or not routing.departures(run, ref, dtype):
+    if dtype not in ("fp16", "bf16"):
+        return {}
+    margin = NEAR_TIE_MARGIN[dtype]
+    if same is not None and yardstick.sound(same, ref, PREFILL_TOLERANCE[dtype], margin):
+        margin = max(margin, same.tie_margin() or margin)
+    if not routing.departures(run, ref, dtype, margin):
         return {}
     t0 = time.perf_counter()
     try:
@@ -703,7 +720,7 @@ def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings) -> dic
         import torch
 
         inputs = {"input_ids": torch.tensor([list(ref.prompt) + list(ref.tokens[:-1])])}
-        return routing.explain_run(model, inputs, run, ref, dtype)
+        return routing.explain_run(model, inputs, run, ref, dtype, margin)
     except Exception as err:  # it explains, it is not a gate: the export is judged without it
         if checkpoints.is_stop(err):
             raise
