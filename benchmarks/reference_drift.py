@@ -35,20 +35,11 @@ sys.path.insert(0, str(ROOT))
 def route(model, inputs) -> list:
     """One pass of ``model`` on ``inputs`` (any dtype): each router's (top-k expert sets, sorted ids per token; its
     router logits as fp32 on the host)."""
-    import torch
+    from exporter.validation.routing import hooked_pass
 
-    from exporter.validation.routing import routers
-
-    seen, hooks = [], []
-    for _, router in routers(model):
-        hooks.append(router.register_forward_hook(lambda m, _, out: seen.append(
-            (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float().cpu()))))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    seen = []
+    hooked_pass(model, inputs, lambda m, out: seen.append(
+        (np.sort(out[2].reshape(-1, m.top_k).cpu().numpy(), axis=-1), out[0].detach().float().cpu())))
     return seen
 
 

@@ -139,27 +139,33 @@ def _replayable(logits, scores, chosen) -> bool | None:
     return None
 
 
+def hooked_pass(model, inputs: dict, record) -> np.ndarray:
+    """One pass of ``model`` on ``inputs`` with ``record(router, its output)`` called by every top-k router, in layer
+    order: the model's logits [positions, vocab], fp32 on the host."""
+    import torch
+
+    hooks = [router.register_forward_hook(lambda module, _, out: record(module, out)) for _, router in routers(model)]
+    try:
+        with torch.no_grad():
+            return model(**inputs).logits[0].float().cpu().numpy()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def router_logits(model, inputs: dict) -> tuple[np.ndarray, list[np.ndarray], list[bool]] | None:
     """One pass of ``model``: (its logits [positions, vocab], each router's logits [tokens, experts] in fp32, whether
     each renormalizes its top-k weights); None where the model has no router or one that cannot be replayed."""
-    import torch
-
     found = routers(model)
     if not found or any(hasattr(router, a) for _, router in found for a in BIASED_ROUTER_ATTRIBUTES):
         return None
     seen: list = []
 
-    def record(_, __, out):
+    def record(router, out):
         logits, scores, chosen = out
         seen.append((logits.detach().float().cpu().numpy(), _replayable(logits, scores, chosen)))
 
-    hooks = [router.register_forward_hook(record) for _, router in found]
-    try:
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].float().cpu().numpy()
-    finally:
-        for hook in hooks:
-            hook.remove()
+    logits = hooked_pass(model, inputs, record)
     if len(seen) != len(found) or any(kind is None for _, kind in seen):
         return None
     return logits, [lg for lg, _ in seen], [kind for _, kind in seen]
@@ -169,8 +175,6 @@ def replay(model, inputs: dict, flips: list[Flip], renormalize: list[bool]) -> t
     """``model`` on ``inputs`` with ``flips`` taken (``renormalize``: per router, as router_logits found it): (its
     logits [positions, vocab], each router's logits [tokens, experts]). A flip whose expert is not chosen there, or
     whose replacement already is, raises ValueError."""
-    import torch
-
     found = routers(model)
     seen: list = []
     patched = []
@@ -195,14 +199,7 @@ def replay(model, inputs: dict, flips: list[Flip], renormalize: list[bool]) -> t
 
             patched.append(router)
             router.forward = forward  # an instance attribute, removed below (no reference cycle left behind)
-        hooks = [router.register_forward_hook(lambda _, __, out: seen.append(out[0].detach().float().cpu().numpy()))
-                 for _, router in found]
-        try:
-            with torch.no_grad():
-                logits = model(**inputs).logits[0].float().cpu().numpy()
-        finally:
-            for hook in hooks:
-                hook.remove()
+        logits = hooked_pass(model, inputs, lambda _, out: seen.append(out[0].detach().float().cpu().numpy()))
     finally:
         for router in patched:
             vars(router).pop("forward", None)
