@@ -27,7 +27,9 @@ from exporter.validation.gates import GateResult
 from exporter.validation.gates.genai import genai_gates, genai_importable
 from exporter.validation.reference import top2_gap
 from exporter.validation.gates.rehearsal import captures, rehearsal_gate
-from exporter.validation.gates.parity import NEAR_TIE_MARGIN, PREFILL_TOLERANCE, batch_gate, parity_gates, peer_gate
+from exporter.validation.gates.parity import (
+    NEAR_TIE_MARGIN, PREFILL_TOLERANCE, batch_gate, near_tie_margin, parity_gates, peer_gate,
+)
 from exporter.validation.gates.runtime_probe import expert_gate, runtime_gate
 from exporter.validation.gates.structure import structure_gates
 from exporter.validation.gates.weights import weight_integrity
@@ -700,13 +702,11 @@ def _routing_ties(dtype, run, ref, ref_source, ep, opened: list, timings, same=N
     {step: RoutingTie}; ``same``: transformers in the export's dtype (its measured near-tie margin, where sound, is the
     one the gates judge tokens by). Not where one pass is not the reference's run (a longrope model crossing its
     switch)."""
-    from exporter.validation import reference, routing, yardstick
+    from exporter.validation import reference, routing
 
     if dtype not in ("fp16", "bf16"):
         return {}
-    margin = NEAR_TIE_MARGIN[dtype]
-    if same is not None and yardstick.sound(same, ref, PREFILL_TOLERANCE[dtype], margin):
-        margin = max(margin, same.tie_margin() or margin)
+    margin = near_tie_margin(dtype, same, ref)
     if not routing.departures(run, ref, dtype, margin):
         return {}
     t0 = time.perf_counter()

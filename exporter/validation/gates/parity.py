@@ -38,9 +38,7 @@ def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str, yardstick: Drift
     fixed = NEAR_TIE_MARGIN[dtype]
     yard_sound = yardstick is not None and sound(yardstick, ref, PREFILL_TOLERANCE[dtype], fixed)
     measured_margin = yardstick.tie_margin() if yard_sound else None
-    # the measured margin widens the dtype's fixed one where transformers' own half precision moves
-    # gaps further; it never narrows it (onnxruntime's kernels round differently from torch's)
-    margin = max(measured_margin, fixed) if measured_margin is not None else fixed
+    margin = near_tie_margin(dtype, yardstick, ref)
     result = judge(run, ref, margin)
     ties = routing_ties or {}
     result.routing_ties = [ties[step].to_dict() for step in sorted(ties)]
@@ -96,6 +94,17 @@ def parity_gates(run: ExportRun, ref: ReferenceRun, dtype: str, yardstick: Drift
             details={"export": export.to_dict(), "transformers": yardstick.to_dict(),
                      **({"transformers_" + other.dtype: other.to_dict()} if other else {})}))
     return gates, result
+
+
+def near_tie_margin(dtype: str, yardstick: Drift | None, ref: ReferenceRun) -> float:
+    """The top-1/top-2 gap below which a step is a near tie for an export in ``dtype``: the dtype's fixed margin,
+    widened to the measured one (``Drift.tie_margin``) where transformers in that dtype (``yardstick``) is sound and
+    moves gaps further; never narrowed (onnxruntime's kernels round differently from torch's)."""
+    fixed = NEAR_TIE_MARGIN[dtype]
+    if yardstick is None or not sound(yardstick, ref, PREFILL_TOLERANCE[dtype], fixed):
+        return fixed
+    measured = yardstick.tie_margin()
+    return max(measured, fixed) if measured is not None else fixed
 
 
 def _instead(dtype: str, ep: str) -> str:
